@@ -1,0 +1,315 @@
+//! Reverse-mode autograd across precisions.
+//!
+//! Design notes:
+//! - Every op whose inputs require gradients records a [`Node`]: its parents and a backward
+//!   closure. The graph is owned by the tensors (reference counted), so it is freed as soon as
+//!   the last tensor of a step is dropped; there is no global tape to clear.
+//! - Nodes of every precision live in one graph: a gradient travels as an [`AnyTensor`] and
+//!   each backward closure downcasts it to its output's precision. A cast's backward casts the
+//!   gradient back, so a parameter's gradient always has the parameter's own precision.
+//! - [`Tensor::backward`] returns a fresh [`Grads`] keyed by leaf id: nothing is accumulated
+//!   into parameters (PyTorch's `zero_grad(set_to_none=True)` by construction). Gradient
+//!   accumulation over micro-batches is an explicit [`Grads::accumulate`].
+//! - Backward runs with recording off (no double backward) in a deterministic order (reverse
+//!   of a depth-first topological order), so identical runs give bit-identical gradients.
+
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+use crate::precision::{DType, Precision};
+use crate::tensor::Tensor;
+
+/// Identifies a tensor that takes part in autograd (a parameter, a leaf that requires
+/// gradients, or an op's output). Stable for a [`crate::Param`] across optimizer steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(u64);
+
+impl TensorId {
+    pub(crate) fn fresh() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        TensorId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A type-erased CPU tensor of any precision: how gradients travel through a mixed graph.
+#[derive(Clone, Debug)]
+pub enum AnyTensor {
+    /// An f16 tensor.
+    F16(Tensor<f16>),
+    /// A bf16 tensor.
+    BF16(Tensor<bf16>),
+    /// An f32 tensor.
+    F32(Tensor<f32>),
+    /// An f64 tensor.
+    F64(Tensor<f64>),
+}
+
+/// Runs `$body` with `$t` bound to the typed tensor inside an [`AnyTensor`].
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_any {
+    ($any:expr, $t:ident => $body:expr) => {
+        match $any {
+            $crate::AnyTensor::F16($t) => $body,
+            $crate::AnyTensor::BF16($t) => $body,
+            $crate::AnyTensor::F32($t) => $body,
+            $crate::AnyTensor::F64($t) => $body,
+        }
+    };
+}
+
+impl AnyTensor {
+    /// The precision of the tensor inside.
+    pub fn dtype(&self) -> DType {
+        match self {
+            AnyTensor::F16(_) => DType::F16,
+            AnyTensor::BF16(_) => DType::BF16,
+            AnyTensor::F32(_) => DType::F32,
+            AnyTensor::F64(_) => DType::F64,
+        }
+    }
+    /// The shape of the tensor inside.
+    pub fn shape(&self) -> &[usize] {
+        with_any!(self, t => t.shape())
+    }
+    /// The typed tensor, if it has precision `E`.
+    pub fn downcast<E: Precision>(self) -> Result<Tensor<E>> {
+        E::from_any(self).map_err(|other| Error::GradPrecision {
+            op: "AnyTensor::downcast",
+            expected: E::DTYPE,
+            found: other.dtype(),
+        })
+    }
+    /// Borrows the typed tensor, if it has precision `E`.
+    pub fn as_tensor<E: Precision>(&self) -> Option<&Tensor<E>> {
+        E::any_ref(self)
+    }
+    /// Mutably borrows the typed tensor, if it has precision `E`.
+    pub fn as_tensor_mut<E: Precision>(&mut self) -> Option<&mut Tensor<E>> {
+        E::any_mut(self)
+    }
+    /// The values widened to f64 (for tests and reports).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        with_any!(self, t => t.to_vec().into_iter().map(|v| v.to_f64()).collect())
+    }
+    fn add_same(self, other: AnyTensor) -> AnyTensor {
+        match (self, other) {
+            (AnyTensor::F16(a), AnyTensor::F16(b)) => AnyTensor::F16(a.add(&b)),
+            (AnyTensor::BF16(a), AnyTensor::BF16(b)) => AnyTensor::BF16(a.add(&b)),
+            (AnyTensor::F32(a), AnyTensor::F32(b)) => AnyTensor::F32(a.add(&b)),
+            (AnyTensor::F64(a), AnyTensor::F64(b)) => AnyTensor::F64(a.add(&b)),
+            (a, b) => panic!(
+                "autograd invariant: gradients of one tensor in two precisions ({} and {})",
+                a.dtype(),
+                b.dtype()
+            ),
+        }
+    }
+}
+
+impl<E: Precision> From<Tensor<E>> for AnyTensor {
+    fn from(t: Tensor<E>) -> Self {
+        E::into_any(t)
+    }
+}
+
+/// A backward function: the output's gradient in, one optional gradient per parent out.
+pub(crate) type BackwardFn = Box<dyn Fn(AnyTensor) -> Vec<Option<AnyTensor>> + Send + Sync>;
+
+/// One recorded operation (or a leaf when `backward` is `None`).
+pub(crate) struct Node {
+    pub(crate) id: TensorId,
+    pub(crate) op: &'static str,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) parents: Vec<Option<Arc<Node>>>,
+    pub(crate) backward: Option<BackwardFn>,
+}
+
+impl Node {
+    pub(crate) fn leaf(dtype: DType, shape: &[usize]) -> Arc<Node> {
+        Arc::new(Node {
+            id: TensorId::fresh(),
+            op: "leaf",
+            dtype,
+            shape: shape.to_vec(),
+            parents: Vec::new(),
+            backward: None,
+        })
+    }
+}
+
+impl Drop for Node {
+    // Long chains (hundreds of layers) would recurse once per node; unlink iteratively.
+    fn drop(&mut self) {
+        let mut stack: Vec<Arc<Node>> = self.parents.drain(..).flatten().collect();
+        while let Some(n) = stack.pop() {
+            if let Ok(mut inner) = Arc::try_unwrap(n) {
+                stack.extend(inner.parents.drain(..).flatten());
+            }
+        }
+    }
+}
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether ops on this thread record the graph.
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// Turns recording off on this thread until dropped (restores the previous mode).
+#[must_use = "recording resumes as soon as the guard is dropped"]
+pub struct NoGradGuard {
+    previous: bool,
+}
+
+impl NoGradGuard {
+    /// Starts a no-grad region.
+    pub fn new() -> Self {
+        NoGradGuard { previous: GRAD_ENABLED.with(|g| g.replace(false)) }
+    }
+}
+
+impl Default for NoGradGuard {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for NoGradGuard {
+    fn drop(&mut self) {
+        GRAD_ENABLED.with(|g| g.set(self.previous));
+    }
+}
+
+/// Runs `f` with recording off (PyTorch's `torch.no_grad()`): evaluation, metrics, updates.
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let _guard = NoGradGuard::new();
+    f()
+}
+
+/// Gradients from one backward pass, keyed by the leaf they belong to, each in its leaf's
+/// precision.
+#[derive(Clone, Debug, Default)]
+pub struct Grads {
+    map: HashMap<TensorId, AnyTensor>,
+}
+
+impl Grads {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// The gradient of `t` (a parameter or a leaf that requires gradients), in `t`'s precision.
+    pub fn get<E: Precision>(&self, t: &Tensor<E>) -> Option<&Tensor<E>> {
+        self.map.get(&t.id()?).and_then(E::any_ref)
+    }
+    /// The gradient of the tensor with this id.
+    pub fn get_by_id(&self, id: TensorId) -> Option<&AnyTensor> {
+        self.map.get(&id)
+    }
+    /// Mutable access to the gradient with this id.
+    pub fn get_mut_by_id(&mut self, id: TensorId) -> Option<&mut AnyTensor> {
+        self.map.get_mut(&id)
+    }
+    /// Inserts (or replaces) a gradient.
+    pub fn insert(&mut self, id: TensorId, grad: AnyTensor) {
+        self.map.insert(id, grad);
+    }
+    /// Removes a gradient.
+    pub fn remove(&mut self, id: TensorId) -> Option<AnyTensor> {
+        self.map.remove(&id)
+    }
+    /// Number of gradients.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    /// Every (id, gradient), in id order (deterministic).
+    pub fn iter(&self) -> impl Iterator<Item = (TensorId, &AnyTensor)> {
+        let mut v: Vec<_> = self.map.iter().map(|(k, g)| (*k, g)).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v.into_iter()
+    }
+    /// Every (id, gradient) mutably, in id order.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (TensorId, &mut AnyTensor)> {
+        let mut v: Vec<_> = self.map.iter_mut().map(|(k, g)| (*k, g)).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v.into_iter()
+    }
+    /// Adds `other` into `self` (micro-batch accumulation); ids missing on one side are kept.
+    pub fn accumulate(&mut self, other: Grads) {
+        for (id, g) in other.map {
+            let merged = match self.map.remove(&id) {
+                Some(mine) => mine.add_same(g),
+                None => g,
+            };
+            self.map.insert(id, merged);
+        }
+    }
+}
+
+/// Runs backward from `root` seeded with `seed` (same shape and precision as the root).
+pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
+    let _no_grad = NoGradGuard::new();
+    // Depth-first post-order, iteratively: parents before children.
+    let mut order: Vec<Arc<Node>> = Vec::new();
+    let mut seen: HashSet<TensorId> = HashSet::new();
+    let mut stack: Vec<(Arc<Node>, usize)> = vec![(root.clone(), 0)];
+    seen.insert(root.id);
+    while let Some((node, next)) = stack.pop() {
+        if next < node.parents.len() {
+            let parent = node.parents[next].clone();
+            stack.push((node, next + 1));
+            if let Some(p) = parent {
+                if seen.insert(p.id) {
+                    stack.push((p, 0));
+                }
+            }
+        } else {
+            order.push(node);
+        }
+    }
+    let mut pending: HashMap<TensorId, AnyTensor> = HashMap::new();
+    pending.insert(root.id, seed);
+    let mut out = Grads::new();
+    for node in order.iter().rev() {
+        let Some(grad) = pending.remove(&node.id) else { continue };
+        debug_assert_eq!(grad.shape(), &node.shape[..], "gradient shape of {} node", node.op);
+        let Some(backward) = &node.backward else {
+            out.map.insert(node.id, grad);
+            continue;
+        };
+        let parent_grads = backward(grad);
+        debug_assert_eq!(parent_grads.len(), node.parents.len(), "{} backward arity", node.op);
+        for (parent, g) in node.parents.iter().zip(parent_grads) {
+            let (Some(parent), Some(g)) = (parent, g) else { continue };
+            assert_eq!(
+                g.shape(),
+                &parent.shape[..],
+                "autograd invariant: {} backward produced a gradient of shape {:?} for an input of shape {:?}",
+                node.op,
+                g.shape(),
+                parent.shape
+            );
+            assert_eq!(g.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
+            let merged = match pending.remove(&parent.id) {
+                Some(acc) => acc.add_same(g),
+                None => g,
+            };
+            pending.insert(parent.id, merged);
+        }
+    }
+    out
+}

@@ -1,0 +1,118 @@
+//! Batched matmul on the `gemm` crate: f32, f64, and f16 with f32 accumulation inside the
+//! microkernel (one rounding per output). bf16 widens its inputs to f32 (exact, a shift),
+//! multiplies in f32 and rounds the output once.
+//!
+//! Operands may be strided views (a transpose is just swapped strides): gemm takes row and
+//! column strides, so backward's `a^T` and `b^T` cost no copy. Batch dims broadcast with
+//! stride 0.
+
+use rayon::prelude::*;
+
+use super::gather;
+use crate::layout::Layout;
+use crate::precision::{DType, Precision};
+
+/// Per-batch work below which batches run in parallel rather than each GEMM.
+const SMALL_GEMM_FLOPS: usize = 1 << 24;
+
+/// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]` with broadcast batch dims already
+/// resolved into `batch` (the output's batch shape). Returns contiguous `[batch..., m, n]`.
+pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
+    if E::DTYPE == DType::BF16 {
+        return matmul_via_f32(a, la, b, lb, batch);
+    }
+    let (ra, rb) = (la.shape.len(), lb.shape.len());
+    let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
+    let nb: usize = batch.iter().product();
+    let mut out = vec![E::default(); nb * m * n];
+    if m * n == 0 {
+        return out;
+    }
+    // Offsets of each batch's matrices (broadcast dims have stride 0).
+    let mut bshape = batch.to_vec();
+    bshape.extend([m, k]);
+    let la_b = la.broadcast_to(&bshape);
+    bshape.truncate(batch.len());
+    bshape.extend([k, n]);
+    let lb_b = lb.broadcast_to(&bshape);
+    let offsets = |i: usize| {
+        let (mut oa, mut ob, mut rest) = (la_b.offset, lb_b.offset, i);
+        for d in (0..batch.len()).rev() {
+            let ix = rest % batch[d];
+            rest /= batch[d];
+            oa += ix * la_b.strides[d];
+            ob += ix * lb_b.strides[d];
+        }
+        (oa, ob)
+    };
+    let (a_rs, a_cs) = (la.strides[ra - 2] as isize, la.strides[ra - 1] as isize);
+    let (b_rs, b_cs) = (lb.strides[rb - 2] as isize, lb.strides[rb - 1] as isize);
+    let one_gemm = |i: usize, dst: &mut [E], par: gemm::Parallelism| {
+        let (oa, ob) = offsets(i);
+        if k == 0 {
+            return; // dst is already zero
+        }
+        // Bounds: the last element each operand touches must be in its slice.
+        assert!(oa + (m - 1) * a_rs as usize + (k - 1) * (a_cs as usize) < a.len());
+        assert!(ob + (k - 1) * b_rs as usize + (n - 1) * (b_cs as usize) < b.len());
+        // SAFETY: E is f32, f64 or f16 (bf16 returned above), which gemm dispatches on by
+        // TypeId; the asserts above keep every read inside `a` and `b`, `dst` holds exactly
+        // m * n elements written with row stride n, and read_dst = false so its contents are
+        // not read.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.as_ptr().add(oa),
+                a_cs,
+                a_rs,
+                b.as_ptr().add(ob),
+                b_cs,
+                b_rs,
+                E::default(),
+                E::from_f64(1.0),
+                false,
+                false,
+                false,
+                par,
+            )
+        }
+    };
+    let flops = 2 * m * n * k;
+    if nb > 1 && flops < SMALL_GEMM_FLOPS {
+        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| one_gemm(i, dst, gemm::Parallelism::None));
+    } else {
+        let threads = rayon::current_num_threads();
+        for (i, dst) in out.chunks_mut(m * n).enumerate() {
+            one_gemm(i, dst, gemm::Parallelism::Rayon(threads));
+        }
+    }
+    out
+}
+
+fn to_f32_contiguous<E: Precision>(x: &[E], l: &Layout) -> Vec<f32> {
+    let c = gather(x, l);
+    let mut out = vec![0f32; c.len()];
+    super::par_chunks_mut(&mut out, |ci, chunk| {
+        let s = ci * super::CHUNK;
+        E::to_f32_slice(&c[s..s + chunk.len()], chunk);
+    });
+    out
+}
+
+fn matmul_via_f32<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
+    let a32 = to_f32_contiguous(a, la);
+    let b32 = to_f32_contiguous(b, lb);
+    let out32 = matmul(&a32, &Layout::contiguous(&la.shape), &b32, &Layout::contiguous(&lb.shape), batch);
+    let mut out = vec![E::default(); out32.len()];
+    super::par_chunks_mut(&mut out, |ci, chunk| {
+        let s = ci * super::CHUNK;
+        E::from_f32_slice(&out32[s..s + chunk.len()], chunk);
+    });
+    out
+}

@@ -1,0 +1,267 @@
+//! CPU kernels: the loops every op is built on.
+//!
+//! Design notes:
+//! - Work is split into chunks of [`CHUNK`] output elements run on rayon's pool when there are
+//!   enough of them ([`PAR_MIN`]); small tensors stay on the calling thread.
+//! - Inside a chunk, data moves in runs along the innermost dim: each run is loaded into a
+//!   stack buffer of the accumulation type (f32, or f64 for f64), computed there, and rounded
+//!   once on store. That is how f16/bf16 get f32 arithmetic with vectorised conversions.
+//! - Strided (transposed, broadcast, narrowed) inputs are handled by [`for_each_run`], which
+//!   walks the output in row-major order and tracks each input's offset with an odometer.
+
+pub(crate) mod matmul;
+pub(crate) mod reduce;
+
+use rayon::prelude::*;
+
+use crate::layout::Layout;
+use crate::precision::{Accum, Precision};
+
+/// Output elements per parallel work item.
+pub(crate) const CHUNK: usize = 16 * 1024;
+/// Below this many elements a kernel runs on the calling thread.
+pub(crate) const PAR_MIN: usize = 64 * 1024;
+/// Elements per conversion buffer (fits L1 with three buffers of f64).
+pub(crate) const BUF: usize = 512;
+
+/// Runs `f(chunk_index, chunk)` over `out` in chunks, in parallel when it is large.
+pub(crate) fn par_chunks_mut<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| f(i, c));
+    } else {
+        out.chunks_mut(CHUNK).enumerate().for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// Merges adjacent dims that every layout walks contiguously, so runs get as long as possible.
+pub(crate) fn collapse<const K: usize>(
+    shape: &[usize],
+    strides: [&[usize]; K],
+) -> (Vec<usize>, [Vec<usize>; K]) {
+    let mut out_shape: Vec<usize> = Vec::with_capacity(shape.len());
+    let mut out_strides: [Vec<usize>; K] = std::array::from_fn(|_| Vec::new());
+    for d in 0..shape.len() {
+        if shape[d] == 1 {
+            continue;
+        }
+        let mergeable = !out_shape.is_empty()
+            && (0..K).all(|k| {
+                let prev = *out_strides[k].last().unwrap();
+                prev == strides[k][d] * shape[d]
+            });
+        if mergeable {
+            *out_shape.last_mut().unwrap() *= shape[d];
+            for k in 0..K {
+                *out_strides[k].last_mut().unwrap() = strides[k][d];
+            }
+        } else {
+            out_shape.push(shape[d]);
+            for k in 0..K {
+                out_strides[k].push(strides[k][d]);
+            }
+        }
+    }
+    (out_shape, out_strides)
+}
+
+/// Calls `f(out_pos, input_offsets, last_strides, len)` for each run of the row-major walk over
+/// flat output positions `start..end`. Inputs are described by strides over `shape` and base
+/// offsets; `last_strides[k]` is input k's stride along the run.
+pub(crate) fn for_each_run<const K: usize>(
+    shape: &[usize],
+    strides: &[Vec<usize>; K],
+    offsets: [usize; K],
+    start: usize,
+    end: usize,
+    mut f: impl FnMut(usize, [usize; K], [usize; K], usize),
+) {
+    let rank = shape.len();
+    if rank == 0 {
+        if start < end {
+            f(0, offsets, [0; K], 1);
+        }
+        return;
+    }
+    let n = shape[rank - 1];
+    if n == 0 || start >= end {
+        return;
+    }
+    let last: [usize; K] = std::array::from_fn(|k| strides[k][rank - 1]);
+    // Multi-index of the starting row over the outer dims, and each input's row base.
+    let mut idx = vec![0usize; rank - 1];
+    let mut row = start / n;
+    let mut base = offsets;
+    for d in (0..rank - 1).rev() {
+        idx[d] = row % shape[d];
+        row /= shape[d];
+        for k in 0..K {
+            base[k] += idx[d] * strides[k][d];
+        }
+    }
+    let mut pos = start;
+    let mut col = start % n;
+    while pos < end {
+        let len = (n - col).min(end - pos);
+        let offs: [usize; K] = std::array::from_fn(|k| base[k] + col * last[k]);
+        f(pos, offs, last, len);
+        pos += len;
+        col = 0;
+        // Advance the odometer over the outer dims.
+        for d in (0..rank - 1).rev() {
+            idx[d] += 1;
+            for k in 0..K {
+                base[k] += strides[k][d];
+            }
+            if idx[d] < shape[d] {
+                break;
+            }
+            for k in 0..K {
+                base[k] -= strides[k][d] * shape[d];
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Loads `dst.len()` elements of `src` starting at `off` with `stride` into the buffer.
+#[inline]
+pub(crate) fn load_strided<E: Precision>(src: &[E], off: usize, stride: usize, dst: &mut [E::Acc]) {
+    let len = dst.len();
+    match stride {
+        1 => E::load(&src[off..off + len], dst),
+        0 => dst.fill(src[off].to_acc()),
+        s => {
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = src[off + i * s].to_acc();
+            }
+        }
+    }
+}
+
+/// A contiguous copy of a strided view.
+pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
+    let n = layout.numel();
+    if layout.is_contiguous() {
+        return src[layout.offset..layout.offset + n].to_vec();
+    }
+    let (shape, [strides]) = collapse(&layout.shape, [&layout.strides]);
+    let strides = [strides];
+    let mut out = vec![E::default(); n];
+    par_chunks_mut(&mut out, |ci, chunk| {
+        let start = ci * CHUNK;
+        for_each_run(&shape, &strides, [layout.offset], start, start + chunk.len(), |pos, [o], [s], len| {
+            let dst = &mut chunk[pos - start..pos - start + len];
+            match s {
+                1 => dst.copy_from_slice(&src[o..o + len]),
+                0 => dst.fill(src[o]),
+                s => {
+                    for (i, d) in dst.iter_mut().enumerate() {
+                        *d = src[o + i * s];
+                    }
+                }
+            }
+        });
+    });
+    out
+}
+
+/// `out[i] = f(x[i])` over contiguous data, computed in the accumulation type.
+pub(crate) fn map_unary<E: Precision>(x: &[E], f: impl Fn(E::Acc) -> E::Acc + Sync + Send) -> Vec<E> {
+    let mut out = vec![E::default(); x.len()];
+    par_chunks_mut(&mut out, |ci, chunk| {
+        let start = ci * CHUNK;
+        let mut bx = [E::Acc::default(); BUF];
+        for (j, o) in chunk.chunks_mut(BUF).enumerate() {
+            let s = start + j * BUF;
+            let bx = &mut bx[..o.len()];
+            E::load(&x[s..s + o.len()], bx);
+            for v in bx.iter_mut() {
+                *v = f(*v);
+            }
+            E::store(bx, o);
+        }
+    });
+    out
+}
+
+/// `out[i] = f(a[i], b[i], c[i])` over three contiguous slices of one length.
+pub(crate) fn map_ternary<E: Precision>(
+    a: &[E],
+    b: &[E],
+    c: &[E],
+    f: impl Fn(E::Acc, E::Acc, E::Acc) -> E::Acc + Sync + Send,
+) -> Vec<E> {
+    let mut out = vec![E::default(); a.len()];
+    par_chunks_mut(&mut out, |ci, chunk| {
+        let start = ci * CHUNK;
+        let mut ba = [E::Acc::default(); BUF];
+        let mut bb = [E::Acc::default(); BUF];
+        let mut bc = [E::Acc::default(); BUF];
+        for (j, o) in chunk.chunks_mut(BUF).enumerate() {
+            let s = start + j * BUF;
+            let n = o.len();
+            E::load(&a[s..s + n], &mut ba[..n]);
+            E::load(&b[s..s + n], &mut bb[..n]);
+            E::load(&c[s..s + n], &mut bc[..n]);
+            for i in 0..n {
+                ba[i] = f(ba[i], bb[i], bc[i]);
+            }
+            E::store(&ba[..n], o);
+        }
+    });
+    out
+}
+
+/// `out = f(a, b)` with a and b broadcast (by their layouts) to `out_shape`.
+pub(crate) fn map_binary<E: Precision>(
+    a: &[E],
+    la: &Layout,
+    b: &[E],
+    lb: &Layout,
+    out_shape: &[usize],
+    f: impl Fn(E::Acc, E::Acc) -> E::Acc + Sync + Send,
+) -> Vec<E> {
+    let n: usize = out_shape.iter().product();
+    let la = la.broadcast_to(out_shape);
+    let lb = lb.broadcast_to(out_shape);
+    let (shape, strides) = collapse(out_shape, [&la.strides, &lb.strides]);
+    let mut out = vec![E::default(); n];
+    par_chunks_mut(&mut out, |ci, chunk| {
+        let start = ci * CHUNK;
+        let mut ba = [E::Acc::default(); BUF];
+        let mut bb = [E::Acc::default(); BUF];
+        for_each_run(&shape, &strides, [la.offset, lb.offset], start, start + chunk.len(), |pos, [oa, ob], [sa, sb], len| {
+            let mut done = 0;
+            while done < len {
+                let m = (len - done).min(BUF);
+                let (xa, xb) = (&mut ba[..m], &mut bb[..m]);
+                load_strided(a, oa + done * sa, sa, xa);
+                load_strided(b, ob + done * sb, sb, xb);
+                for i in 0..m {
+                    xa[i] = f(xa[i], xb[i]);
+                }
+                let p = pos - start + done;
+                E::store(xa, &mut chunk[p..p + m]);
+                done += m;
+            }
+        });
+    });
+    out
+}
+
+/// Sum of a buffer with eight independent lanes, so the compiler can vectorise it.
+#[inline]
+pub(crate) fn sum_buf<A: Accum>(x: &[A]) -> A {
+    let mut lanes = [A::zero(); 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for i in 0..8 {
+            lanes[i] += c[i];
+        }
+    }
+    let mut s = A::zero();
+    for v in it.remainder() {
+        s += *v;
+    }
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + s
+}

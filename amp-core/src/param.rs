@@ -1,0 +1,120 @@
+//! Parameters: named, trainable leaf tensors, and the [`Params`] trait that enumerates them.
+//!
+//! Design notes: a [`Param`] is a leaf tensor with a stable [`TensorId`], so the gradients from
+//! any backward pass are found by it, and optimizers keep their state by it. Updates write in
+//! place when no graph still holds the old values (copy on write otherwise).
+
+use std::ops::Deref;
+
+use crate::autograd::TensorId;
+use crate::precision::Precision;
+use crate::tensor::Tensor;
+
+/// A trainable tensor (master weights are `Param<f32>`, the default).
+#[derive(Clone, Debug)]
+pub struct Param<E: Precision = f32> {
+    tensor: Tensor<E>,
+}
+
+impl<E: Precision> Param<E> {
+    /// A parameter holding `value` (detached from any graph, made contiguous).
+    pub fn new(value: Tensor<E>) -> Self {
+        let value = crate::autograd::no_grad(|| value.detach().contiguous());
+        let value = Tensor::from_parts(value.to_vec(), value.shape());
+        Param { tensor: value.requires_grad_() }
+    }
+    /// The id gradients and optimizer state are keyed by.
+    pub fn id(&self) -> TensorId {
+        self.tensor.id().expect("a Param always has an autograd node")
+    }
+    /// The parameter as a tensor that records into the graph.
+    pub fn tensor(&self) -> &Tensor<E> {
+        &self.tensor
+    }
+    /// The values, in place, for an update (copy on write if a graph still shares them).
+    pub fn data_mut(&mut self) -> &mut [E] {
+        self.tensor.make_mut()
+    }
+    /// Replaces the values with `value` of the same shape, keeping the id.
+    #[track_caller]
+    pub fn set(&mut self, value: &Tensor<E>) {
+        assert_eq!(
+            value.shape(),
+            self.tensor.shape(),
+            "Param::set: shape {:?} does not match the parameter's {:?}",
+            value.shape(),
+            self.tensor.shape()
+        );
+        let v = value.to_vec();
+        self.data_mut().copy_from_slice(&v);
+    }
+}
+
+impl<E: Precision> Deref for Param<E> {
+    type Target = Tensor<E>;
+    fn deref(&self) -> &Tensor<E> {
+        &self.tensor
+    }
+}
+
+/// Anything that holds parameters: enumerates them with PyTorch `state_dict` names
+/// (`blocks.0.ln1.weight`), in a stable order.
+pub trait Params {
+    /// Every parameter with its dotted name.
+    fn named_params(&self) -> Vec<(String, &Param)>;
+    /// Every parameter with its dotted name, mutably.
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)>;
+    /// Total number of scalar parameters.
+    fn num_params(&self) -> usize {
+        self.named_params().iter().map(|(_, p)| p.numel()).sum()
+    }
+}
+
+/// Joins a name prefix and a field name with a dot (an empty side is left out).
+pub fn join_name(prefix: &str, name: &str) -> String {
+    match (prefix.is_empty(), name.is_empty()) {
+        (true, _) => name.to_string(),
+        (_, true) => prefix.to_string(),
+        _ => format!("{prefix}.{name}"),
+    }
+}
+
+fn prefixed<'a, T: 'a>(prefix: String, items: Vec<(String, T)>) -> impl Iterator<Item = (String, T)> + 'a {
+    items.into_iter().map(move |(n, p)| (join_name(&prefix, &n), p))
+}
+
+impl Params for Param {
+    fn named_params(&self) -> Vec<(String, &Param)> {
+        vec![(String::new(), self)]
+    }
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+        vec![(String::new(), self)]
+    }
+}
+
+impl<T: Params> Params for Vec<T> {
+    fn named_params(&self) -> Vec<(String, &Param)> {
+        self.iter().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params())).collect()
+    }
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+        self.iter_mut().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params_mut())).collect()
+    }
+}
+
+impl<T: Params> Params for Option<T> {
+    fn named_params(&self) -> Vec<(String, &Param)> {
+        self.as_ref().map(|m| m.named_params()).unwrap_or_default()
+    }
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+        self.as_mut().map(|m| m.named_params_mut()).unwrap_or_default()
+    }
+}
+
+impl<T: Params + ?Sized> Params for Box<T> {
+    fn named_params(&self) -> Vec<(String, &Param)> {
+        (**self).named_params()
+    }
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+        (**self).named_params_mut()
+    }
+}

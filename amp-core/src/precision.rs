@@ -1,0 +1,577 @@
+//! Precision is the element type.
+//!
+//! Design notes:
+//! - [`Precision`] is sealed: `f32`, `half::f16`, `half::bf16` and `f64` (for gradient checks).
+//! - Format facts are `typenum` types ([`Precision::ExponentBits`], [`Precision::MantissaBits`]),
+//!   so "needs loss scaling" ([`NeedsLossScaling`]) and promotion ([`Promoted`]) are computed by
+//!   the type checker, not looked up at run time.
+//! - Arithmetic never happens in f16/bf16: kernels load chunks into the accumulation type
+//!   [`Precision::Acc`] (f32, or f64 for f64), compute, and round once on store.
+//! - Conversions are slice-at-a-time ([`Precision::load`], [`Precision::store`]) so they
+//!   vectorise (F16C through `half`, plain bit arithmetic for bf16), never a call per element
+//!   through a trait object.
+
+use std::fmt;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use crate::autograd::AnyTensor;
+use crate::tensor::Tensor;
+use typenum::{B0, B1, Bit, IsGreaterOrEqual, IsLess, U5, U7, U8, U10, U11, U23, U52, Unsigned};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// The run-time mirror of a precision type, for messages, checkpoints and type-erased storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum DType {
+    /// IEEE half precision: 5 exponent bits, 10 mantissa bits.
+    F16,
+    /// bfloat16: 8 exponent bits, 7 mantissa bits.
+    BF16,
+    /// IEEE single precision.
+    F32,
+    /// IEEE double precision (gradient checks).
+    F64,
+}
+
+impl DType {
+    /// Lower-case name, as PyTorch and safetensors spell it (`f16`, `bf16`, `f32`, `f64`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        }
+    }
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The type kernels compute in: f32 for f16/bf16/f32, f64 for f64.
+pub trait Accum:
+    num_traits::Float
+    + num_traits::FromPrimitive
+    + Default
+    + Send
+    + Sync
+    + fmt::Debug
+    + std::iter::Sum
+    + std::ops::AddAssign
+    + std::ops::MulAssign
+    + 'static
+{
+    /// From an f64 constant.
+    fn c(v: f64) -> Self;
+    /// To f64.
+    fn f64(self) -> f64;
+    /// The error function.
+    fn erf(self) -> Self;
+}
+
+impl Accum for f32 {
+    #[inline(always)]
+    fn c(v: f64) -> Self {
+        v as f32
+    }
+    #[inline(always)]
+    fn f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
+}
+
+impl Accum for f64 {
+    #[inline(always)]
+    fn c(v: f64) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn f64(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+}
+
+/// A floating-point element type a tensor can hold. Sealed: `f16`, `bf16`, `f32`, `f64`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a tensor precision",
+    note = "tensors hold f32, half::f16, half::bf16 or f64"
+)]
+pub trait Precision:
+    sealed::Sealed
+    + Copy
+    + Default
+    + PartialEq
+    + PartialOrd
+    + Send
+    + Sync
+    + fmt::Debug
+    + fmt::Display
+    + 'static
+{
+    /// Exponent bits of the format, as a type.
+    type ExponentBits: Unsigned + IsLess<U8, Output: Bit>;
+    /// Explicit mantissa (fraction) bits of the format, as a type.
+    type MantissaBits: Unsigned;
+    /// The type arithmetic on this precision is carried out in.
+    type Acc: Accum;
+    /// The run-time mirror.
+    const DTYPE: DType;
+    /// Whether gradients in this format underflow without loss scaling (exponent narrower
+    /// than f32's 8 bits), derived from [`Precision::ExponentBits`].
+    const NEEDS_LOSS_SCALING: bool = <NeedsLossScaling<Self> as Bit>::BOOL;
+    /// Largest finite value.
+    const MAX_FINITE: f64;
+    /// Smallest positive normal value.
+    const MIN_POSITIVE_NORMAL: f64;
+
+    /// One value to the accumulation type.
+    fn to_acc(self) -> Self::Acc;
+    /// One value from the accumulation type (round to nearest even; overflow gives inf).
+    fn from_acc(v: Self::Acc) -> Self;
+    /// To f64 (exact).
+    fn to_f64(self) -> f64;
+    /// From f64, rounded once.
+    fn from_f64(v: f64) -> Self;
+    /// Converts a slice to the accumulation type.
+    fn load(src: &[Self], dst: &mut [Self::Acc]);
+    /// Rounds a slice of accumulation values into this format.
+    fn store(src: &[Self::Acc], dst: &mut [Self]);
+    /// Converts a slice to f32 (f64 rounds).
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]);
+    /// Rounds a slice of f32 into this format.
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]);
+
+    /// Wraps a tensor of this precision into the type-erased [`AnyTensor`].
+    fn into_any(t: Tensor<Self>) -> AnyTensor;
+    /// The tensor inside `any` if it has this precision.
+    fn from_any(any: AnyTensor) -> Result<Tensor<Self>, AnyTensor>;
+    /// Borrows the tensor inside `any` if it has this precision.
+    fn any_ref(any: &AnyTensor) -> Option<&Tensor<Self>>;
+    /// Mutably borrows the tensor inside `any` if it has this precision.
+    fn any_mut(any: &mut AnyTensor) -> Option<&mut Tensor<Self>>;
+}
+
+macro_rules! any_conversions {
+    ($variant:ident) => {
+        fn into_any(t: Tensor<Self>) -> AnyTensor {
+            AnyTensor::$variant(t)
+        }
+        fn from_any(any: AnyTensor) -> Result<Tensor<Self>, AnyTensor> {
+            match any {
+                AnyTensor::$variant(t) => Ok(t),
+                other => Err(other),
+            }
+        }
+        fn any_ref(any: &AnyTensor) -> Option<&Tensor<Self>> {
+            match any {
+                AnyTensor::$variant(t) => Some(t),
+                _ => None,
+            }
+        }
+        fn any_mut(any: &mut AnyTensor) -> Option<&mut Tensor<Self>> {
+            match any {
+                AnyTensor::$variant(t) => Some(t),
+                _ => None,
+            }
+        }
+    };
+}
+
+/// `B1` when `E` needs loss scaling (exponent narrower than 8 bits), else `B0`.
+pub type NeedsLossScaling<E> = <<E as Precision>::ExponentBits as IsLess<U8>>::Output;
+
+impl Precision for f32 {
+    any_conversions!(F32);
+    type ExponentBits = U8;
+    type MantissaBits = U23;
+    type Acc = f32;
+    const DTYPE: DType = DType::F32;
+    const MAX_FINITE: f64 = f32::MAX as f64;
+    const MIN_POSITIVE_NORMAL: f64 = f32::MIN_POSITIVE as f64;
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        v
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    #[inline]
+    fn load(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+    #[inline]
+    fn store(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src)
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src)
+    }
+}
+
+impl Precision for f64 {
+    any_conversions!(F64);
+    type ExponentBits = U11;
+    type MantissaBits = U52;
+    type Acc = f64;
+    const DTYPE: DType = DType::F64;
+    const MAX_FINITE: f64 = f64::MAX;
+    const MIN_POSITIVE_NORMAL: f64 = f64::MIN_POSITIVE;
+    #[inline(always)]
+    fn to_acc(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn from_acc(v: f64) -> Self {
+        v
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    #[inline]
+    fn load(src: &[Self], dst: &mut [f64]) {
+        dst.copy_from_slice(src)
+    }
+    #[inline]
+    fn store(src: &[f64], dst: &mut [Self]) {
+        dst.copy_from_slice(src)
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = *s as f32;
+        }
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = *s as f64;
+        }
+    }
+}
+
+impl Precision for f16 {
+    any_conversions!(F16);
+    type ExponentBits = U5;
+    type MantissaBits = U10;
+    type Acc = f32;
+    const DTYPE: DType = DType::F16;
+    const MAX_FINITE: f64 = 65504.0;
+    const MIN_POSITIVE_NORMAL: f64 = 6.103515625e-5;
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    #[inline]
+    fn load(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+    #[inline]
+    fn store(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src)
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src)
+    }
+}
+
+impl Precision for bf16 {
+    any_conversions!(BF16);
+    type ExponentBits = U8;
+    type MantissaBits = U7;
+    type Acc = f32;
+    const DTYPE: DType = DType::BF16;
+    const MAX_FINITE: f64 = 3.3895313892515355e38;
+    const MIN_POSITIVE_NORMAL: f64 = 1.1754943508222875e-38;
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        bf16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        bf16::from_bits(f32_to_bf16_bits(v))
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    #[inline]
+    fn load(src: &[Self], dst: &mut [f32]) {
+        bf16_to_f32_slice(src, dst)
+    }
+    #[inline]
+    fn store(src: &[f32], dst: &mut [Self]) {
+        f32_to_bf16_slice(src, dst)
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        bf16_to_f32_slice(src, dst)
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        f32_to_bf16_slice(src, dst)
+    }
+}
+
+/// f32 to bf16 bits, round to nearest even; overflow rounds to inf, NaN stays NaN (quieted).
+#[inline(always)]
+fn f32_to_bf16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) as u16) | 0x0040;
+    if v.is_nan() { nan } else { rounded }
+}
+
+#[inline(always)]
+fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+// Plain loops over bits: the compiler vectorises both (half has no SIMD path for bf16).
+fn f32_to_bf16_slice(src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(src.len(), dst.len(), "bf16 store: length mismatch");
+    let dst = dst.reinterpret_cast_mut();
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32_to_bf16_bits(*s);
+    }
+}
+
+fn bf16_to_f32_slice(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "bf16 load: length mismatch");
+    let src = src.reinterpret_cast();
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = bf16_bits_to_f32(*s);
+    }
+}
+
+/// Converts a slice between any two precisions with one rounding.
+///
+/// Routes through the vectorised f32 paths when one side is f32, and through f64 otherwise
+/// (exact for every pair, since f64 holds every f16/bf16/f32 value).
+pub fn convert_slice<A: Precision, B: Precision>(src: &[A], dst: &mut [B]) {
+    assert_eq!(src.len(), dst.len(), "convert_slice: length mismatch");
+    if let Some(s) = as_same::<A, B>(src) {
+        dst.copy_from_slice(s);
+    } else if A::DTYPE == DType::F32 {
+        B::from_f32_slice(as_f32(src), dst)
+    } else if B::DTYPE == DType::F32 {
+        A::to_f32_slice(src, as_f32_mut(dst))
+    } else if A::DTYPE != DType::F64 && B::DTYPE != DType::F64 {
+        // f16 <-> bf16: widen to f32 (exact), then round once.
+        let mut buf = [0f32; 1024];
+        for (s, d) in src.chunks(1024).zip(dst.chunks_mut(1024)) {
+            let b = &mut buf[..s.len()];
+            A::to_f32_slice(s, b);
+            B::from_f32_slice(b, d);
+        }
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = B::from_f64(s.to_f64());
+        }
+    }
+}
+
+/// Reinterprets `&[A]` as `&[B]` when A and B are the same type.
+pub(crate) fn as_same<A: Precision, B: Precision>(s: &[A]) -> Option<&[B]> {
+    (A::DTYPE == B::DTYPE).then(|| {
+        // SAFETY: DTYPE is unique per sealed precision type, so A and B are the same type.
+        unsafe { std::slice::from_raw_parts(s.as_ptr() as *const B, s.len()) }
+    })
+}
+
+fn as_f32<A: Precision>(s: &[A]) -> &[f32] {
+    assert_eq!(A::DTYPE, DType::F32);
+    // SAFETY: checked above that A is f32.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) }
+}
+
+fn as_f32_mut<A: Precision>(s: &mut [A]) -> &mut [f32] {
+    assert_eq!(A::DTYPE, DType::F32);
+    // SAFETY: checked above that A is f32.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut f32, s.len()) }
+}
+
+// ---- promotion, computed from the format facts ------------------------------------------
+
+/// The type two precisions promote to: the one that covers the other in both exponent and
+/// mantissa bits, or f32 when neither does (f16 with bf16), as PyTorch promotes.
+pub trait Promote<R: Precision>: Precision {
+    /// The promoted precision.
+    type Output: Precision;
+}
+
+/// `Promoted<A, B>`: the precision an op mixing `A` and `B` runs in under autocast's
+/// "promote" category.
+pub type Promoted<A, B> = <A as Promote<B>>::Output;
+
+type Covers<A, B> = <(
+    <<A as Precision>::ExponentBits as IsGreaterOrEqual<<B as Precision>::ExponentBits>>::Output,
+    <<A as Precision>::MantissaBits as IsGreaterOrEqual<<B as Precision>::MantissaBits>>::Output,
+) as BothBits>::Output;
+
+/// Type-level `and` of a pair of bits.
+#[doc(hidden)]
+pub trait BothBits {
+    type Output: Bit;
+}
+impl BothBits for (B1, B1) {
+    type Output = B1;
+}
+impl BothBits for (B1, B0) {
+    type Output = B0;
+}
+impl BothBits for (B0, B1) {
+    type Output = B0;
+}
+impl BothBits for (B0, B0) {
+    type Output = B0;
+}
+
+/// Picks the promoted type from (left covers right, right covers left).
+#[doc(hidden)]
+pub trait PickWider<L, R> {
+    type Output: Precision;
+}
+impl<L: Precision, R, X> PickWider<L, R> for (B1, X) {
+    type Output = L;
+}
+impl<L, R: Precision> PickWider<L, R> for (B0, B1) {
+    type Output = R;
+}
+impl<L, R> PickWider<L, R> for (B0, B0) {
+    type Output = f32;
+}
+
+impl<L: Precision, R: Precision> Promote<R> for L
+where
+    L::ExponentBits: IsGreaterOrEqual<R::ExponentBits>,
+    L::MantissaBits: IsGreaterOrEqual<R::MantissaBits>,
+    R::ExponentBits: IsGreaterOrEqual<L::ExponentBits>,
+    R::MantissaBits: IsGreaterOrEqual<L::MantissaBits>,
+    (
+        <L::ExponentBits as IsGreaterOrEqual<R::ExponentBits>>::Output,
+        <L::MantissaBits as IsGreaterOrEqual<R::MantissaBits>>::Output,
+    ): BothBits,
+    (
+        <R::ExponentBits as IsGreaterOrEqual<L::ExponentBits>>::Output,
+        <R::MantissaBits as IsGreaterOrEqual<L::MantissaBits>>::Output,
+    ): BothBits,
+    (Covers<L, R>, Covers<R, L>): PickWider<L, R>,
+{
+    type Output = <(Covers<L, R>, Covers<R, L>) as PickWider<L, R>>::Output;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::any::TypeId;
+
+    fn same<A: 'static, B: 'static>() -> bool {
+        TypeId::of::<A>() == TypeId::of::<B>()
+    }
+
+    #[test]
+    fn loss_scaling_is_computed_from_exponent_bits() {
+        assert!(<f16 as Precision>::NEEDS_LOSS_SCALING);
+        assert!(!<bf16 as Precision>::NEEDS_LOSS_SCALING);
+        assert!(!<f32 as Precision>::NEEDS_LOSS_SCALING);
+        assert!(!<f64 as Precision>::NEEDS_LOSS_SCALING);
+        // And as a type: usable in bounds.
+        assert!(same::<NeedsLossScaling<f16>, B1>());
+        assert!(same::<NeedsLossScaling<bf16>, B0>());
+    }
+
+    #[test]
+    fn promotion_is_computed_from_format_bits() {
+        assert!(same::<Promoted<f16, f32>, f32>());
+        assert!(same::<Promoted<f32, f16>, f32>());
+        assert!(same::<Promoted<bf16, f32>, f32>());
+        assert!(same::<Promoted<f16, bf16>, f32>());
+        assert!(same::<Promoted<bf16, f16>, f32>());
+        assert!(same::<Promoted<f16, f16>, f16>());
+        assert!(same::<Promoted<bf16, bf16>, bf16>());
+        assert!(same::<Promoted<f32, f64>, f64>());
+    }
+
+    #[test]
+    fn overflowing_casts_give_inf_and_nan_propagates() {
+        let src = [70000.0f32, -70000.0, 65504.0, f32::NAN, 1e-8];
+        let mut h = [f16::ZERO; 5];
+        convert_slice(&src, &mut h);
+        assert!(h[0].is_infinite() && h[0].is_sign_positive());
+        assert!(h[1].is_infinite() && h[1].is_sign_negative());
+        assert_eq!(h[2].to_f32(), 65504.0);
+        assert!(h[3].is_nan());
+        let big = [3.39e38f32, f32::MAX, f32::NAN, -f32::INFINITY, 1.0 + 1.0 / 256.0];
+        let mut b = [bf16::ZERO; 5];
+        convert_slice(&big, &mut b);
+        assert_eq!(b[0].to_f32(), 3.3895313892515355e38);
+        assert!(b[1].is_infinite(), "f32::MAX rounds up past bf16's max finite");
+        assert!(b[2].is_nan());
+        assert!(b[3].is_infinite() && b[3].is_sign_negative());
+        // Ties go to even: 1 + 2^-8 sits halfway between 1 and 1 + 2^-7.
+        assert_eq!(b[4].to_f32(), 1.0);
+    }
+
+    #[test]
+    fn bf16_rounding_matches_half() {
+        let mut x = 0x3f80_0000u32;
+        for _ in 0..100_000 {
+            x = x.wrapping_mul(1664525).wrapping_add(1013904223);
+            let v = f32::from_bits(x);
+            if v.is_nan() {
+                continue;
+            }
+            assert_eq!(bf16::from_acc(v).to_bits(), bf16::from_f32(v).to_bits(), "{v}");
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! `Tensor<E, D>`: an n-dimensional view over shared storage, with its precision and device
+//! in its type.
+//!
+//! Design notes:
+//! - Cloning a tensor is cheap (reference counts); storage is immutable once shared, and a
+//!   parameter update writes in place only when nothing else holds the storage (copy on write
+//!   otherwise), so a graph from an earlier step never sees later values.
+//! - Views (reshape of contiguous data, transpose, permute, narrow, broadcast) share storage.
+//! - Constructors and views are here; ops live in `crate::ops`, one file per op family.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::autograd::{AnyTensor, Grads, Node, TensorId, is_grad_enabled, run_backward};
+use crate::cpu;
+use crate::device::{Cpu, Device};
+use crate::error::{Error, Result, or_panic};
+use crate::layout::{Layout, check_dim, contiguous_strides};
+use crate::precision::{Precision, convert_slice};
+use crate::rng::Rng;
+
+/// An n-dimensional tensor of precision `E` on device `D`.
+///
+/// `Tensor<f16>` and `Tensor<f32>` are different types: binary ops need both operands in one
+/// precision, and [`Tensor::cast`] is the one way to change it.
+pub struct Tensor<E: Precision, D: Device = Cpu> {
+    pub(crate) storage: D::Storage<E>,
+    pub(crate) layout: Layout,
+    pub(crate) node: Option<Arc<Node>>,
+    pub(crate) device: D,
+}
+
+impl<E: Precision, D: Device> Clone for Tensor<E, D> {
+    fn clone(&self) -> Self {
+        Tensor {
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            node: self.node.clone(),
+            device: self.device.clone(),
+        }
+    }
+}
+
+impl<E: Precision, D: Device> Tensor<E, D> {
+    /// The dims.
+    pub fn shape(&self) -> &[usize] {
+        &self.layout.shape
+    }
+    /// Number of dims.
+    pub fn rank(&self) -> usize {
+        self.layout.shape.len()
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+    /// The view's layout (shape, strides, offset).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// The device the storage lives on.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+    /// The precision's run-time mirror.
+    pub fn dtype(&self) -> crate::DType {
+        E::DTYPE
+    }
+    /// Whether gradients flow to or through this tensor.
+    pub fn requires_grad(&self) -> bool {
+        self.node.is_some()
+    }
+    /// The autograd id, if this tensor takes part in autograd.
+    pub fn id(&self) -> Option<TensorId> {
+        self.node.as_ref().map(|n| n.id)
+    }
+    /// The same values cut off from the graph (no gradient flows back through it).
+    pub fn detach(&self) -> Self {
+        Tensor { node: None, ..self.clone() }
+    }
+}
+
+// ---- construction -------------------------------------------------------------------------
+
+impl<E: Precision> Tensor<E> {
+    /// A contiguous tensor from raw parts; no autograd.
+    pub(crate) fn from_parts(data: Vec<E>, shape: &[usize]) -> Self {
+        debug_assert_eq!(data.len(), shape.iter().product::<usize>());
+        Tensor { storage: Arc::new(data), layout: Layout::contiguous(shape), node: None, device: Cpu }
+    }
+
+    /// A tensor holding `data` in row-major order.
+    pub fn try_from_vec(data: Vec<E>, shape: &[usize]) -> Result<Self> {
+        let expected: usize = shape.iter().product();
+        if data.len() != expected {
+            return Err(Error::ElementCount { op: "from_vec", len: data.len(), expected, shape: shape.to_vec() });
+        }
+        Ok(Self::from_parts(data, shape))
+    }
+    /// A tensor holding `data` in row-major order. Panics if the length does not fill `shape`.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let t = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    /// assert_eq!(t.shape(), &[2, 3]);
+    /// ```
+    #[track_caller]
+    pub fn from_vec(data: Vec<E>, shape: &[usize]) -> Self {
+        or_panic(Self::try_from_vec(data, shape))
+    }
+    /// Like [`Tensor::from_vec`], rounding each f64 value once into `E`.
+    #[track_caller]
+    pub fn from_f64s(data: &[f64], shape: &[usize]) -> Self {
+        Self::from_vec(data.iter().map(|v| E::from_f64(*v)).collect(), shape)
+    }
+    /// Like [`Tensor::from_vec`], rounding each f32 value once into `E` (vectorised).
+    #[track_caller]
+    pub fn from_f32s(data: &[f32], shape: &[usize]) -> Self {
+        let mut out = vec![E::default(); data.len()];
+        convert_slice(data, &mut out);
+        Self::from_vec(out, shape)
+    }
+    /// A tensor filled with `value` (rounded once into `E`).
+    pub fn full(shape: &[usize], value: f64) -> Self {
+        Self::from_parts(vec![E::from_f64(value); shape.iter().product()], shape)
+    }
+    /// Zeros.
+    pub fn zeros(shape: &[usize]) -> Self {
+        Self::full(shape, 0.0)
+    }
+    /// Ones.
+    pub fn ones(shape: &[usize]) -> Self {
+        Self::full(shape, 1.0)
+    }
+    /// A 0-dim tensor.
+    pub fn scalar(value: f64) -> Self {
+        Self::full(&[], value)
+    }
+    /// `[start, start + step, ...]` up to (not including) `end`, as a 1-D tensor.
+    pub fn try_arange(start: f64, end: f64, step: f64) -> Result<Self> {
+        if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
+            return Err(Error::InvalidArgument {
+                op: "arange",
+                name: "step",
+                detail: format!("needs finite bounds and a non-zero step, got {start}..{end} step {step}"),
+            });
+        }
+        let n = ((end - start) / step).ceil().max(0.0) as usize;
+        Ok(Self::from_parts((0..n).map(|i| E::from_f64(start + i as f64 * step)).collect(), &[n]))
+    }
+    /// `[start, start + step, ...]` up to (not including) `end`, as a 1-D tensor.
+    #[track_caller]
+    pub fn arange(start: f64, end: f64, step: f64) -> Self {
+        or_panic(Self::try_arange(start, end, step))
+    }
+    /// Uniform samples in `[0, 1)` from a seeded generator.
+    pub fn rand(shape: &[usize], rng: &mut Rng) -> Self {
+        let n = shape.iter().product();
+        Self::from_parts((0..n).map(|_| E::from_f64(rng.uniform())).collect(), shape)
+    }
+    /// Standard normal samples from a seeded generator.
+    pub fn randn(shape: &[usize], rng: &mut Rng) -> Self {
+        let n = shape.iter().product();
+        Self::from_parts((0..n).map(|_| E::from_f64(rng.normal())).collect(), shape)
+    }
+    /// This tensor as a leaf that gradients are collected for (PyTorch's `requires_grad_()`).
+    /// Gradients come back from [`Tensor::backward`] keyed by this tensor's [`Tensor::id`].
+    pub fn requires_grad_(self) -> Self {
+        let node = Node::leaf(E::DTYPE, self.shape());
+        Tensor { node: Some(node), ..self }
+    }
+}
+
+// ---- reading ------------------------------------------------------------------------------
+
+impl<E: Precision> Tensor<E> {
+    /// The values in row-major order.
+    pub fn to_vec(&self) -> Vec<E> {
+        cpu::gather(&self.storage, &self.layout)
+    }
+    /// The values widened to f64, in row-major order.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        self.to_vec().into_iter().map(|v| v.to_f64()).collect()
+    }
+    /// The values converted to f32, in row-major order.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let v = self.to_vec();
+        let mut out = vec![0f32; v.len()];
+        convert_slice(&v, &mut out);
+        out
+    }
+    /// The value of a one-element tensor.
+    pub fn try_item(&self) -> Result<E> {
+        if self.numel() != 1 {
+            return Err(Error::Shape { op: "item", detail: "needs exactly one element".into(), shapes: vec![self.shape().to_vec()] });
+        }
+        Ok(self.storage[self.layout.offset])
+    }
+    /// The value of a one-element tensor.
+    #[track_caller]
+    pub fn item(&self) -> E {
+        or_panic(self.try_item())
+    }
+    /// The contiguous storage slice (copying first if the view is not contiguous).
+    pub(crate) fn contiguous_data(&self) -> std::borrow::Cow<'_, [E]> {
+        if self.layout.is_contiguous() {
+            let o = self.layout.offset;
+            std::borrow::Cow::Borrowed(&self.storage[o..o + self.numel()])
+        } else {
+            std::borrow::Cow::Owned(cpu::gather(&self.storage, &self.layout))
+        }
+    }
+    /// Mutable contiguous data, copying only if the storage is shared or the view is not the
+    /// whole storage. Used by in-place updates (optimizers, unscale) on tensors they own.
+    pub fn make_mut(&mut self) -> &mut [E] {
+        let whole = self.layout.is_contiguous() && self.layout.offset == 0 && self.storage.len() == self.numel();
+        if !whole {
+            let data = self.to_vec();
+            self.storage = Arc::new(data);
+            self.layout = Layout::contiguous(&self.layout.shape.clone());
+        }
+        Arc::make_mut(&mut self.storage).as_mut_slice()
+    }
+}
+
+// ---- autograd entry points --------------------------------------------------------------------
+
+impl<E: Precision> Tensor<E> {
+    /// Records `self` as the output of `op` with `parents`; `backward` maps the output's
+    /// gradient to one gradient per parent (same order, `None` where not needed).
+    pub(crate) fn record(
+        mut self,
+        op: &'static str,
+        parents: Vec<Option<Arc<Node>>>,
+        backward: impl Fn(Tensor<E>) -> Vec<Option<AnyTensor>> + Send + Sync + 'static,
+    ) -> Self {
+        if !is_grad_enabled() || parents.iter().all(Option::is_none) {
+            return self;
+        }
+        let node = Node {
+            id: TensorId::fresh(),
+            op,
+            dtype: E::DTYPE,
+            shape: self.shape().to_vec(),
+            parents,
+            backward: Some(Box::new(move |g: AnyTensor| {
+                let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
+                backward(g)
+            })),
+        };
+        self.node = Some(Arc::new(node));
+        self
+    }
+
+    /// Gradients of this scalar with respect to every leaf it depends on, each in its leaf's
+    /// precision. Errors if the tensor has more than one element or does not require grad.
+    pub fn try_backward(&self) -> Result<Grads> {
+        self.try_backward_with_seed(1.0)
+    }
+    /// Like [`Tensor::try_backward`], with the seed gradient `seed` instead of 1 (this is how a
+    /// scaled loss's backward multiplies every gradient by the scale).
+    pub fn try_backward_with_seed(&self, seed: f64) -> Result<Grads> {
+        if self.numel() != 1 {
+            return Err(Error::Backward {
+                detail: format!("needs a one-element (scalar) tensor, got shape {:?}", self.shape()),
+            });
+        }
+        let Some(node) = &self.node else {
+            return Err(Error::Backward {
+                detail: "the tensor does not require grad: nothing it depends on is a parameter or a leaf marked with requires_grad_()".into(),
+            });
+        };
+        let seed = Tensor::<E>::full(self.shape(), seed);
+        Ok(run_backward(node, seed.into()))
+    }
+    /// Gradients of this scalar with respect to every leaf it depends on.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2]).requires_grad_();
+    /// let y = x.mul(&x).sum_all(); // x0^2 + x1^2
+    /// let g = y.backward();
+    /// assert_eq!(g.get(&x).unwrap().to_vec(), vec![2.0, 4.0]);
+    /// ```
+    #[track_caller]
+    pub fn backward(&self) -> Grads {
+        or_panic(self.try_backward())
+    }
+}
+
+// ---- views --------------------------------------------------------------------------------
+
+impl<E: Precision> Tensor<E> {
+    fn view(&self, layout: Layout) -> Self {
+        Tensor { storage: self.storage.clone(), layout, node: None, device: Cpu }
+    }
+
+    /// A contiguous tensor with the same values (no copy if already contiguous).
+    pub fn contiguous(&self) -> Self {
+        if self.layout.is_contiguous() {
+            return self.clone();
+        }
+        let out = Self::from_parts(cpu::gather(&self.storage, &self.layout), self.shape());
+        out.record("contiguous", vec![self.node.clone()], |g| vec![Some(g.into())])
+    }
+
+    /// The same values with a new shape of the same element count.
+    pub fn try_reshape(&self, shape: &[usize]) -> Result<Self> {
+        let expected: usize = shape.iter().product();
+        if expected != self.numel() {
+            return Err(Error::Shape {
+                op: "reshape",
+                detail: format!("cannot reshape {} elements into {:?}", self.numel(), shape),
+                shapes: vec![self.shape().to_vec(), shape.to_vec()],
+            });
+        }
+        let src = if self.layout.is_contiguous() { self.clone() } else { self.contiguous() };
+        let out = Tensor {
+            layout: Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: src.layout.offset },
+            node: None,
+            ..src.clone()
+        };
+        let in_shape = self.shape().to_vec();
+        Ok(out.record("reshape", vec![src.node.clone()], move |g| vec![Some(g.reshape(&in_shape).into())]))
+    }
+    /// The same values with a new shape. Panics if the element count differs.
+    #[track_caller]
+    pub fn reshape(&self, shape: &[usize]) -> Self {
+        or_panic(self.try_reshape(shape))
+    }
+    /// Flattens to 1-D.
+    pub fn flatten(&self) -> Self {
+        self.reshape(&[self.numel()])
+    }
+
+    /// Reorders dims: output dim `i` is input dim `perm[i]`.
+    pub fn try_permute(&self, perm: &[usize]) -> Result<Self> {
+        let rank = self.rank();
+        let mut seen = vec![false; rank];
+        if perm.len() != rank || perm.iter().any(|&p| p >= rank || std::mem::replace(&mut seen[p], true)) {
+            return Err(Error::Shape {
+                op: "permute",
+                detail: format!("{perm:?} is not a permutation of 0..{rank}"),
+                shapes: vec![self.shape().to_vec()],
+            });
+        }
+        let layout = Layout {
+            shape: perm.iter().map(|&p| self.layout.shape[p]).collect(),
+            strides: perm.iter().map(|&p| self.layout.strides[p]).collect(),
+            offset: self.layout.offset,
+        };
+        let mut inverse = vec![0; rank];
+        for (i, &p) in perm.iter().enumerate() {
+            inverse[p] = i;
+        }
+        Ok(self.view(layout).record("permute", vec![self.node.clone()], move |g| vec![Some(g.permute(&inverse).into())]))
+    }
+    /// Reorders dims: output dim `i` is input dim `perm[i]`.
+    #[track_caller]
+    pub fn permute(&self, perm: &[usize]) -> Self {
+        or_panic(self.try_permute(perm))
+    }
+
+    /// Swaps two dims.
+    pub fn try_transpose(&self, d0: usize, d1: usize) -> Result<Self> {
+        check_dim("transpose", d0, self.shape())?;
+        check_dim("transpose", d1, self.shape())?;
+        let mut perm: Vec<usize> = (0..self.rank()).collect();
+        perm.swap(d0, d1);
+        self.try_permute(&perm)
+    }
+    /// Swaps two dims.
+    #[track_caller]
+    pub fn transpose(&self, d0: usize, d1: usize) -> Self {
+        or_panic(self.try_transpose(d0, d1))
+    }
+    /// Swaps the last two dims (the matrix transpose).
+    #[track_caller]
+    pub fn t(&self) -> Self {
+        let r = self.rank();
+        assert!(r >= 2, "t: needs at least 2 dims, got shape {:?}", self.shape());
+        self.transpose(r - 2, r - 1)
+    }
+
+    /// `len` entries of `dim` starting at `start` (a view).
+    pub fn try_narrow(&self, dim: usize, start: usize, len: usize) -> Result<Self> {
+        check_dim("narrow", dim, self.shape())?;
+        let size = self.shape()[dim];
+        if start.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::Shape {
+                op: "narrow",
+                detail: format!("range {start}..{} is out of bounds for dim {dim} of size {size}", start.saturating_add(len)),
+                shapes: vec![self.shape().to_vec()],
+            });
+        }
+        let mut layout = self.layout.clone();
+        layout.offset += start * layout.strides[dim];
+        layout.shape[dim] = len;
+        let in_shape = self.shape().to_vec();
+        Ok(self.view(layout).record("narrow", vec![self.node.clone()], move |g| {
+            // The gradient is zero outside the window: pad it back to the input's shape.
+            let (outer, _, inner) = crate::layout::outer_dim_inner(&in_shape, dim);
+            let gd = g.contiguous_data();
+            let mut full = vec![E::default(); in_shape.iter().product()];
+            for o in 0..outer {
+                let dst = o * size * inner + start * inner;
+                full[dst..dst + len * inner].copy_from_slice(&gd[o * len * inner..(o + 1) * len * inner]);
+            }
+            vec![Some(Tensor::from_parts(full, &in_shape).into())]
+        }))
+    }
+    /// `len` entries of `dim` starting at `start` (a view).
+    #[track_caller]
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Self {
+        or_panic(self.try_narrow(dim, start, len))
+    }
+    /// The entries `range` of `dim` (a view); `slice(1, 2..5)` is PyTorch's `x[:, 2:5]`.
+    #[track_caller]
+    pub fn slice(&self, dim: usize, range: std::ops::Range<usize>) -> Self {
+        or_panic(self.try_narrow(dim, range.start, range.end.saturating_sub(range.start)))
+    }
+
+    /// Inserts a dim of size 1 at `dim`.
+    #[track_caller]
+    pub fn unsqueeze(&self, dim: usize) -> Self {
+        assert!(dim <= self.rank(), "unsqueeze: dim {dim} is out of range for shape {:?}", self.shape());
+        let mut s = self.shape().to_vec();
+        s.insert(dim, 1);
+        self.reshape(&s)
+    }
+    /// Removes a dim of size 1 at `dim`.
+    #[track_caller]
+    pub fn squeeze(&self, dim: usize) -> Self {
+        assert!(
+            dim < self.rank() && self.shape()[dim] == 1,
+            "squeeze: dim {dim} is not a size-1 dim of shape {:?}",
+            self.shape()
+        );
+        let mut s = self.shape().to_vec();
+        s.remove(dim);
+        self.reshape(&s)
+    }
+
+    /// A view broadcast to `shape` (NumPy rules); its gradient sums back.
+    pub fn try_broadcast_to(&self, shape: &[usize]) -> Result<Self> {
+        let target = crate::layout::broadcast_shapes("broadcast_to", self.shape(), shape)?;
+        if target != shape {
+            return Err(Error::Broadcast { op: "broadcast_to", lhs: self.shape().to_vec(), rhs: shape.to_vec() });
+        }
+        let in_shape = self.shape().to_vec();
+        Ok(self
+            .view(self.layout.broadcast_to(shape))
+            .record("broadcast_to", vec![self.node.clone()], move |g| vec![Some(g.sum_to_shape(&in_shape).into())]))
+    }
+    /// A view broadcast to `shape` (NumPy rules).
+    #[track_caller]
+    pub fn broadcast_to(&self, shape: &[usize]) -> Self {
+        or_panic(self.try_broadcast_to(shape))
+    }
+
+    /// Sums a broadcast gradient back down to `shape` (the reverse of broadcasting).
+    pub(crate) fn sum_to_shape(&self, shape: &[usize]) -> Self {
+        if self.shape() == shape {
+            return self.clone();
+        }
+        let pad = self.rank() - shape.len();
+        // Leading dims that broadcasting added are summed in one pass.
+        let lead: usize = self.shape()[..pad].iter().product();
+        let mut t = self.contiguous().reshape(&[&[lead], &self.shape()[pad..]].concat()).sum(0, false);
+        for (d, &s) in shape.iter().enumerate() {
+            if s == 1 && t.shape()[d] != 1 {
+                t = t.sum(d, true);
+            }
+        }
+        t.reshape(shape)
+    }
+}
+
+// ---- casting --------------------------------------------------------------------------------
+
+impl<E: Precision> Tensor<E> {
+    /// The values rounded once into precision `E2` (differentiable: the gradient is cast back).
+    /// Values beyond `E2`'s range become ±inf, never clamped; NaN stays NaN.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// use half::f16;
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 70000.0], &[2]);
+    /// let h = x.cast::<f16>();
+    /// assert!(h.to_vec()[1].is_infinite());
+    /// ```
+    pub fn cast<E2: Precision>(&self) -> Tensor<E2> {
+        if E::DTYPE == E2::DTYPE {
+            let out = self.clone();
+            // SAFETY-free downcast through the type-erased form: same precision, same type.
+            return E2::from_any(E::into_any(out)).unwrap_or_else(|_| unreachable!());
+        }
+        let src = self.contiguous_data();
+        let mut out = vec![E2::default(); src.len()];
+        cpu::par_chunks_mut(&mut out, |ci, chunk| {
+            let s = ci * cpu::CHUNK;
+            convert_slice(&src[s..s + chunk.len()], chunk);
+        });
+        Tensor::<E2>::from_parts(out, self.shape())
+            .record("cast", vec![self.node.clone()], |g| vec![Some(g.cast::<E>().into())])
+    }
+}
+
+impl<E: Precision> fmt::Debug for Tensor<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const SHOWN: usize = 8;
+        let v = if self.numel() <= SHOWN { self.to_vec() } else { self.flatten().narrow(0, 0, SHOWN).to_vec() };
+        write!(f, "Tensor<{}>{:?} {:?}", E::DTYPE, self.shape(), v)?;
+        if self.numel() > SHOWN {
+            write!(f, "...")?;
+        }
+        Ok(())
+    }
+}
+
+impl<E: Precision> fmt::Display for Tensor<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}

@@ -1,0 +1,1 @@
+//! Procedural macros for amp: `#[autocast]` (see its own issue) and helper derives.

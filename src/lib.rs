@@ -1,0 +1,21 @@
+//! # amp: typed mixed-precision training for Rust
+//!
+//! One name for the whole library: [`amp_core`] (tensors, autograd, training),
+//! [`amp_macros`] (`#[autocast]`), and with feature `cuda`, `amp_cuda`.
+//!
+//! ```
+//! use amp::prelude::*;
+//! let x = Tensor::<f32>::ones(&[2, 2]).cast::<f16>();
+//! assert_eq!(x.dtype(), DType::F16);
+//! ```
+
+pub use amp_core;
+pub use amp_core::*;
+#[cfg(feature = "cuda")]
+pub use amp_cuda;
+pub use amp_macros;
+
+/// The names most programs need.
+pub mod prelude {
+    pub use amp_core::prelude::*;
+}

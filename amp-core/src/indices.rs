@@ -17,7 +17,12 @@ impl Indices {
     pub fn try_from_vec(data: Vec<i64>, shape: &[usize]) -> Result<Self> {
         let expected: usize = shape.iter().product();
         if data.len() != expected {
-            return Err(Error::ElementCount { op: "Indices::from_vec", len: data.len(), expected, shape: shape.to_vec() });
+            return Err(Error::ElementCount {
+                op: "Indices::from_vec",
+                len: data.len(),
+                expected,
+                shape: shape.to_vec(),
+            });
         }
         Ok(Indices { data: Arc::new(data), shape: shape.to_vec() })
     }
@@ -50,6 +55,7 @@ impl Indices {
         Indices { data: self.data.clone(), shape: shape.to_vec() }
     }
     /// Checks every index is in `0..bound` (or equal to `allowed`), naming the op on failure.
+    #[expect(dead_code, reason = "for embedding and cross_entropy, which come next")]
     pub(crate) fn check_bound(&self, op: &'static str, bound: usize, allowed: Option<i64>) -> Result<()> {
         for (position, &index) in self.data.iter().enumerate() {
             if Some(index) != allowed && (index < 0 || index as usize >= bound) {

@@ -21,6 +21,15 @@
 //! ```
 
 pub mod autograd;
+pub mod checkpoint;
+pub mod clip;
+pub mod data;
+pub mod nn;
+pub mod optim;
+pub mod policy;
+pub mod scaler;
+#[doc(hidden)]
+pub mod __private;
 pub(crate) mod cpu;
 pub mod device;
 pub mod error;

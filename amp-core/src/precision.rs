@@ -13,10 +13,10 @@
 
 use std::fmt;
 
-use half::slice::HalfFloatSliceExt;
-use half::{bf16, f16};
 use crate::autograd::AnyTensor;
 use crate::tensor::Tensor;
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use typenum::{B0, B1, Bit, IsGreaterOrEqual, IsLess, U5, U7, U8, U10, U11, U23, U52, Unsigned};
 
 mod sealed {
@@ -123,16 +123,7 @@ impl Accum for f64 {
     note = "tensors hold f32, half::f16, half::bf16 or f64"
 )]
 pub trait Precision:
-    sealed::Sealed
-    + Copy
-    + Default
-    + PartialEq
-    + PartialOrd
-    + Send
-    + Sync
-    + fmt::Debug
-    + fmt::Display
-    + 'static
+    sealed::Sealed + Copy + Default + PartialEq + PartialOrd + Send + Sync + fmt::Debug + fmt::Display + 'static
 {
     /// Exponent bits of the format, as a type.
     type ExponentBits: Unsigned + IsLess<U8, Output: Bit>;

@@ -192,7 +192,11 @@ impl<E: Precision> Tensor<E> {
     /// The value of a one-element tensor.
     pub fn try_item(&self) -> Result<E> {
         if self.numel() != 1 {
-            return Err(Error::Shape { op: "item", detail: "needs exactly one element".into(), shapes: vec![self.shape().to_vec()] });
+            return Err(Error::Shape {
+                op: "item",
+                detail: "needs exactly one element".into(),
+                shapes: vec![self.shape().to_vec()],
+            });
         }
         Ok(self.storage[self.layout.offset])
     }
@@ -353,7 +357,9 @@ impl<E: Precision> Tensor<E> {
         for (i, &p) in perm.iter().enumerate() {
             inverse[p] = i;
         }
-        Ok(self.view(layout).record("permute", vec![self.node.clone()], move |g| vec![Some(g.permute(&inverse).into())]))
+        Ok(self
+            .view(layout)
+            .record("permute", vec![self.node.clone()], move |g| vec![Some(g.permute(&inverse).into())]))
     }
     /// Reorders dims: output dim `i` is input dim `perm[i]`.
     #[track_caller]
@@ -389,7 +395,10 @@ impl<E: Precision> Tensor<E> {
         if start.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::Shape {
                 op: "narrow",
-                detail: format!("range {start}..{} is out of bounds for dim {dim} of size {size}", start.saturating_add(len)),
+                detail: format!(
+                    "range {start}..{} is out of bounds for dim {dim} of size {size}",
+                    start.saturating_add(len)
+                ),
                 shapes: vec![self.shape().to_vec()],
             });
         }

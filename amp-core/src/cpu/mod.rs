@@ -34,10 +34,7 @@ pub(crate) fn par_chunks_mut<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T])
 }
 
 /// Merges adjacent dims that every layout walks contiguously, so runs get as long as possible.
-pub(crate) fn collapse<const K: usize>(
-    shape: &[usize],
-    strides: [&[usize]; K],
-) -> (Vec<usize>, [Vec<usize>; K]) {
+pub(crate) fn collapse<const K: usize>(shape: &[usize], strides: [&[usize]; K]) -> (Vec<usize>, [Vec<usize>; K]) {
     let mut out_shape: Vec<usize> = Vec::with_capacity(shape.len());
     let mut out_strides: [Vec<usize>; K] = std::array::from_fn(|_| Vec::new());
     for d in 0..shape.len() {
@@ -230,21 +227,28 @@ pub(crate) fn map_binary<E: Precision>(
         let start = ci * CHUNK;
         let mut ba = [E::Acc::default(); BUF];
         let mut bb = [E::Acc::default(); BUF];
-        for_each_run(&shape, &strides, [la.offset, lb.offset], start, start + chunk.len(), |pos, [oa, ob], [sa, sb], len| {
-            let mut done = 0;
-            while done < len {
-                let m = (len - done).min(BUF);
-                let (xa, xb) = (&mut ba[..m], &mut bb[..m]);
-                load_strided(a, oa + done * sa, sa, xa);
-                load_strided(b, ob + done * sb, sb, xb);
-                for i in 0..m {
-                    xa[i] = f(xa[i], xb[i]);
+        for_each_run(
+            &shape,
+            &strides,
+            [la.offset, lb.offset],
+            start,
+            start + chunk.len(),
+            |pos, [oa, ob], [sa, sb], len| {
+                let mut done = 0;
+                while done < len {
+                    let m = (len - done).min(BUF);
+                    let (xa, xb) = (&mut ba[..m], &mut bb[..m]);
+                    load_strided(a, oa + done * sa, sa, xa);
+                    load_strided(b, ob + done * sb, sb, xb);
+                    for i in 0..m {
+                        xa[i] = f(xa[i], xb[i]);
+                    }
+                    let p = pos - start + done;
+                    E::store(xa, &mut chunk[p..p + m]);
+                    done += m;
                 }
-                let p = pos - start + done;
-                E::store(xa, &mut chunk[p..p + m]);
-                done += m;
-            }
-        });
+            },
+        );
     });
     out
 }

@@ -9,6 +9,7 @@ use num_traits::Float;
 
 /// What a reduction combines with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[expect(dead_code, reason = "Max and Min are for softmax and norms, which come next")]
 pub(crate) enum Reduce {
     Sum,
     Max,

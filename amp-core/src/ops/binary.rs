@@ -32,10 +32,7 @@ impl<E: Precision> Tensor<E> {
         let needs = (self.requires_grad(), rhs.requires_grad());
         Ok(out.record(op, vec![self.node.clone(), rhs.node.clone()], move |g| {
             let (ga, gb) = backward(&g, &a, &b, &y);
-            vec![
-                needs.0.then(|| ga.sum_to_shape(a.shape()).into()),
-                needs.1.then(|| gb.sum_to_shape(b.shape()).into()),
-            ]
+            vec![needs.0.then(|| ga.sum_to_shape(a.shape()).into()), needs.1.then(|| gb.sum_to_shape(b.shape()).into())]
         }))
     }
 

@@ -8,3 +8,10 @@ pub mod binary;
 pub mod matmul;
 pub mod reduce;
 pub mod unary;
+// Filled in by the next commits (one per op family):
+pub mod dropout;
+pub mod embedding;
+pub mod index;
+pub mod loss;
+pub mod norm;
+pub mod softmax;

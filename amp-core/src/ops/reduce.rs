@@ -73,7 +73,8 @@ impl<E: Precision> Tensor<E> {
         }
         let x = self.contiguous_data();
         let idx = cpu::reduce::arg_reduce(&x, (outer, d, inner), max);
-        let vals: Vec<E> = idx.iter().enumerate().map(|(oi, &j)| x[(oi / inner) * d * inner + j * inner + oi % inner]).collect();
+        let vals: Vec<E> =
+            idx.iter().enumerate().map(|(oi, &j)| x[(oi / inner) * d * inner + j * inner + oi % inner]).collect();
         let out = Self::from_parts(vals, &reduced_shape(self.shape(), dim, keepdim));
         let in_shape = self.shape().to_vec();
         Ok(out.record(op, vec![self.node.clone()], move |g| {
@@ -121,7 +122,11 @@ impl<E: Precision> Tensor<E> {
         check_dim(op, dim, self.shape())?;
         let odi = outer_dim_inner(self.shape(), dim);
         if odi.1 == 0 {
-            return Err(crate::Error::Shape { op, detail: format!("cannot reduce an empty dim {dim}"), shapes: vec![self.shape().to_vec()] });
+            return Err(crate::Error::Shape {
+                op,
+                detail: format!("cannot reduce an empty dim {dim}"),
+                shapes: vec![self.shape().to_vec()],
+            });
         }
         let idx = cpu::reduce::arg_reduce(&self.contiguous_data(), odi, max);
         Indices::try_from_vec(idx.into_iter().map(|i| i as i64).collect(), &reduced_shape(self.shape(), dim, keepdim))

@@ -26,10 +26,7 @@ pub fn gradcheck(inputs: &[Tensor<f64>], f: impl Fn(&[Tensor<f64>]) -> Tensor<f6
             let numeric = (eval(eps) - eval(-eps)) / (2.0 * eps);
             let a = analytic[j];
             let tol = 1e-5 * (1.0 + numeric.abs().max(a.abs()));
-            assert!(
-                (a - numeric).abs() <= tol,
-                "gradcheck: input {i} element {j}: analytic {a} vs numeric {numeric}"
-            );
+            assert!((a - numeric).abs() <= tol, "gradcheck: input {i} element {j}: analytic {a} vs numeric {numeric}");
         }
     }
 }

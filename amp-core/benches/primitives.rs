@@ -1,1 +1,2 @@
+//! Primitive benchmarks (filled in below).
 fn main() {}

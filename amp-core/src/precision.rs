@@ -512,10 +512,13 @@ mod tests {
 
     #[test]
     fn loss_scaling_is_computed_from_exponent_bits() {
-        assert!(<f16 as Precision>::NEEDS_LOSS_SCALING);
-        assert!(!<bf16 as Precision>::NEEDS_LOSS_SCALING);
-        assert!(!<f32 as Precision>::NEEDS_LOSS_SCALING);
-        assert!(!<f64 as Precision>::NEEDS_LOSS_SCALING);
+        // Checked at compile time: a wrong answer fails the build, not just the test.
+        const {
+            assert!(<f16 as Precision>::NEEDS_LOSS_SCALING);
+            assert!(!<bf16 as Precision>::NEEDS_LOSS_SCALING);
+            assert!(!<f32 as Precision>::NEEDS_LOSS_SCALING);
+            assert!(!<f64 as Precision>::NEEDS_LOSS_SCALING);
+        }
         // And as a type: usable in bounds.
         assert!(same::<NeedsLossScaling<f16>, B1>());
         assert!(same::<NeedsLossScaling<bf16>, B0>());

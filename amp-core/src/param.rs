@@ -68,6 +68,18 @@ pub trait Params {
     fn num_params(&self) -> usize {
         self.named_params().iter().map(|(_, p)| p.numel()).sum()
     }
+    /// Switches training-only behaviour (dropout) on or off in this module and every
+    /// submodule. Modules without such behaviour keep the default, which does nothing;
+    /// `#[derive(Params)]` forwards it to every field.
+    fn set_training(&mut self, _training: bool) {}
+    /// Training mode: dropout active (PyTorch's `model.train()`).
+    fn train(&mut self) {
+        self.set_training(true)
+    }
+    /// Evaluation mode: dropout is the identity (PyTorch's `model.eval()`).
+    fn eval(&mut self) {
+        self.set_training(false)
+    }
 }
 
 /// Joins a name prefix and a field name with a dot (an empty side is left out).
@@ -99,6 +111,9 @@ impl<T: Params> Params for Vec<T> {
     fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
         self.iter_mut().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params_mut())).collect()
     }
+    fn set_training(&mut self, training: bool) {
+        self.iter_mut().for_each(|m| m.set_training(training))
+    }
 }
 
 impl<T: Params> Params for Option<T> {
@@ -108,6 +123,11 @@ impl<T: Params> Params for Option<T> {
     fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
         self.as_mut().map(|m| m.named_params_mut()).unwrap_or_default()
     }
+    fn set_training(&mut self, training: bool) {
+        if let Some(m) = self {
+            m.set_training(training)
+        }
+    }
 }
 
 impl<T: Params + ?Sized> Params for Box<T> {
@@ -116,5 +136,8 @@ impl<T: Params + ?Sized> Params for Box<T> {
     }
     fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
         (**self).named_params_mut()
+    }
+    fn set_training(&mut self, training: bool) {
+        (**self).set_training(training)
     }
 }

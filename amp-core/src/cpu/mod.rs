@@ -11,6 +11,8 @@
 
 pub(crate) mod matmul;
 pub(crate) mod reduce;
+pub(crate) mod rows;
+pub(crate) mod softmax;
 
 use rayon::prelude::*;
 

@@ -9,27 +9,19 @@ use num_traits::Float;
 
 /// What a reduction combines with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[expect(dead_code, reason = "Max and Min are for softmax and norms, which come next")]
 pub(crate) enum Reduce {
     Sum,
     Max,
-    Min,
 }
 
+/// Combines two values (NaN wins for max, as in PyTorch).
 #[inline(always)]
-fn combine<A: Accum>(kind: Reduce, a: A, b: A) -> A {
+pub(crate) fn combine<A: Accum>(kind: Reduce, a: A, b: A) -> A {
     match kind {
         Reduce::Sum => a + b,
         // NaN propagates, as in PyTorch.
         Reduce::Max => {
             if a > b || a.is_nan() {
-                a
-            } else {
-                b
-            }
-        }
-        Reduce::Min => {
-            if a < b || a.is_nan() {
                 a
             } else {
                 b
@@ -42,7 +34,6 @@ fn identity<A: Accum>(kind: Reduce) -> A {
     match kind {
         Reduce::Sum => A::zero(),
         Reduce::Max => A::neg_infinity(),
-        Reduce::Min => A::infinity(),
     }
 }
 

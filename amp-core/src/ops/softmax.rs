@@ -1,1 +1,72 @@
-//! (in progress)
+//! Softmax and log-softmax over a dim, max-subtracted, with fused forward and backward kernels
+//! (`crate::cpu::softmax`) that accumulate in `E::Acc` and round once.
+//!
+//! The kernels work on the last dim; another dim is moved last by a transpose (a view) and
+//! back, so autograd goes through the transposes.
+
+use crate::cpu;
+use crate::error::{Error, Result, or_panic};
+use crate::layout::check_dim;
+use crate::precision::Precision;
+use crate::tensor::Tensor;
+
+impl<E: Precision> Tensor<E> {
+    fn softmax_impl<const LOG: bool>(&self, op: &'static str, dim: usize) -> Result<Self> {
+        if self.rank() == 0 {
+            // PyTorch accepts dim 0 on a 0-dim tensor: the one element is its own row.
+            if dim != 0 {
+                return Err(Error::DimOutOfRange { op, dim, rank: 0, shape: vec![] });
+            }
+            return Ok(self.reshape(&[1]).softmax_impl::<LOG>(op, 0)?.reshape(&[]));
+        }
+        check_dim(op, dim, self.shape())?;
+        let last = self.rank() - 1;
+        if dim != last {
+            return Ok(self.transpose(dim, last).softmax_impl::<LOG>(op, last)?.transpose(dim, last).contiguous());
+        }
+        let d = self.shape()[last];
+        let out = Self::from_parts(cpu::softmax::forward::<E, LOG>(&self.contiguous_data(), d), self.shape());
+        if !self.requires_grad() {
+            return Ok(out);
+        }
+        let y = out.detach();
+        Ok(out.record(op, vec![self.node.clone()], move |g| {
+            let gx = cpu::softmax::backward::<E, LOG>(&y.contiguous_data(), &g.contiguous_data(), d);
+            vec![Some(Tensor::from_parts(gx, y.shape()).into())]
+        }))
+    }
+
+    /// Softmax over `dim`: `y_i = exp(x_i - max) / sum_j exp(x_j - max)`, accumulated in f32
+    /// for f16/bf16 and rounded once. Derivative: `dx = y * (g - sum(g * y))`.
+    pub fn try_softmax(&self, dim: usize) -> Result<Self> {
+        self.softmax_impl::<false>("softmax", dim)
+    }
+    /// Softmax over `dim`; panics if `dim` is out of range.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 1.0, 1000.0, 1000.0], &[2, 2]);
+    /// assert_eq!(x.softmax(1).to_vec(), vec![0.5, 0.5, 0.5, 0.5]); // no overflow
+    /// ```
+    #[track_caller]
+    pub fn softmax(&self, dim: usize) -> Self {
+        or_panic(self.try_softmax(dim))
+    }
+    /// Log-softmax over `dim`: `y_i = x_i - max - log(sum_j exp(x_j - max))`.
+    /// Derivative: `dx = g - exp(y) * sum(g)`.
+    pub fn try_log_softmax(&self, dim: usize) -> Result<Self> {
+        self.softmax_impl::<true>("log_softmax", dim)
+    }
+    /// Log-softmax over `dim`; panics if `dim` is out of range.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f64>::from_vec(vec![0.0, 0.0], &[2]);
+    /// let y = x.log_softmax(0).to_vec();
+    /// assert!((y[0] + 2f64.ln()).abs() < 1e-15);
+    /// ```
+    #[track_caller]
+    pub fn log_softmax(&self, dim: usize) -> Self {
+        or_panic(self.try_log_softmax(dim))
+    }
+}

@@ -1,0 +1,216 @@
+//! Row-wise kernel helpers: parallel loops over rows of a `[rows, len]` view, lane-split sums
+//! and a vectorisable `exp`, shared by softmax, the norms and the losses.
+//!
+//! Design notes:
+//! - Rows are grouped into tasks of about [`CHUNK`] elements of work; the grouping depends only
+//!   on the shape, never on the thread count, so per-task partial sums (weight gradients,
+//!   losses) are added in task order and identical runs give bit-identical results.
+//! - Sums use eight independent lanes so the compiler vectorises them.
+//! - `exp` on f32 buffers is a Cephes-style polynomial the compiler vectorises (libm's `expf`
+//!   is a call per element); it is accurate to about 1 ulp over the range these kernels use it
+//!   for (softmax arguments are <= 0).
+
+use std::any::TypeId;
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::CHUNK;
+use super::reduce::{Reduce, combine};
+use crate::precision::Accum;
+
+/// Below this much work (elements touched) a row kernel runs on the calling thread: row kernels
+/// do several passes and transcendental calls, so they pay for threads sooner than copies do.
+const ROW_PAR_MIN: usize = 32 * 1024;
+
+/// Rows per task for rows of `work_row` elements of work.
+fn rows_per_task(work_row: usize) -> usize {
+    (CHUNK / work_row.max(1)).max(1)
+}
+
+/// Runs `f(first_row, rows_chunk)` over `out` split into whole rows of `out_row` elements,
+/// grouped into tasks of about [`CHUNK`] elements of work (`work_row` per row), in parallel when
+/// there is enough work. Returns each task's result in row order.
+pub(crate) fn par_rows<T: Send, R: Send>(
+    out: &mut [T],
+    out_row: usize,
+    work_row: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync + Send,
+) -> Vec<R> {
+    if out.is_empty() || out_row == 0 {
+        return Vec::new();
+    }
+    let rows = out.len() / out_row;
+    let per = rows_per_task(work_row);
+    let task = |(i, chunk): (usize, &mut [T])| f(i * per, chunk);
+    if rows * work_row >= ROW_PAR_MIN && rows > per {
+        out.par_chunks_mut(per * out_row).enumerate().map(task).collect()
+    } else {
+        out.chunks_mut(per * out_row).enumerate().map(task).collect()
+    }
+}
+
+/// Runs `f(rows)` over `0..n_rows` in tasks of about [`CHUNK`] elements of work, in parallel
+/// when there is enough work; returns each task's result in row order (for kernels whose
+/// output is not one slice per row, such as a loss).
+pub(crate) fn par_row_ranges<R: Send>(
+    n_rows: usize,
+    work_row: usize,
+    f: impl Fn(Range<usize>) -> R + Sync + Send,
+) -> Vec<R> {
+    let per = rows_per_task(work_row);
+    let tasks = n_rows.div_ceil(per);
+    let task = |t: usize| f(t * per..((t + 1) * per).min(n_rows));
+    if n_rows * work_row >= ROW_PAR_MIN && tasks > 1 {
+        (0..tasks).into_par_iter().map(task).collect()
+    } else {
+        (0..tasks).map(task).collect()
+    }
+}
+
+/// Sum of `f(x[i])` with eight independent lanes (vectorisable).
+#[inline]
+pub(crate) fn sum_map<A: Accum>(x: &[A], f: impl Fn(A) -> A) -> A {
+    let mut lanes = [A::zero(); 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for i in 0..8 {
+            lanes[i] += f(c[i]);
+        }
+    }
+    let mut s = A::zero();
+    for v in it.remainder() {
+        s += f(*v);
+    }
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + s
+}
+
+/// `sum(a[i] * b[i])` with eight independent lanes (vectorisable).
+#[inline]
+pub(crate) fn dot<A: Accum>(a: &[A], b: &[A]) -> A {
+    debug_assert_eq!(a.len(), b.len());
+    let mut lanes = [A::zero(); 8];
+    let (mut ia, mut ib) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (ca, cb) in (&mut ia).zip(&mut ib) {
+        for i in 0..8 {
+            lanes[i] += ca[i] * cb[i];
+        }
+    }
+    let mut s = A::zero();
+    for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
+        s += *x * *y;
+    }
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + s
+}
+
+/// Max of a buffer (NaN wins, as in PyTorch), with eight lanes; `-inf` for an empty buffer.
+#[inline]
+pub(crate) fn max_buf<A: Accum>(x: &[A]) -> A {
+    let mut lanes = [A::neg_infinity(); 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for i in 0..8 {
+            lanes[i] = combine(Reduce::Max, lanes[i], c[i]);
+        }
+    }
+    let m = it.remainder().iter().fold(A::neg_infinity(), |m, v| combine(Reduce::Max, m, *v));
+    lanes.iter().fold(m, |m, v| combine(Reduce::Max, m, *v))
+}
+
+/// `x[i] = exp(x[i])` over a buffer: the vectorised polynomial for f32, `f64::exp` for f64.
+#[inline]
+pub(crate) fn exp_in_place<A: Accum>(x: &mut [A]) {
+    if TypeId::of::<A>() == TypeId::of::<f32>() {
+        // SAFETY: A is f32 (checked just above), so the slice has f32's layout and length.
+        let x = unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut f32, x.len()) };
+        for v in x.iter_mut() {
+            *v = exp_f32(*v);
+        }
+    } else {
+        for v in x.iter_mut() {
+            *v = v.exp();
+        }
+    }
+}
+
+/// `exp(x)` for f32 without a libm call, so loops over it vectorise.
+///
+/// Range reduction `x = n ln2 + r` with `|r| <= ln2/2` (ln2 split in two for exactness), a
+/// degree-6 polynomial for `e^r` (Cephes `expf`), and `2^n` built from its exponent bits.
+/// Results below f32's normal range flush to 0 (below 1.2e-38, far under what a softmax sum can
+/// resolve); above 88.37 gives inf; NaN stays NaN.
+#[inline(always)]
+pub(crate) fn exp_f32(x: f32) -> f32 {
+    const LO: f32 = -87.336_55;
+    const HI: f32 = 88.376_26;
+    let xc = x.clamp(LO, HI);
+    let n = (xc * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_2e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 0.166_666_65;
+    p = p * r + 0.5;
+    let er = p * r * r + r + 1.0;
+    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    let y = er * scale;
+    if x > HI {
+        f32::INFINITY
+    } else if x < LO {
+        0.0
+    } else {
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_f32_is_within_two_ulps_and_handles_specials() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let got = exp_f32(x) as f64;
+            let ulp = (want as f32).abs() as f64 * f32::EPSILON as f64;
+            worst = worst.max((got - want).abs() / ulp);
+            x += 0.0137;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f32(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp_f32(100.0), f32::INFINITY);
+        assert!(exp_f32(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn lane_sums_and_max() {
+        let x: Vec<f64> = (0..37).map(|i| i as f64 * 0.5 - 3.0).collect();
+        assert_eq!(sum_map(&x, |v| v * v), x.iter().map(|v| v * v).sum::<f64>());
+        assert_eq!(dot(&x, &x), x.iter().map(|v| v * v).sum::<f64>());
+        assert_eq!(max_buf(&x), 15.0);
+        assert!(max_buf(&[1.0, f64::NAN, 3.0]).is_nan());
+        assert_eq!(max_buf::<f32>(&[]), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn row_tasks_cover_every_row_once_in_order() {
+        let mut out = vec![0usize; 7 * 100_000];
+        let firsts = par_rows(&mut out, 7, 7, |r0, chunk| {
+            for (k, row) in chunk.chunks_mut(7).enumerate() {
+                row.fill(r0 + k);
+            }
+            r0
+        });
+        assert!(firsts.windows(2).all(|w| w[0] < w[1]));
+        assert!(out.chunks(7).enumerate().all(|(r, row)| row.iter().all(|&v| v == r)));
+        let ranges = par_row_ranges(1000, 100, |r| r);
+        assert_eq!(ranges.first().unwrap().start, 0);
+        assert_eq!(ranges.last().unwrap().end, 1000);
+        assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+    }
+}

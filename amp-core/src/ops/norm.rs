@@ -1,1 +1,114 @@
-//! (in progress)
+//! Layer norm and RMS norm over the last dim, with optional affine parameters, on fused
+//! kernels (`crate::cpu::norm`): statistics in `E::Acc`, one rounding, gradients for the input,
+//! the weight and the bias from one backward pass.
+
+use crate::cpu;
+use crate::error::{Error, Result, or_panic};
+use crate::precision::Precision;
+use crate::tensor::Tensor;
+
+impl<E: Precision> Tensor<E> {
+    fn norm_impl<const RMS: bool>(
+        &self,
+        op: &'static str,
+        weight: Option<&Tensor<E>>,
+        bias: Option<&Tensor<E>>,
+        eps: f64,
+    ) -> Result<Self> {
+        let mut shapes = vec![self.shape().to_vec()];
+        shapes.extend(weight.iter().chain(&bias).map(|t| t.shape().to_vec()));
+        if self.rank() == 0 {
+            return Err(Error::Shape { op, detail: "the input needs at least one dim".into(), shapes });
+        }
+        let d = self.shape()[self.rank() - 1];
+        for (name, p) in [("weight", weight), ("bias", bias)] {
+            if let Some(p) = p {
+                if p.shape() != [d] {
+                    return Err(Error::Shape {
+                        op,
+                        detail: format!("{name} must have shape [{d}] (the input's last dim)"),
+                        shapes,
+                    });
+                }
+            }
+        }
+        if !(eps >= 0.0 && eps.is_finite()) {
+            return Err(Error::InvalidArgument {
+                op,
+                name: "eps",
+                detail: format!("must be finite and >= 0, got {eps} (input shape {:?})", self.shape()),
+            });
+        }
+        let x = self.contiguous_data();
+        let wd = weight.map(|w| w.contiguous_data());
+        let bd = bias.map(|b| b.contiguous_data());
+        let (y, stats) = cpu::norm::forward::<E, RMS>(&x, d, wd.as_deref(), bd.as_deref(), eps);
+        let out = Self::from_parts(y, self.shape());
+        let needs =
+            (self.requires_grad(), weight.is_some_and(Tensor::requires_grad), bias.is_some_and(Tensor::requires_grad));
+        if needs == (false, false, false) {
+            return Ok(out);
+        }
+        let xs = self.detach();
+        let ws = weight.map(Tensor::detach);
+        let parents = vec![self.node.clone(), weight.and_then(|w| w.node.clone()), bias.and_then(|b| b.node.clone())];
+        Ok(out.record(op, parents, move |g| {
+            let wd = ws.as_ref().map(|w| w.contiguous_data());
+            let (gx, gw, gb) = cpu::norm::backward::<E, RMS>(
+                &xs.contiguous_data(),
+                &g.contiguous_data(),
+                d,
+                wd.as_deref(),
+                &stats,
+                (needs.1, needs.2),
+            );
+            vec![
+                needs.0.then(|| Tensor::from_parts(gx, xs.shape()).into()),
+                gw.map(|v| Tensor::from_parts(v, &[d]).into()),
+                gb.map(|v| Tensor::from_parts(v, &[d]).into()),
+            ]
+        }))
+    }
+
+    /// Layer norm over the last dim `D`: `y = (x - mean) / sqrt(var + eps) * weight + bias`
+    /// (biased variance, as PyTorch), with `weight` and `bias` of shape `[D]` when given.
+    ///
+    /// Derivatives, with `x̂` the normalised input, `ĝ = g * weight` and `rstd = 1/sqrt(var + eps)`:
+    /// `dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂))`, `dweight = sum(g * x̂)`, `dbias = sum(g)`
+    /// (sums over every dim but the last).
+    pub fn try_layer_norm(&self, weight: Option<&Tensor<E>>, bias: Option<&Tensor<E>>, eps: f64) -> Result<Self> {
+        self.norm_impl::<false>("layer_norm", weight, bias, eps)
+    }
+    /// Layer norm over the last dim; panics on a weight/bias shape mismatch or a bad `eps`.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f64>::from_vec(vec![1.0, 3.0], &[1, 2]);
+    /// let y = x.layer_norm(None, None, 0.0).to_vec();
+    /// assert_eq!(y, vec![-1.0, 1.0]);
+    /// ```
+    #[track_caller]
+    pub fn layer_norm(&self, weight: Option<&Tensor<E>>, bias: Option<&Tensor<E>>, eps: f64) -> Self {
+        or_panic(self.try_layer_norm(weight, bias, eps))
+    }
+
+    /// RMS norm over the last dim `D`: `y = x / sqrt(mean(x²) + eps) * weight`, `weight` of
+    /// shape `[D]` when given.
+    ///
+    /// Derivatives, with `x̂ = x * rstd`, `ĝ = g * weight`, `rstd = 1/sqrt(mean(x²) + eps)`:
+    /// `dx = rstd * (ĝ - x̂ * mean(ĝ * x̂))`, `dweight = sum(g * x̂)`.
+    pub fn try_rms_norm(&self, weight: Option<&Tensor<E>>, eps: f64) -> Result<Self> {
+        self.norm_impl::<true>("rms_norm", weight, None, eps)
+    }
+    /// RMS norm over the last dim; panics on a weight shape mismatch or a bad `eps`.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f64>::from_vec(vec![3.0, -3.0], &[2]);
+    /// assert_eq!(x.rms_norm(None, 0.0).to_vec(), vec![1.0, -1.0]);
+    /// ```
+    #[track_caller]
+    pub fn rms_norm(&self, weight: Option<&Tensor<E>>, eps: f64) -> Self {
+        or_panic(self.try_rms_norm(weight, eps))
+    }
+}

@@ -1,0 +1,156 @@
+//! Fused layer norm and RMS norm over the last dim of a contiguous `[rows, d]` tensor.
+//!
+//! Forward loads each row once into `E::Acc`, computes the mean (two-pass variance, so large
+//! offsets do not cancel) and `rstd = 1 / sqrt(var + eps)`, applies the optional affine, and
+//! rounds once; the per-row mean and rstd are kept in `E::Acc` for backward. Backward computes
+//! the input gradient row by row and the weight and bias gradients as per-task partial sums
+//! added in task order (deterministic for any thread count).
+
+use super::rows::{dot, par_rows, sum_map};
+use crate::precision::{Accum, Precision};
+use num_traits::{Float, One, Zero};
+
+/// Per-row statistics saved by the forward pass, in the accumulation type.
+pub(crate) struct NormStats<A> {
+    /// Row means (all zero for RMS norm).
+    pub(crate) mean: Vec<A>,
+    /// Row reciprocal standard deviations (reciprocal root mean square for RMS norm).
+    pub(crate) rstd: Vec<A>,
+}
+
+fn load_opt<E: Precision>(v: Option<&[E]>) -> Option<Vec<E::Acc>> {
+    v.map(|v| {
+        let mut out = vec![E::Acc::default(); v.len()];
+        E::load(v, &mut out);
+        out
+    })
+}
+
+/// Normalises each row of `x` (`rows * d`): layer norm `(x - mean) * rstd * w + b`, or with
+/// `RMS`, `x * rstd * w` where `rstd = 1 / sqrt(mean(x²) + eps)`.
+pub(crate) fn forward<E: Precision, const RMS: bool>(
+    x: &[E],
+    d: usize,
+    w: Option<&[E]>,
+    b: Option<&[E]>,
+    eps: f64,
+) -> (Vec<E>, NormStats<E::Acc>) {
+    let (wa, ba) = (load_opt(w), load_opt(b));
+    let eps = E::Acc::c(eps);
+    let inv_d = E::Acc::c(1.0 / d as f64);
+    let mut out = vec![E::default(); x.len()];
+    let stats = par_rows(&mut out, d, d, |r0, chunk| {
+        let mut buf = vec![E::Acc::default(); d];
+        let mut st = Vec::with_capacity(chunk.len() / d);
+        for (k, y) in chunk.chunks_mut(d).enumerate() {
+            let r = r0 + k;
+            E::load(&x[r * d..(r + 1) * d], &mut buf);
+            let mean = if RMS { E::Acc::zero() } else { sum_map(&buf, |v| v) * inv_d };
+            let var = sum_map(&buf, |v| (v - mean) * (v - mean)) * inv_d;
+            let rstd = E::Acc::one() / (var + eps).sqrt();
+            match (&wa, &ba) {
+                (Some(w), Some(b)) => {
+                    for ((v, w), b) in buf.iter_mut().zip(w).zip(b) {
+                        *v = (*v - mean) * rstd * *w + *b;
+                    }
+                }
+                (Some(w), None) => {
+                    for (v, w) in buf.iter_mut().zip(w) {
+                        *v = (*v - mean) * rstd * *w;
+                    }
+                }
+                (None, Some(b)) => {
+                    for (v, b) in buf.iter_mut().zip(b) {
+                        *v = (*v - mean) * rstd + *b;
+                    }
+                }
+                (None, None) => {
+                    for v in buf.iter_mut() {
+                        *v = (*v - mean) * rstd;
+                    }
+                }
+            }
+            E::store(&buf, y);
+            st.push((mean, rstd));
+        }
+        st
+    });
+    let (mean, rstd) = stats.into_iter().flatten().unzip();
+    (out, NormStats { mean, rstd })
+}
+
+/// Gradients of a norm: the input's (always) and the weight's and bias's sums over rows when
+/// asked for. With `x̂ = (x - mean) * rstd` and `ĝ = g * w`:
+/// layer norm `dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂))`, RMS norm
+/// `dx = rstd * (ĝ - x̂ * mean(ĝ * x̂))`; `dw = sum_rows(g * x̂)`, `db = sum_rows(g)`.
+pub(crate) fn backward<E: Precision, const RMS: bool>(
+    x: &[E],
+    g: &[E],
+    d: usize,
+    w: Option<&[E]>,
+    stats: &NormStats<E::Acc>,
+    (need_w, need_b): (bool, bool),
+) -> (Vec<E>, Option<Vec<E>>, Option<Vec<E>>) {
+    let wa = load_opt(w);
+    let inv_d = E::Acc::c(1.0 / d as f64);
+    let mut gx = vec![E::default(); x.len()];
+    let partials = par_rows(&mut gx, d, d, |r0, chunk| {
+        let mut bx = vec![E::Acc::default(); d];
+        let mut bg = vec![E::Acc::default(); d];
+        let mut bh = vec![E::Acc::default(); d];
+        let mut pw = if need_w { vec![E::Acc::zero(); d] } else { Vec::new() };
+        let mut pb = if need_b { vec![E::Acc::zero(); d] } else { Vec::new() };
+        for (k, out) in chunk.chunks_mut(d).enumerate() {
+            let r = r0 + k;
+            let (mean, rstd) = (stats.mean[r], stats.rstd[r]);
+            E::load(&x[r * d..(r + 1) * d], &mut bx);
+            E::load(&g[r * d..(r + 1) * d], &mut bg);
+            for v in bx.iter_mut() {
+                *v = (*v - mean) * rstd; // x̂
+            }
+            if need_w {
+                for ((p, gv), h) in pw.iter_mut().zip(&bg).zip(&bx) {
+                    *p += *gv * *h;
+                }
+            }
+            if need_b {
+                for (p, gv) in pb.iter_mut().zip(&bg) {
+                    *p += *gv;
+                }
+            }
+            match &wa {
+                Some(w) => {
+                    for ((h, gv), w) in bh.iter_mut().zip(&bg).zip(w) {
+                        *h = *gv * *w;
+                    }
+                }
+                None => bh.copy_from_slice(&bg),
+            }
+            let mean_gh = if RMS { E::Acc::zero() } else { sum_map(&bh, |v| v) * inv_d };
+            let mean_ghx = dot(&bh, &bx) * inv_d;
+            for (h, xh) in bh.iter_mut().zip(&bx) {
+                *h = rstd * (*h - mean_gh - *xh * mean_ghx);
+            }
+            E::store(&bh, out);
+        }
+        (pw, pb)
+    });
+    // Sum the per-task partials in task order, then round once.
+    let (pw, pb): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+    let finish = |need: bool, parts: &[Vec<E::Acc>]| {
+        need.then(|| {
+            let mut acc = vec![E::Acc::zero(); d];
+            for p in parts {
+                for (a, v) in acc.iter_mut().zip(p) {
+                    *a += *v;
+                }
+            }
+            let mut out = vec![E::default(); d];
+            E::store(&acc, &mut out);
+            out
+        })
+    };
+    let gw = finish(need_w, &pw);
+    let gb = finish(need_b, &pb);
+    (gx, gw, gb)
+}

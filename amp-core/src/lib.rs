@@ -45,7 +45,8 @@ pub use autograd::{AnyTensor, Grads, NoGradGuard, TensorId, is_grad_enabled, no_
 pub use device::{Cpu, Device};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use indices::Indices;
+pub use indices::{Indices, Mask};
+pub use ops::loss::CrossEntropyOptions;
 pub use param::{Param, Params};
 pub use precision::{DType, NeedsLossScaling, Precision, Promote, Promoted};
 pub use rng::Rng;
@@ -53,5 +54,5 @@ pub use tensor::Tensor;
 
 /// The names most programs need.
 pub mod prelude {
-    pub use crate::{DType, Grads, Indices, Param, Params, Precision, Rng, Tensor, bf16, f16, no_grad};
+    pub use crate::{DType, Grads, Indices, Mask, Param, Params, Precision, Rng, Tensor, bf16, f16, no_grad};
 }

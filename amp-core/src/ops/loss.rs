@@ -1,1 +1,153 @@
-//! (in progress)
+//! Losses: cross-entropy on logits with class-index targets (PyTorch's `F.cross_entropy`,
+//! mean reduction, `ignore_index`, label smoothing) and the mean squared error.
+//! Both run on fused kernels (`crate::cpu::loss`) and return a 0-dim tensor in `E`.
+
+use crate::cpu;
+use crate::cpu::loss::CeSpec;
+use crate::error::{Error, Result, or_panic};
+use crate::indices::Indices;
+use crate::layout::Layout;
+use crate::precision::{Accum, Precision};
+use crate::tensor::Tensor;
+
+/// Options of [`Tensor::cross_entropy_with`], with PyTorch's defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CrossEntropyOptions {
+    /// Rows whose target equals this are left out of the loss and of the mean's count
+    /// (PyTorch's default: `Some(-100)`). `None` ignores nothing.
+    pub ignore_index: Option<i64>,
+    /// Label smoothing in `[0, 1]`: the target distribution is
+    /// `(1 - s) * one_hot(t) + s / C` (default 0).
+    pub label_smoothing: f64,
+}
+
+impl Default for CrossEntropyOptions {
+    fn default() -> Self {
+        CrossEntropyOptions { ignore_index: Some(-100), label_smoothing: 0.0 }
+    }
+}
+
+impl<E: Precision> Tensor<E> {
+    /// Cross-entropy of logits `[N, C]` (or `[C]` with a 0-dim target) against class indices
+    /// `[N]`, mean over the rows not ignored, with PyTorch's defaults (`ignore_index = -100`,
+    /// no smoothing). See [`Tensor::try_cross_entropy_with`].
+    pub fn try_cross_entropy(&self, targets: &Indices) -> Result<Self> {
+        self.try_cross_entropy_with(targets, CrossEntropyOptions::default())
+    }
+    /// Cross-entropy with PyTorch's defaults; panics on bad shapes or out-of-range targets.
+    ///
+    /// ```
+    /// # use amp_core::{Indices, Tensor};
+    /// let logits = Tensor::<f64>::from_vec(vec![0.0, 0.0, 5.0, 5.0], &[2, 2]);
+    /// let loss = logits.cross_entropy(&Indices::from_vec(vec![0, 1], &[2]));
+    /// assert!((loss.item() - 2f64.ln()).abs() < 1e-12);
+    /// ```
+    #[track_caller]
+    pub fn cross_entropy(&self, targets: &Indices) -> Self {
+        or_panic(self.try_cross_entropy(targets))
+    }
+
+    /// Cross-entropy of logits `[N, C]` against class indices `[N]`:
+    /// `loss = sum_i l_i / n` over the `n` rows whose target is not `ignore_index`, with
+    /// `l_i = -(1 - s) logp[i, t_i] - (s / C) sum_c logp[i, c]` and `logp = log_softmax(x, 1)`
+    /// (PyTorch's formula, so `n = 0` gives NaN, as in PyTorch). Log-softmax is fused inside
+    /// and accumulates in f32 for f16/bf16. Derivative:
+    /// `dx[i, c] = (softmax(x_i)_c - (1 - s) [c == t_i] - s / C) / n` for counted rows, 0 for
+    /// ignored ones. A target outside `0..C` (other than `ignore_index`) is
+    /// [`Error::IndexOutOfRange`].
+    pub fn try_cross_entropy_with(&self, targets: &Indices, options: CrossEntropyOptions) -> Result<Self> {
+        const OP: &str = "cross_entropy";
+        let shapes = || vec![self.shape().to_vec(), targets.shape().to_vec()];
+        if self.rank() == 1 && targets.shape().is_empty() {
+            let one = targets.reshape(&[1]);
+            return self.unsqueeze(0).try_cross_entropy_with(&one, options);
+        }
+        if self.rank() != 2 || targets.shape() != [self.shape()[0]] {
+            return Err(Error::Shape {
+                op: OP,
+                detail: "expected logits [N, C] with targets [N] (or logits [C] with a 0-dim target)".into(),
+                shapes: shapes(),
+            });
+        }
+        let s = options.label_smoothing;
+        if !(0.0..=1.0).contains(&s) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                name: "label_smoothing",
+                detail: format!("must be in [0, 1], got {s} (logits shape {:?})", self.shape()),
+            });
+        }
+        let c = self.shape()[1];
+        targets.check_bound(OP, c, options.ignore_index)?;
+        let x = self.contiguous_data();
+        let spec = CeSpec { targets: targets.as_slice(), ignore: options.ignore_index, smoothing: s };
+        let (lse, total, counted) = cpu::loss::cross_entropy_forward(&x, c, spec);
+        let out = Self::full(&[], total / counted as f64);
+        if !self.requires_grad() {
+            return Ok(out);
+        }
+        let (xs, targets) = (self.detach(), targets.clone());
+        Ok(out.record(OP, vec![self.node.clone()], move |g| {
+            let spec = CeSpec { targets: targets.as_slice(), ignore: options.ignore_index, smoothing: s };
+            let scale = g.item().to_f64() / counted as f64;
+            let gx = cpu::loss::cross_entropy_backward(&xs.contiguous_data(), c, spec, &lse, scale);
+            vec![Some(Tensor::from_parts(gx, xs.shape()).into())]
+        }))
+    }
+    /// Cross-entropy with explicit options; panics on bad shapes, out-of-range targets or a
+    /// smoothing outside `[0, 1]`.
+    ///
+    /// ```
+    /// # use amp_core::{Indices, Tensor, ops::loss::CrossEntropyOptions};
+    /// let logits = Tensor::<f64>::zeros(&[2, 4]);
+    /// let t = Indices::from_vec(vec![1, -100], &[2]); // the second row is ignored
+    /// let opts = CrossEntropyOptions { label_smoothing: 0.1, ..Default::default() };
+    /// assert!((logits.cross_entropy_with(&t, opts).item() - 4f64.ln()).abs() < 1e-12);
+    /// ```
+    #[track_caller]
+    pub fn cross_entropy_with(&self, targets: &Indices, options: CrossEntropyOptions) -> Self {
+        or_panic(self.try_cross_entropy_with(targets, options))
+    }
+
+    /// Mean squared error `mean((self - target)²)` over every element, as a 0-dim tensor
+    /// (NaN for empty tensors, as in PyTorch); the shapes must be equal.
+    /// Derivatives: `2 (self - target) / n` and its negation for `target`.
+    pub fn try_mse_loss(&self, target: &Self) -> Result<Self> {
+        if self.shape() != target.shape() {
+            return Err(Error::Shape {
+                op: "mse_loss",
+                detail: "input and target must have the same shape".into(),
+                shapes: vec![self.shape().to_vec(), target.shape().to_vec()],
+            });
+        }
+        let n = self.numel();
+        let (a, b) = (self.contiguous_data(), target.contiguous_data());
+        let out = Self::full(&[], cpu::loss::squared_error_sum(&a, &b) / n as f64);
+        if !self.requires_grad() && !target.requires_grad() {
+            return Ok(out);
+        }
+        let (xs, ts) = (self.detach(), target.detach());
+        let needs = (self.requires_grad(), target.requires_grad());
+        Ok(out.record("mse_loss", vec![self.node.clone(), target.node.clone()], move |g| {
+            let k = E::Acc::c(2.0 * g.item().to_f64() / n as f64);
+            let shape = xs.shape();
+            let l = Layout::contiguous(shape);
+            let gx = cpu::map_binary(&xs.contiguous_data(), &l, &ts.contiguous_data(), &l, shape, |x, t| (x - t) * k);
+            let gx = Tensor::from_parts(gx, shape);
+            let gt = needs.1.then(|| gx.neg().into());
+            vec![needs.0.then(|| gx.into()), gt]
+        }))
+    }
+    /// Mean squared error; panics if the shapes differ.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2]);
+    /// let t = Tensor::<f32>::from_vec(vec![0.0, 4.0], &[2]);
+    /// assert_eq!(x.mse_loss(&t).item(), 2.5);
+    /// ```
+    #[track_caller]
+    pub fn mse_loss(&self, target: &Self) -> Self {
+        or_panic(self.try_mse_loss(target))
+    }
+}

@@ -9,6 +9,7 @@
 //! - Strided (transposed, broadcast, narrowed) inputs are handled by [`for_each_run`], which
 //!   walks the output in row-major order and tracks each input's offset with an odometer.
 
+pub(crate) mod dropout;
 pub(crate) mod loss;
 pub(crate) mod matmul;
 pub(crate) mod norm;

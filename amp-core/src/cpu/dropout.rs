@@ -1,0 +1,47 @@
+//! Dropout's kernel: `out = x * keep / (1 - p)` with the keep mask drawn from a seed.
+//!
+//! Design notes: the mask is a pure function of `(seed, element index)`: each chunk of
+//! [`CHUNK`] elements has its own generator seeded from `(seed, chunk index)`, and each 64-bit
+//! draw decides two elements with 32 bits each. So chunks run in parallel, the mask does not
+//! depend on the thread count, and backward regenerates the same mask from the seed instead of
+//! storing it (as PyTorch's CUDA dropout keeps a Philox seed and offset).
+
+use super::{BUF, CHUNK, par_chunks_mut};
+use crate::precision::{Accum, Precision};
+use crate::rng::Rng;
+
+/// The keep threshold: an element is kept when its 32 random bits are `>= threshold`, which
+/// happens with probability `1 - p` (to within 2^-32).
+fn threshold(p: f64) -> u64 {
+    ((p * 4_294_967_296.0).round() as u64).min(u32::MAX as u64)
+}
+
+/// `x * keep * scale` over contiguous `x`, with the mask drawn from `seed` and drop probability
+/// `p` (the same seed, length and `p` always give the same mask).
+pub(crate) fn apply<E: Precision>(x: &[E], p: f64, seed: u64) -> Vec<E> {
+    let thr = threshold(p);
+    let scale = E::Acc::c(1.0 / (1.0 - p));
+    let zero = E::Acc::c(0.0);
+    let mut out = vec![E::default(); x.len()];
+    par_chunks_mut(&mut out, |ci, chunk| {
+        let start = ci * CHUNK;
+        let mut rng = Rng::seed(seed ^ (ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut buf = [E::Acc::default(); BUF];
+        // BUF is even, so every buffer but the last starts on a fresh 64-bit draw.
+        for (j, o) in chunk.chunks_mut(BUF).enumerate() {
+            let s = start + j * BUF;
+            let b = &mut buf[..o.len()];
+            E::load(&x[s..s + o.len()], b);
+            for pair in b.chunks_mut(2) {
+                let bits = rng.next_u64();
+                let keep = [(bits & 0xFFFF_FFFF) >= thr, (bits >> 32) >= thr];
+                for (v, k) in pair.iter_mut().zip(keep) {
+                    // Multiply rather than select so NaN inputs stay NaN, as in PyTorch.
+                    *v *= if k { scale } else { zero };
+                }
+            }
+            E::store(b, o);
+        }
+    });
+    out
+}

@@ -1,0 +1,120 @@
+//! Selection and gathering kernels: `where` with broadcasting, concatenation along a dim, and
+//! the embedding gather with its scatter-add backward. Pure data movement, except the
+//! scatter-add, which accumulates in `E::Acc` and rounds once.
+
+use super::rows::par_rows;
+use super::{CHUNK, collapse, for_each_run, par_chunks_mut};
+use crate::layout::Layout;
+use crate::precision::Precision;
+use num_traits::Zero;
+
+/// `out[i] = if mask[i] { a[i] } else { b[i] }` with the mask and both operands broadcast
+/// (by their layouts) to `out_shape`.
+pub(crate) fn select<E: Precision>(
+    mask: &[bool],
+    lm: &Layout,
+    a: &[E],
+    la: &Layout,
+    b: &[E],
+    lb: &Layout,
+    out_shape: &[usize],
+) -> Vec<E> {
+    let n: usize = out_shape.iter().product();
+    let (lm, la, lb) = (lm.broadcast_to(out_shape), la.broadcast_to(out_shape), lb.broadcast_to(out_shape));
+    let (shape, strides) = collapse(out_shape, [&lm.strides, &la.strides, &lb.strides]);
+    let mut out = vec![E::default(); n];
+    par_chunks_mut(&mut out, |ci, chunk| {
+        let start = ci * CHUNK;
+        for_each_run(
+            &shape,
+            &strides,
+            [lm.offset, la.offset, lb.offset],
+            start,
+            start + chunk.len(),
+            |pos, [om, oa, ob], [sm, sa, sb], len| {
+                let dst = &mut chunk[pos - start..pos - start + len];
+                // The common shapes get loops the compiler can vectorise: contiguous mask and
+                // value with a scalar fill (masked_fill), or everything contiguous.
+                match (sm, sa, sb) {
+                    (1, 0, 1) => {
+                        let (m, fa, vb) = (&mask[om..om + len], a[oa], &b[ob..ob + len]);
+                        for ((d, &m), &v) in dst.iter_mut().zip(m).zip(vb) {
+                            *d = if m { fa } else { v };
+                        }
+                    }
+                    (1, 1, 1) => {
+                        let (m, va, vb) = (&mask[om..om + len], &a[oa..oa + len], &b[ob..ob + len]);
+                        for (((d, &m), &x), &y) in dst.iter_mut().zip(m).zip(va).zip(vb) {
+                            *d = if m { x } else { y };
+                        }
+                    }
+                    _ => {
+                        for (i, d) in dst.iter_mut().enumerate() {
+                            *d = if mask[om + i * sm] { a[oa + i * sa] } else { b[ob + i * sb] };
+                        }
+                    }
+                }
+            },
+        );
+    });
+    out
+}
+
+/// Concatenates contiguous `parts` viewed as `[outer, d_i, inner]` along the middle dim.
+pub(crate) fn cat<E: Precision>(parts: &[(&[E], usize)], outer: usize, inner: usize) -> Vec<E> {
+    let total: usize = parts.iter().map(|p| p.1).sum();
+    let row = total * inner;
+    let mut out = vec![E::default(); outer * row];
+    par_rows(&mut out, row, row, |o0, chunk| {
+        for (k, dst) in chunk.chunks_mut(row).enumerate() {
+            let o = o0 + k;
+            let mut at = 0;
+            for &(src, d) in parts {
+                let len = d * inner;
+                dst[at..at + len].copy_from_slice(&src[o * len..(o + 1) * len]);
+                at += len;
+            }
+        }
+    });
+    out
+}
+
+/// `out[r] = w[ids[r]]` for rows of `d` elements (ids already bounds-checked).
+pub(crate) fn gather_rows<E: Precision>(w: &[E], ids: &[i64], d: usize) -> Vec<E> {
+    let mut out = vec![E::default(); ids.len() * d];
+    par_rows(&mut out, d, d, |r0, chunk| {
+        for (k, dst) in chunk.chunks_mut(d).enumerate() {
+            let id = ids[r0 + k] as usize;
+            dst.copy_from_slice(&w[id * d..(id + 1) * d]);
+        }
+    });
+    out
+}
+
+/// The embedding backward: `out[v] = sum over r with ids[r] == v of g[r]` for `v` in `0..vocab`,
+/// accumulated in `E::Acc` and rounded once. Rows are visited in ascending position for each
+/// id (a stable sort), so the result is the same for any thread count.
+pub(crate) fn scatter_add_rows<E: Precision>(g: &[E], ids: &[i64], vocab: usize, d: usize) -> Vec<E> {
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_by_key(|&r| ids[r]);
+    let mut out = vec![E::default(); vocab * d];
+    par_rows(&mut out, d, d, |v0, chunk| {
+        let v1 = v0 + chunk.len() / d;
+        let lo = order.partition_point(|&r| (ids[r] as usize) < v0);
+        let hi = order.partition_point(|&r| (ids[r] as usize) < v1);
+        if lo == hi {
+            return; // no id in this block: the gradient rows stay zero
+        }
+        let mut acc = vec![E::Acc::zero(); chunk.len()];
+        let mut buf = vec![E::Acc::default(); d];
+        for &r in &order[lo..hi] {
+            let v = ids[r] as usize - v0;
+            E::load(&g[r * d..(r + 1) * d], &mut buf);
+            for (a, x) in acc[v * d..(v + 1) * d].iter_mut().zip(&buf) {
+                *a += *x;
+            }
+        }
+        E::store(&acc, chunk);
+    });
+    out
+}

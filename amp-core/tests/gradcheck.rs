@@ -80,3 +80,157 @@ fn cast_backward_casts_the_gradient_back() {
     // d/dw (3w)^2 = 18 w, exact in f16 for these values.
     assert_eq!(gw.to_vec(), vec![18.0, -36.0, 54.0]);
 }
+
+/// `sum(t * w)` with fixed random weights `w`: a scalar whose gradient is `w`, so ops whose
+/// outputs sum to a constant (softmax) still get a non-trivial check.
+fn weighted(t: &Tensor<f64>, seed: u64) -> Tensor<f64> {
+    t.mul(&randn(t.shape(), seed)).sum_all()
+}
+
+#[test]
+fn softmax_and_log_softmax_over_every_dim() {
+    let x = randn(&[2, 3, 4], 20).mul_scalar(2.0);
+    for d in 0..3 {
+        gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].softmax(d), 21));
+        gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].log_softmax(d), 22));
+    }
+    // A strided (transposed) input, and a 0-dim input.
+    gradcheck(&[randn(&[4, 3], 23)], |t| weighted(&t[0].t().softmax(1), 24));
+    gradcheck(&[randn(&[], 25)], |t| t[0].softmax(0).mul_scalar(3.0).add(&t[0]).sum_all());
+    gradcheck(&[randn(&[], 25)], |t| t[0].log_softmax(0).add(&t[0].square()).sum_all());
+    // Large logits: the max subtraction keeps both passes finite.
+    let big = randn(&[3, 5], 26).mul_scalar(300.0);
+    gradcheck(std::slice::from_ref(&big), |t| weighted(&t[0].div_scalar(100.0).log_softmax(1), 27));
+}
+
+#[test]
+fn layer_norm_with_and_without_affine() {
+    let x = randn(&[2, 3, 5], 30);
+    let w = randn(&[5], 31);
+    let b = randn(&[5], 32);
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].layer_norm(None, None, 1e-5), 33));
+    gradcheck(&[x.clone(), w.clone()], |t| weighted(&t[0].layer_norm(Some(&t[1]), None, 1e-5), 34));
+    gradcheck(&[x.clone(), b.clone()], |t| weighted(&t[0].layer_norm(None, Some(&t[1]), 1e-5), 35));
+    gradcheck(&[x.clone(), w.clone(), b.clone()], |t| weighted(&t[0].layer_norm(Some(&t[1]), Some(&t[2]), 1e-5), 36));
+    // Only the parameters require gradients (a frozen input), and a transposed input.
+    gradcheck(&[w.clone(), b.clone()], |t| weighted(&x.layer_norm(Some(&t[0]), Some(&t[1]), 0.1), 37));
+    gradcheck(&[randn(&[5, 4], 38)], |t| weighted(&t[0].t().layer_norm(None, None, 1e-5), 39));
+    // Large offset: the two-pass variance does not cancel.
+    gradcheck(&[randn(&[2, 6], 40).add_scalar(1000.0)], |t| weighted(&t[0].layer_norm(None, None, 1e-5), 41));
+}
+
+#[test]
+fn rms_norm_with_and_without_weight() {
+    let x = randn(&[3, 2, 6], 42);
+    let w = randn(&[6], 43);
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].rms_norm(None, 1e-6), 44));
+    gradcheck(&[x.clone(), w.clone()], |t| weighted(&t[0].rms_norm(Some(&t[1]), 1e-6), 45));
+    gradcheck(std::slice::from_ref(&w), |t| weighted(&x.rms_norm(Some(&t[0]), 0.5), 46));
+}
+
+#[test]
+fn cross_entropy_with_ignore_index_and_label_smoothing() {
+    use amp_core::{CrossEntropyOptions, Indices};
+    let x = randn(&[5, 4], 50).mul_scalar(2.0);
+    let t = Indices::from_vec(vec![3, 0, -100, 2, 0], &[5]);
+    gradcheck(std::slice::from_ref(&x), |l| l[0].cross_entropy(&t));
+    for (ignore, smoothing) in [(Some(-100), 0.0), (Some(-100), 0.1), (Some(0), 0.25), (None, 0.0), (Some(2), 1.0)] {
+        // Row 2 is ignored (or, with no ignore_index, an ordinary row of class 1).
+        let t = Indices::from_vec(vec![3, 0, ignore.unwrap_or(1), 2, 0], &[5]);
+        let opts = CrossEntropyOptions { ignore_index: ignore, label_smoothing: smoothing };
+        gradcheck(std::slice::from_ref(&x), |l| l[0].cross_entropy_with(&t, opts).mul_scalar(1.7));
+    }
+    // 1-D logits with a 0-dim target, and logits that are a strided view.
+    gradcheck(&[randn(&[6], 51)], |l| l[0].cross_entropy(&Indices::from_vec(vec![4], &[])));
+    gradcheck(&[randn(&[4, 5], 52)], |l| l[0].t().cross_entropy(&t));
+}
+
+#[test]
+fn mse_loss_for_input_and_target() {
+    gradcheck(&[randn(&[3, 4], 53), randn(&[3, 4], 54)], |t| t[0].mse_loss(&t[1]));
+    gradcheck(&[randn(&[4, 3], 55), randn(&[3, 4], 56)], |t| t[0].t().mse_loss(&t[1]).mul_scalar(-2.0));
+}
+
+#[test]
+fn dropout_routes_the_gradient_through_the_same_mask() {
+    use amp_core::Rng;
+    let x = randn(&[4, 50], 57);
+    // The closure reseeds, so every evaluation draws the same mask.
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].dropout(0.3, true, &mut Rng::seed(9)), 58));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].dropout(0.3, false, &mut Rng::seed(9)), 59));
+}
+
+#[test]
+fn embedding_with_repeated_ids() {
+    use amp_core::Indices;
+    let w = randn(&[5, 3], 60);
+    let ids = Indices::from_vec(vec![0, 2, 2, 4, 0, 2], &[2, 3]); // row 1 and 3 unused
+    gradcheck(std::slice::from_ref(&w), |t| weighted(&t[0].embedding(&ids), 61));
+    gradcheck(std::slice::from_ref(&w), |t| weighted(&t[0].embedding(&Indices::from_vec(vec![3], &[])), 62));
+    // A transposed weight (a tied output projection looked up as an embedding).
+    gradcheck(&[randn(&[3, 5], 63)], |t| weighted(&t[0].t().embedding(&ids), 64));
+}
+
+#[test]
+fn masked_fill_with_broadcast_masks() {
+    use amp_core::Mask;
+    let x = randn(&[2, 3, 4], 70);
+    let bits = |n: usize, seed: u64| {
+        let mut r = amp_core::Rng::seed(seed);
+        (0..n).map(|_| r.uniform() < 0.4).collect::<Vec<_>>()
+    };
+    for shape in [vec![2, 3, 4], vec![3, 4], vec![4], vec![2, 1, 4], vec![1, 3, 1], vec![]] {
+        let m = Mask::from_vec(bits(shape.iter().product(), 71), &shape);
+        gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].masked_fill(&m, -3.0), 72));
+    }
+    // The mask is larger than the input: the output broadcasts, the gradient sums back.
+    let m = Mask::from_vec(bits(24, 73), &[2, 3, 4]);
+    gradcheck(&[randn(&[3, 1], 74)], |t| weighted(&t[0].masked_fill(&m, 5.0), 75));
+    let causal = Mask::causal(4);
+    gradcheck(&[randn(&[2, 4, 4], 76)], |t| t[0].masked_fill(&causal, f64::NEG_INFINITY).softmax(2).square().sum_all());
+}
+
+#[test]
+fn where_cond_with_broadcasting() {
+    use amp_core::Mask;
+    let m = Mask::from_vec(vec![true, false, false, true, true, false], &[2, 3]);
+    let cases: [(Vec<usize>, Vec<usize>, &Mask); 4] = [
+        (vec![2, 3], vec![2, 3], &m),
+        (vec![3], vec![2, 1], &m),
+        (vec![1, 3], vec![], &m),
+        (vec![4, 2, 3], vec![3], &m),
+    ];
+    for (i, (sa, sb, m)) in cases.into_iter().enumerate() {
+        let (a, b) = (randn(&sa, 80 + i as u64), randn(&sb, 90 + i as u64));
+        gradcheck(&[a, b], |t| weighted(&Tensor::where_cond(m, &t[0], &t[1]), 99));
+    }
+    // Only one side requires a gradient.
+    let b = randn(&[2, 3], 100);
+    gradcheck(&[randn(&[2, 3], 101)], |t| weighted(&Tensor::where_cond(&m, &t[0], &b), 102));
+    gradcheck(&[randn(&[2, 3], 103)], |t| weighted(&Tensor::where_cond(&m, &b, &t[0]), 104));
+    // A broadcast mask: [2, 1] against [2, 3] operands.
+    let col = Mask::from_vec(vec![false, true], &[2, 1]);
+    gradcheck(&[randn(&[2, 3], 105), randn(&[2, 3], 106)], |t| weighted(&Tensor::where_cond(&col, &t[0], &t[1]), 107));
+}
+
+#[test]
+fn cat_and_stack_along_several_dims() {
+    for dim in 0..3 {
+        let mut s = [2, 3, 4];
+        let a = randn(&s, 110);
+        s[dim] = 1;
+        let b = randn(&s, 111);
+        s[dim] = 3;
+        let c = randn(&s, 112);
+        gradcheck(&[a, b, c], |t| weighted(&Tensor::cat(&[&t[0], &t[1], &t[2]], dim), 113));
+    }
+    // One input twice, a strided input, and a constant input that needs no gradient.
+    let k = randn(&[3, 2], 114);
+    gradcheck(&[randn(&[2, 3], 115)], |t| weighted(&Tensor::cat(&[&t[0], &t[0].t().t(), &k.t()], 1), 116));
+    for dim in 0..=2 {
+        gradcheck(&[randn(&[3, 2], 117), randn(&[3, 2], 118)], |t| {
+            weighted(&Tensor::stack(&[&t[0], &t[1], &t[0]], dim), 119)
+        });
+    }
+    gradcheck(&[randn(&[], 120), randn(&[], 121)], |t| weighted(&Tensor::stack(&[&t[0], &t[1]], 0), 122));
+}

@@ -1,0 +1,178 @@
+//! `#[derive(Params)]` through the facade: PyTorch `state_dict` names for nested structs,
+//! `Vec`/`Option`/`Box` fields, tuple structs, generics, `skip` and `rename`; and the
+//! compile errors for misuse (trybuild cases in tests/ui/derive_params/).
+
+use amp::{Param, Params, Rng, Tensor};
+
+fn param(shape: &[usize], rng: &mut Rng) -> Param {
+    Param::new(Tensor::<f32>::randn(shape, rng))
+}
+
+#[derive(Params)]
+struct Linear {
+    weight: Param,
+    bias: Option<Param>,
+}
+
+impl Linear {
+    fn new(i: usize, o: usize, bias: bool, rng: &mut Rng) -> Self {
+        Linear { weight: param(&[o, i], rng), bias: bias.then(|| param(&[o], rng)) }
+    }
+}
+
+#[derive(Params)]
+struct LayerNorm {
+    weight: Param,
+    bias: Param,
+    #[param(skip)]
+    eps: f64,
+}
+
+/// A module with no parameters but a mode: implements `Params` by hand.
+struct Dropout {
+    training: bool,
+}
+
+impl Params for Dropout {
+    fn named_params(&self) -> Vec<(String, &Param)> {
+        Vec::new()
+    }
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+        Vec::new()
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}
+
+#[derive(Params)]
+struct Block {
+    ln1: LayerNorm,
+    drop: Dropout,
+    #[param(rename = "c_fc")]
+    fc: Linear,
+    proj: Box<Linear>,
+    #[param(skip)]
+    dropout: f32,
+}
+
+#[derive(Params)]
+struct Gpt {
+    wte: Param,
+    blocks: Vec<Block>,
+    head: Linear,
+    #[param(skip)]
+    config: (usize, usize),
+}
+
+/// Tuple struct: fields are named by position, as `nn.Sequential` names its children.
+#[derive(Params)]
+struct Pair(Linear, #[param(skip)] u8, Linear);
+
+/// A generic wrapper: the derive bounds `M: Params`.
+#[derive(Params)]
+struct Wrapped<M> {
+    module: M,
+    #[param(skip)]
+    tag: &'static str,
+}
+
+#[derive(Params)]
+struct Empty;
+
+fn ln(d: usize) -> LayerNorm {
+    LayerNorm { weight: Param::new(Tensor::ones(&[d])), bias: Param::new(Tensor::zeros(&[d])), eps: 1e-5 }
+}
+
+fn gpt(rng: &mut Rng) -> Gpt {
+    let blocks = (0..2)
+        .map(|_| Block {
+            ln1: ln(4),
+            drop: Dropout { training: true },
+            fc: Linear::new(4, 8, true, rng),
+            proj: Box::new(Linear::new(8, 4, false, rng)),
+            dropout: 0.1,
+        })
+        .collect();
+    Gpt { wte: param(&[10, 4], rng), blocks, head: Linear::new(4, 10, true, rng), config: (2, 4) }
+}
+
+#[test]
+fn names_follow_pytorch_state_dict() {
+    let mut rng = Rng::seed(0);
+    let model = gpt(&mut rng);
+    let names: Vec<String> = model.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        [
+            "wte",
+            "blocks.0.ln1.weight",
+            "blocks.0.ln1.bias",
+            "blocks.0.c_fc.weight",
+            "blocks.0.c_fc.bias",
+            "blocks.0.proj.weight",
+            "blocks.1.ln1.weight",
+            "blocks.1.ln1.bias",
+            "blocks.1.c_fc.weight",
+            "blocks.1.c_fc.bias",
+            "blocks.1.proj.weight",
+            "head.weight",
+            "head.bias",
+        ]
+    );
+    assert_eq!(model.num_params(), 40 + 2 * (4 + 4 + 32 + 8 + 32) + 40 + 10);
+    // Skipped fields are still there, untouched.
+    assert_eq!(model.config, (2, 4));
+    assert_eq!(model.blocks[1].dropout, 0.1);
+    assert_eq!(model.blocks[0].ln1.eps, 1e-5);
+}
+
+#[test]
+fn shared_and_mutable_enumerations_agree_and_mutation_lands() {
+    let mut rng = Rng::seed(1);
+    let mut model = gpt(&mut rng);
+    let ids: Vec<(String, _)> = model.named_params().into_iter().map(|(n, p)| (n, p.id())).collect();
+    let ids_mut: Vec<(String, _)> = model.named_params_mut().into_iter().map(|(n, p)| (n, p.id())).collect();
+    assert_eq!(ids, ids_mut);
+    for (name, p) in model.named_params_mut() {
+        if name == "head.bias" {
+            p.data_mut().fill(3.0);
+        }
+    }
+    assert!(model.head.bias.as_ref().unwrap().to_vec().iter().all(|&v| v == 3.0));
+    assert!(model.blocks[0].fc.bias.as_ref().unwrap().to_vec().iter().all(|&v| v != 3.0));
+}
+
+#[test]
+fn train_and_eval_reach_every_submodule() {
+    let mut rng = Rng::seed(3);
+    let mut model = Wrapped { module: gpt(&mut rng), tag: "m" };
+    model.eval();
+    assert!(model.module.blocks.iter().all(|b| !b.drop.training));
+    model.train();
+    assert!(model.module.blocks.iter().all(|b| b.drop.training));
+}
+
+#[test]
+fn tuple_generic_and_unit_structs() {
+    let mut rng = Rng::seed(2);
+    let pair = Pair(Linear::new(2, 2, true, &mut rng), 7, Linear::new(2, 3, false, &mut rng));
+    let names: Vec<String> = pair.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["0.weight", "0.bias", "2.weight"]);
+    assert_eq!(pair.1, 7);
+
+    let wrapped = Wrapped { module: vec![Linear::new(2, 2, false, &mut rng)], tag: "x" };
+    let names: Vec<String> = wrapped.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["module.0.weight"]);
+    assert_eq!(wrapped.tag, "x");
+
+    let mut empty = Empty;
+    assert!(empty.named_params().is_empty());
+    assert!(empty.named_params_mut().is_empty());
+}
+
+#[test]
+fn misuse_is_a_compile_error_on_the_field() {
+    let t = trybuild::TestCases::new();
+    t.compile_fail("tests/ui/derive_params/*.rs");
+}

@@ -1,1 +1,251 @@
-//! (in progress)
+//! Gradient clipping: PyTorch's `clip_grad_norm_` and `clip_grad_value_`.
+//!
+//! Design notes:
+//! - In a training step these are reached through [`crate::scaler::UnscaledGrads`] only
+//!   (`clip_grad_norm` / `clip_grad_value`), so clipping gradients that are still scaled does
+//!   not compile. The functions here work on a plain [`Grads`] (or on slices, for benchmarks)
+//!   for training without a scaler.
+//! - The global L2 norm is computed as PyTorch does: the norm of each gradient, then the norm
+//!   of those norms, in f32. Each per-gradient sum of squares runs in parallel chunks with 16
+//!   f32 lanes (fused multiply-add), and the chunk sums are added in a fixed order, so the
+//!   result does not depend on the number of threads.
+//! - The coefficient is PyTorch's, operation for operation: `max_norm / (total + 1e-6)` (which
+//!   PyTorch evaluates as a reciprocal times `max_norm`) clamped to 1, and every gradient is
+//!   multiplied by it, even when it is 1. A NaN norm gives NaN gradients, as in PyTorch (the
+//!   scaler has already marked such a step as skipped).
+
+use rayon::prelude::*;
+
+use crate::autograd::{AnyTensor, Grads};
+use crate::cpu::{BUF, CHUNK, PAR_MIN};
+use crate::error::{Error, Result};
+use crate::precision::Precision;
+
+/// Lanes of the sum of squares: four AVX-512 registers of independent accumulators, so the
+/// loop is bound by memory rather than by the latency of one add chain.
+const LANES: usize = 64;
+
+/// The sum of squares of `data` in f32 (parallel for large slices; deterministic).
+pub fn sum_of_squares(data: &[f32]) -> f32 {
+    if data.len() < PAR_MIN {
+        return sum_sq_serial(data);
+    }
+    let partial: Vec<f32> = data.par_chunks(CHUNK).map(sum_sq_serial).collect();
+    partial.iter().sum()
+}
+
+#[inline]
+fn sum_sq_serial(data: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut blocks = data.chunks_exact(LANES);
+    for block in &mut blocks {
+        for (a, v) in acc.iter_mut().zip(block) {
+            *a = v.mul_add(*v, *a);
+        }
+    }
+    let tail: f32 = blocks.remainder().iter().map(|v| v * v).sum();
+    // Pairwise: keeps the rounding error of the lane sum small.
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+    }
+    acc[0] + tail
+}
+
+/// The L2 norm of several gradients together, as PyTorch computes it: the norm of the
+/// per-gradient norms, in f32.
+///
+/// ```
+/// let n = amp_core::clip::global_norm(&[&[3.0f32][..], &[4.0f32][..]]);
+/// assert_eq!(n, 5.0);
+/// ```
+pub fn global_norm(slices: &[&[f32]]) -> f32 {
+    let norms: Vec<f32> = slices.iter().map(|s| sum_of_squares(s).sqrt()).collect();
+    norms.iter().map(|n| n * n).sum::<f32>().sqrt()
+}
+
+/// PyTorch's clip coefficient: `max_norm / (total_norm + 1e-6)`, clamped to at most 1.
+///
+/// PyTorch evaluates the division as `reciprocal(total + 1e-6) * max_norm` (a Python scalar
+/// divided by a tensor), all in f32; so does this. NaN propagates.
+pub fn clip_coefficient(total_norm: f32, max_norm: f32) -> f32 {
+    let coef = (1.0 / (total_norm + 1e-6f32)) * max_norm;
+    // torch.clamp(max=1.0): NaN stays NaN (f32::min would drop it).
+    if coef > 1.0 { 1.0 } else { coef }
+}
+
+/// Multiplies every value by `c` in place (parallel for large slices).
+pub fn scale_in_place(data: &mut [f32], c: f32) {
+    let f = |chunk: &mut [f32]| chunk.iter_mut().for_each(|v| *v *= c);
+    if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
+}
+
+/// Clamps every value to `[-clip, clip]` in place; NaN stays NaN, as with `torch.clamp`.
+pub fn clamp_in_place(data: &mut [f32], clip: f32) {
+    let f = |chunk: &mut [f32]| {
+        chunk.iter_mut().for_each(|v| {
+            *v = if *v > clip {
+                clip
+            } else if *v < -clip {
+                -clip
+            } else {
+                *v
+            }
+        })
+    };
+    if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
+}
+
+/// The global L2 norm of every gradient in `grads` (the norm of the per-gradient norms, in
+/// f32), as [`try_clip_grad_norm`] measures it.
+pub fn grad_norm(grads: &Grads) -> f32 {
+    let norms: Vec<f32> = grads.iter().map(|(_, g)| crate::with_any!(g, t => tensor_norm(t))).collect();
+    norms.iter().map(|n| n * n).sum::<f32>().sqrt()
+}
+
+/// Scales all gradients so that their global L2 norm is at most `max_norm` (PyTorch's
+/// `clip_grad_norm_` with `norm_type=2`), returning the norm before clipping.
+///
+/// Every gradient in `grads` takes part (in a training step those are the gradients of the
+/// model's parameters and of any other leaf marked with `requires_grad_()`). Gradients that
+/// are not f32 are measured and scaled in their own accumulation type.
+pub fn try_clip_grad_norm(grads: &mut Grads, max_norm: f32) -> Result<f32> {
+    if max_norm.is_nan() || max_norm <= 0.0 {
+        return Err(Error::InvalidArgument {
+            op: "clip_grad_norm",
+            name: "max_norm",
+            detail: format!("must be positive, got {max_norm}"),
+        });
+    }
+    let total = grad_norm(grads);
+    let coef = clip_coefficient(total, max_norm);
+    for (_, g) in grads.iter_mut() {
+        Pass::Scale(coef).run(g);
+    }
+    Ok(total)
+}
+
+/// Like [`try_clip_grad_norm`]; panics on an invalid `max_norm`.
+#[track_caller]
+pub fn clip_grad_norm(grads: &mut Grads, max_norm: f32) -> f32 {
+    crate::error::or_panic(try_clip_grad_norm(grads, max_norm))
+}
+
+/// Clamps every gradient value to `[-clip_value, clip_value]` (PyTorch's `clip_grad_value_`).
+pub fn try_clip_grad_value(grads: &mut Grads, clip_value: f32) -> Result<()> {
+    if clip_value.is_nan() || clip_value < 0.0 {
+        return Err(Error::InvalidArgument {
+            op: "clip_grad_value",
+            name: "clip_value",
+            detail: format!("must be zero or positive, got {clip_value}"),
+        });
+    }
+    for (_, g) in grads.iter_mut() {
+        Pass::Clamp(clip_value).run(g);
+    }
+    Ok(())
+}
+
+/// Like [`try_clip_grad_value`]; panics on an invalid `clip_value`.
+#[track_caller]
+pub fn clip_grad_value(grads: &mut Grads, clip_value: f32) {
+    crate::error::or_panic(try_clip_grad_value(grads, clip_value))
+}
+
+/// The L2 norm of one gradient, in f32 (f64 gradients are summed in f64, then rounded).
+fn tensor_norm<E: Precision>(t: &crate::Tensor<E>) -> f32 {
+    let data = t.contiguous_data();
+    if let Some(d) = crate::precision::as_same::<E, f32>(&data) {
+        return sum_of_squares(d).sqrt();
+    }
+    let mut buf = [E::Acc::default(); BUF];
+    let mut acc = <E::Acc as num_traits::Zero>::zero();
+    for c in data.chunks(BUF) {
+        let b = &mut buf[..c.len()];
+        E::load(c, b);
+        acc = b.iter().fold(acc, |a, v| a + *v * *v);
+    }
+    <E::Acc as crate::precision::Accum>::f64(num_traits::Float::sqrt(acc)) as f32
+}
+
+/// An in-place elementwise change to every gradient.
+#[derive(Clone, Copy)]
+enum Pass {
+    /// Multiply by a coefficient.
+    Scale(f32),
+    /// Clamp to `[-c, c]`, NaN kept.
+    Clamp(f32),
+}
+
+impl Pass {
+    #[inline(always)]
+    fn apply<A: crate::precision::Accum>(self, v: A) -> A {
+        match self {
+            Pass::Scale(c) => v * A::c(c as f64),
+            Pass::Clamp(c) => {
+                let c = A::c(c as f64);
+                if v > c {
+                    c
+                } else if v < -c {
+                    -c
+                } else {
+                    v
+                }
+            }
+        }
+    }
+    /// Runs the pass over one gradient: the vectorised f32 kernels for f32, otherwise in the
+    /// accumulation type with one rounding.
+    fn run(self, g: &mut AnyTensor) {
+        fn generic<E: Precision>(t: &mut crate::Tensor<E>, pass: Pass) {
+            let data = t.make_mut();
+            let mut buf = [E::Acc::default(); BUF];
+            for c in data.chunks_mut(BUF) {
+                let b = &mut buf[..c.len()];
+                E::load(c, b);
+                b.iter_mut().for_each(|v| *v = pass.apply(*v));
+                E::store(b, c);
+            }
+        }
+        match (g, self) {
+            (AnyTensor::F32(t), Pass::Scale(c)) => scale_in_place(t.make_mut(), c),
+            (AnyTensor::F32(t), Pass::Clamp(c)) => clamp_in_place(t.make_mut(), c),
+            (AnyTensor::F16(t), p) => generic(t, p),
+            (AnyTensor::BF16(t), p) => generic(t, p),
+            (AnyTensor::F64(t), p) => generic(t, p),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn norm_matches_f64_reference() {
+        let n = PAR_MIN * 3 + 77;
+        let v: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let exact: f64 = v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt();
+        let got = global_norm(&[&v]) as f64;
+        assert!((got - exact).abs() / exact < 1e-6, "{got} vs {exact}");
+    }
+
+    #[test]
+    fn coefficient_is_clamped_and_propagates_nan() {
+        assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
+        assert_eq!(clip_coefficient(4.0, 1.0), (1.0 / (4.0f32 + 1e-6)) * 1.0);
+        assert!(clip_coefficient(f32::NAN, 1.0).is_nan());
+        assert_eq!(clip_coefficient(f32::INFINITY, 1.0), 0.0);
+    }
+
+    #[test]
+    fn clamp_keeps_nan() {
+        let mut v = vec![-3.0f32, 0.5, 3.0, f32::NAN];
+        clamp_in_place(&mut v, 1.0);
+        assert_eq!(&v[..3], &[-1.0, 0.5, 1.0]);
+        assert!(v[3].is_nan());
+    }
+}

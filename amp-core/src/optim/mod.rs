@@ -1,1 +1,370 @@
-//! (in progress)
+//! Optimizers: SGD (momentum, Nesterov, weight decay), Adam and AdamW, with f32 state,
+//! parameter groups and a learning-rate schedule.
+//!
+//! Design notes:
+//! - An optimizer is [`Optim<R>`]: the bookkeeping (groups, schedule, applied-step count, state
+//!   per parameter) is shared, and the update rule `R` ([`Sgd`], [`Adam`], [`AdamW`]) is one
+//!   fused pass per parameter over its values, gradient and state: no chain of tensor ops, no
+//!   temporaries. Large parameters are split across rayon's pool.
+//! - The arithmetic is PyTorch's single-tensor (CPU default) path, operation for operation and
+//!   in the same order, in f32 with the hyperparameters rounded to f32 where PyTorch rounds
+//!   them (bias corrections and step sizes in f64, as Python floats). Where PyTorch's
+//!   vectorised kernels use a fused multiply-add (`add_` with `alpha`, `lerp_`), so does this.
+//! - State is keyed by the parameter's name ([`crate::Params`]), so it survives a restart and
+//!   can be checkpointed as plain serde data ([`Optim::state_dict`]).
+//! - A skipped step (gradient overflow) never reaches the optimizer: its state, its step count
+//!   and therefore the learning-rate schedule stay exactly where they were.
+//! - Parameters without a gradient are left alone and their state does not advance (PyTorch
+//!   skips parameters whose `.grad` is `None`).
+
+mod adam;
+mod schedule;
+mod sgd;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+pub use adam::{Adam, AdamState, AdamW};
+pub use schedule::{Constant, LrSchedule, WarmupCosine};
+pub use sgd::{Sgd, SgdState};
+
+use crate::autograd::Grads;
+use crate::cpu::{CHUNK, PAR_MIN};
+use crate::error::{Error, Result};
+use crate::param::Params;
+
+/// Anything that updates a model's parameters from gradients. Object safe, so several
+/// optimizers can be stepped together ([`crate::scaler::TrainStep::step_many`]).
+pub trait Optimizer {
+    /// Updates every parameter of `params` that has a gradient in `grads`.
+    ///
+    /// In a training step this is called by `.step(..)` on unscaled, finite gradients; call it
+    /// directly only for training without a loss scaler.
+    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()>;
+    /// The learning rate of the default group that the next step will use (after the schedule).
+    fn lr(&self) -> f64;
+    /// Steps applied so far (skipped steps are not counted).
+    fn steps(&self) -> u64;
+}
+
+impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
+    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()> {
+        (**self).step(params, grads)
+    }
+    fn lr(&self) -> f64 {
+        (**self).lr()
+    }
+    fn steps(&self) -> u64 {
+        (**self).steps()
+    }
+}
+
+/// The learning rate and weight decay one parameter is updated with at one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hyper {
+    /// Learning rate (the group's base rate times the schedule's factor).
+    pub lr: f64,
+    /// Weight decay.
+    pub weight_decay: f64,
+}
+
+/// An update rule: hyperparameters and the fused per-parameter kernel. Implemented by
+/// [`Sgd`], [`Adam`] and [`AdamW`].
+pub trait Rule: Clone + fmt::Debug + Send + Sync + 'static {
+    /// Per-parameter state (moments, step count), serialisable for checkpoints.
+    type State: Clone + fmt::Debug + PartialEq + Serialize + DeserializeOwned + Send + Sync;
+    /// The rule's name, stored in checkpoints (`sgd`, `adam`, `adamw`).
+    fn name(&self) -> &'static str;
+    /// The default group's learning rate.
+    fn lr(&self) -> f64;
+    /// The default group's weight decay.
+    fn weight_decay(&self) -> f64;
+    /// Refuses out-of-range hyperparameters, as PyTorch's constructors do.
+    fn validate(&self) -> Result<()>;
+    /// Fresh state for a parameter of `numel` values.
+    fn init_state(&self, numel: usize) -> Self::State;
+    /// Whether `state` fits a parameter of `numel` values (checked before any update).
+    fn state_fits(&self, state: &Self::State, numel: usize) -> bool;
+    /// One update of `param` from `grad` (same length), in one fused pass.
+    fn update(&self, hyper: Hyper, param: &mut [f32], grad: &[f32], state: &mut Self::State);
+}
+
+/// A parameter group: the parameters whose name matches a predicate, with their own learning
+/// rate and/or weight decay (PyTorch's `param_groups`). Parameters go to the first group that
+/// matches, the others to the default group (the rule's own `lr` and `weight_decay`).
+///
+/// ```
+/// use amp_core::optim::ParamGroup;
+/// let no_decay = ParamGroup::new("no_decay", |name| name.ends_with("bias") || name.contains("ln"))
+///     .weight_decay(0.0);
+/// assert!(no_decay.matches("head.bias"));
+/// ```
+#[derive(Clone)]
+pub struct ParamGroup {
+    name: String,
+    matches: Arc<dyn Fn(&str) -> bool + Send + Sync>,
+    lr: Option<f64>,
+    weight_decay: Option<f64>,
+}
+
+impl ParamGroup {
+    /// A group of the parameters whose name satisfies `matches`; it inherits the rule's
+    /// learning rate and weight decay until set.
+    pub fn new(name: impl Into<String>, matches: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        ParamGroup { name: name.into(), matches: Arc::new(matches), lr: None, weight_decay: None }
+    }
+    /// This group's base learning rate (the schedule multiplies it like every other group's).
+    pub fn lr(mut self, lr: f64) -> Self {
+        self.lr = Some(lr);
+        self
+    }
+    /// This group's weight decay.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = Some(weight_decay);
+        self
+    }
+    /// The group's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Whether a parameter with this name belongs to the group.
+    pub fn matches(&self, param_name: &str) -> bool {
+        (self.matches)(param_name)
+    }
+}
+
+impl fmt::Debug for ParamGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ParamGroup")
+            .field("name", &self.name)
+            .field("lr", &self.lr)
+            .field("weight_decay", &self.weight_decay)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An optimizer's checkpoint: the rule's name, the applied-step count (which drives the
+/// schedule) and each parameter's state by name.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(bound(serialize = "S: Serialize", deserialize = "S: DeserializeOwned"))]
+pub struct OptimizerState<S> {
+    /// `sgd`, `adam` or `adamw`.
+    pub kind: String,
+    /// Steps applied so far.
+    pub steps: u64,
+    /// State per parameter name.
+    pub params: BTreeMap<String, S>,
+}
+
+/// An optimizer: update rule `R` plus parameter groups, a learning-rate schedule and state per
+/// parameter.
+///
+/// ```
+/// use amp_core::optim::{AdamW, Optim, ParamGroup, WarmupCosine};
+/// let opt = Optim::new(AdamW::new(3e-4).weight_decay(0.1))
+///     .unwrap()
+///     .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias")).weight_decay(0.0))
+///     .with_schedule(WarmupCosine::new(100, 10_000).unwrap());
+/// assert_eq!(opt.lr_at(0), 3e-4 / 100.0);
+/// ```
+#[derive(Clone)]
+pub struct Optim<R: Rule> {
+    rule: R,
+    groups: Vec<ParamGroup>,
+    schedule: Option<Arc<dyn LrSchedule>>,
+    steps: u64,
+    state: BTreeMap<String, R::State>,
+}
+
+impl<R: Rule> fmt::Debug for Optim<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Optim")
+            .field("rule", &self.rule)
+            .field("groups", &self.groups)
+            .field("steps", &self.steps)
+            .field("params_with_state", &self.state.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: Rule> Optim<R> {
+    /// An optimizer with `rule`'s hyperparameters, refused with [`Error::State`] if one is out
+    /// of range (a negative learning rate, a beta outside `[0, 1)`, Nesterov without momentum).
+    pub fn new(rule: R) -> Result<Self> {
+        rule.validate()?;
+        Ok(Optim { rule, groups: Vec::new(), schedule: None, steps: 0, state: BTreeMap::new() })
+    }
+    /// Adds a parameter group (checked before the groups added after it).
+    pub fn with_group(mut self, group: ParamGroup) -> Self {
+        self.groups.push(group);
+        self
+    }
+    /// Sets the learning-rate schedule: at the `t`-th applied step (from 0) every group uses its
+    /// base rate times `schedule.factor(t)`. Skipped steps do not advance `t`.
+    pub fn with_schedule(mut self, schedule: impl LrSchedule + 'static) -> Self {
+        self.schedule = Some(Arc::new(schedule));
+        self
+    }
+    /// The update rule and its hyperparameters.
+    pub fn rule(&self) -> &R {
+        &self.rule
+    }
+    /// The parameter groups.
+    pub fn groups(&self) -> &[ParamGroup] {
+        &self.groups
+    }
+    /// The schedule's factor at applied step `t` (1 without a schedule).
+    pub fn lr_factor(&self, t: u64) -> f64 {
+        self.schedule.as_ref().map_or(1.0, |s| s.factor(t))
+    }
+    /// The default group's learning rate at applied step `t`.
+    pub fn lr_at(&self, t: u64) -> f64 {
+        self.rule.lr() * self.lr_factor(t)
+    }
+    /// The hyperparameters the parameter called `name` gets at applied step `t`.
+    pub fn hyper_for(&self, name: &str, t: u64) -> Hyper {
+        let group = self.groups.iter().find(|g| g.matches(name));
+        let base_lr = group.and_then(|g| g.lr).unwrap_or(self.rule.lr());
+        let weight_decay = group.and_then(|g| g.weight_decay).unwrap_or(self.rule.weight_decay());
+        Hyper { lr: base_lr * self.lr_factor(t), weight_decay }
+    }
+    /// The state of the parameter called `name`, if it has been stepped.
+    pub fn param_state(&self, name: &str) -> Option<&R::State> {
+        self.state.get(name)
+    }
+
+    /// The checkpoint: rule name, applied steps, state per parameter.
+    pub fn state_dict(&self) -> OptimizerState<R::State> {
+        OptimizerState { kind: self.rule.name().to_string(), steps: self.steps, params: self.state.clone() }
+    }
+    /// Restores a checkpoint written by an optimizer with the same rule. Shapes are checked
+    /// against the parameters at the next step (or now, with [`Optim::check_params`]).
+    pub fn load_state_dict(&mut self, state: OptimizerState<R::State>) -> Result<()> {
+        if state.kind != self.rule.name() {
+            return Err(Error::State {
+                context: "Optim::load_state_dict".into(),
+                detail: format!("the checkpoint is for optimizer `{}`, this one is `{}`", state.kind, self.rule.name()),
+            });
+        }
+        self.steps = state.steps;
+        self.state = state.params;
+        Ok(())
+    }
+    /// Checks that every stored state belongs to a parameter of `params` and fits its size, so a
+    /// mismatched checkpoint is refused before training resumes.
+    pub fn check_params(&self, params: &dyn Params) -> Result<()> {
+        let named = params.named_params();
+        for (name, st) in &self.state {
+            let Some((_, p)) = named.iter().find(|(n, _)| n == name) else {
+                return Err(Error::State {
+                    context: "optimizer state".into(),
+                    detail: format!("state for `{name}`, which is not a parameter of the model"),
+                });
+            };
+            if !self.rule.state_fits(st, p.numel()) {
+                return Err(Error::State {
+                    context: "optimizer state".into(),
+                    detail: format!("state for `{name}` does not fit its {} values (shape {:?})", p.numel(), p.shape()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<R: Rule> Optimizer for Optim<R> {
+    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()> {
+        let t = self.steps;
+        let mut work = Vec::new();
+        // Check everything first, so an error leaves parameters and state untouched.
+        for (name, param) in params.named_params_mut() {
+            let Some(any) = grads.get_by_id(param.id()) else { continue };
+            let Some(grad) = any.as_tensor::<f32>() else {
+                return Err(Error::GradPrecision {
+                    op: "optimizer step",
+                    expected: crate::DType::F32,
+                    found: any.dtype(),
+                });
+            };
+            if grad.shape() != param.shape() {
+                return Err(Error::Shape {
+                    op: "optimizer step",
+                    detail: format!("the gradient of `{name}` does not have its parameter's shape"),
+                    shapes: vec![param.shape().to_vec(), grad.shape().to_vec()],
+                });
+            }
+            if let Some(st) = self.state.get(&name) {
+                if !self.rule.state_fits(st, param.numel()) {
+                    return Err(Error::State {
+                        context: "optimizer step".into(),
+                        detail: format!("the state of `{name}` does not fit its shape {:?}", param.shape()),
+                    });
+                }
+            }
+            work.push((name, param, grad));
+        }
+        for (name, param, grad) in work {
+            let hyper = self.hyper_for(&name, t);
+            let numel = param.numel();
+            let state = self.state.entry(name).or_insert_with(|| self.rule.init_state(numel));
+            let g = grad.contiguous_data();
+            self.rule.update(hyper, param.data_mut(), &g, state);
+        }
+        self.steps += 1;
+        Ok(())
+    }
+    fn lr(&self) -> f64 {
+        self.lr_at(self.steps)
+    }
+    fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
+/// Runs `f` over matching chunks of a parameter, its gradient and up to two state buffers,
+/// in parallel when the parameter is large. Every element is independent, so the result does
+/// not depend on the split.
+pub(crate) fn for_chunks(
+    param: &mut [f32],
+    grad: &[f32],
+    a: &mut [f32],
+    b: &mut [f32],
+    f: impl Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]) + Sync + Send,
+) {
+    let n = param.len();
+    debug_assert_eq!(grad.len(), n);
+    // Empty state buffers stand for "no state": give each chunk an empty slice.
+    let (sa, sb) = (split_state(a, n), split_state(b, n));
+    if n < PAR_MIN {
+        for (((p, g), a), b) in param.chunks_mut(CHUNK).zip(grad.chunks(CHUNK)).zip(sa).zip(sb) {
+            f(p, g, a, b);
+        }
+    } else {
+        param
+            .par_chunks_mut(CHUNK)
+            .zip(grad.par_chunks(CHUNK))
+            .zip(sa)
+            .zip(sb)
+            .for_each(|(((p, g), a), b)| f(p, g, a, b));
+    }
+}
+
+/// A state buffer in chunks matching the parameter's; an empty buffer ("no state") gives an
+/// empty slice per chunk.
+fn split_state(s: &mut [f32], n: usize) -> Vec<&mut [f32]> {
+    if s.is_empty() {
+        (0..n.div_ceil(CHUNK)).map(|_| <&mut [f32]>::default()).collect()
+    } else {
+        s.chunks_mut(CHUNK).collect()
+    }
+}
+
+/// A refused hyperparameter.
+pub(crate) fn bad_hyper(rule: &str, detail: String) -> Error {
+    Error::State { context: format!("{rule} options"), detail }
+}

@@ -1,1 +1,60 @@
-//! (in progress)
+//! Loss scaling as a typestate: the training step of mixed-precision training.
+//!
+//! ```
+//! use amp_core::optim::Sgd;
+//! use amp_core::scaler::GradScaler;
+//! use amp_core::{Param, Rng, Tensor, f16};
+//!
+//! let mut rng = Rng::seed(0);
+//! let mut w = Param::new(Tensor::<f32>::randn(&[4, 2], &mut rng)); // f32 master weights
+//! let x = Tensor::<f32>::randn(&[8, 4], &mut rng);
+//! let mut opt = Sgd::new(0.1).build().unwrap();
+//! let mut scaler = GradScaler::new();
+//!
+//! let loss = x.cast::<f16>().matmul(&w.cast::<f16>()).cast::<f32>().square().mean_all();
+//! let mut grads = scaler.scale(&loss).backward().unscale(); // one fused pass: ÷S and inf check
+//! let norm = grads.clip_grad_norm(1.0); // only possible on unscaled gradients
+//! let report = grads.step(&mut opt, &mut w).update().unwrap();
+//! assert!(!report.skipped && norm > 0.0);
+//! ```
+//!
+//! # Design notes
+//! - The chain is `scaler.scale(&loss)` → [`ScaledLoss`] → `.backward()` → [`ScaledGrads`]
+//!   (`.accumulate(&loss)` per extra micro-batch) → `.unscale()` → [`UnscaledGrads`]
+//!   (`.clip_grad_norm(..)` / `.clip_grad_value(..)`) → `.step(&mut opt, &mut model)` →
+//!   [`Stepped`] → `.update()` → [`StepReport`]. These are one type, [`TrainStep`], at four
+//!   [`stage`]s (zero-sized types). Each call consumes the step and exists only at the stage
+//!   where it is allowed, through a capability bound whose `#[diagnostic::on_unimplemented]`
+//!   message names the call that is missing. So clipping scaled gradients, stepping with scaled
+//!   gradients, unscaling twice, stepping twice and updating without a step do not compile.
+//! - The step borrows its scaler mutably from `scale(&loss)` to `.update()`. Two iterations
+//!   cannot be in flight at once, a step cannot outlive the scale it was made with, and
+//!   `accumulate` only takes a loss (it is backpropagated at this step's scale), so gradients of
+//!   two iterations cannot be mixed.
+//! - The scaler is chosen by type: [`GradScaler`] for f16, [`NoScale`] for bf16 and f32 (the
+//!   constant 1, no arithmetic, but inf/NaN still skip the step); [`ScalerFor<P>`] picks one
+//!   from a precision's exponent width.
+//! - Unscaling is one fused, parallel, branch-free pass over all gradients (see
+//!   [`unscale_in_place`]): multiply by PyTorch's f32 `inv = 1/scale` (computed in f64), check
+//!   for inf/NaN, one flag per gradient. A skipped step never reaches the optimizer, so
+//!   parameters, moments, step counts and the learning-rate schedule stay bit-identical.
+//!
+//! # The update rules (PyTorch's, checked against its traces)
+//! - overflow (any inf/NaN gradient): the step is skipped; `scale = f32(scale × backoff)`,
+//!   `tracker = 0`. PyTorch has no floor: repeated overflow drives the scale towards 0; the
+//!   `min_scale` and `error_at_min_scale` options stop that.
+//! - otherwise `t = tracker + 1`; if `t == growth_interval`: `scale = f32(scale × growth)` if
+//!   that is finite, and `tracker = 0` either way; else `tracker = t`.
+//! - `update_to(s)` sets the scale and leaves the tracker alone.
+//! - Several micro-batches accumulated before one step advance the tracker once.
+
+mod grad_scaler;
+mod kernel;
+mod step;
+
+#[doc(hidden)]
+pub use grad_scaler::UnscaleMode;
+pub use grad_scaler::{GradScaler, GradScalerOptions, GradScalerState, LossScaler, NoScale, ScalerFor, SelectScaler};
+pub use kernel::{any_non_finite, inv_scale, unscale_all, unscale_in_place};
+pub use step::stage;
+pub use step::{MicroBatchLoss, ScaledGrads, ScaledLoss, StepReport, Stepped, TrainStep, UnscaledGrads};

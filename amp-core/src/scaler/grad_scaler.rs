@@ -1,0 +1,451 @@
+//! The scalers: [`GradScaler`] (PyTorch's dynamic loss scaling) and [`NoScale`] (bf16/f32).
+
+use serde::{Deserialize, Serialize};
+use typenum::{B0, B1};
+
+use super::step::{ScaledLoss, TrainStep};
+use crate::error::{Error, Result};
+use crate::precision::NeedsLossScaling;
+use crate::tensor::Tensor;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::GradScaler {}
+    impl Sealed for super::NoScale {}
+}
+
+/// What a scaler does to gradients during `unscale()`.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnscaleMode {
+    /// Multiply by this f32 inverse scale and check for inf/NaN (one fused pass).
+    Unscale(f32),
+    /// Check for inf/NaN only (the scale is the constant 1).
+    CheckOnly,
+    /// Nothing at all: a disabled `GradScaler` steps like a plain optimizer, as in PyTorch.
+    Nothing,
+}
+
+/// A loss scaler that can drive a [`TrainStep`]: [`GradScaler`] (dynamic, for f16) or
+/// [`NoScale`] (the constant 1, for bf16 and f32). Sealed.
+pub trait LossScaler: sealed::Sealed {
+    /// The scale the next `scale(&loss)` multiplies the loss by.
+    fn get_scale(&self) -> f32;
+    /// Starts an iteration: the loss times the current scale. The returned step borrows the
+    /// scaler until `.update()` ends the iteration.
+    fn scale<'s>(&'s mut self, loss: &Tensor<f32>) -> ScaledLoss<'s, Self>
+    where
+        Self: Sized,
+    {
+        TrainStep::start(self, loss)
+    }
+    #[doc(hidden)]
+    fn unscale_mode(&self) -> UnscaleMode;
+    #[doc(hidden)]
+    fn refuses_f16_grads(&self) -> bool;
+    /// Applies the end-of-iteration rule given whether the step overflowed; `Some(s)` sets the
+    /// scale to `s` instead (PyTorch's `update(new_scale)`).
+    #[doc(hidden)]
+    fn finish(&mut self, found_inf: bool, new_scale: Option<f32>) -> Result<()>;
+    #[doc(hidden)]
+    fn growth_tracker_value(&self) -> i32;
+}
+
+// ---- GradScaler ---------------------------------------------------------------------------
+
+/// Options of a [`GradScaler`]. [`Default`] is PyTorch's `torch.amp.GradScaler()`; the last four
+/// options come from Apex, DeepSpeed and Megatron and are off by default.
+///
+/// ```
+/// use amp_core::scaler::{GradScaler, GradScalerOptions};
+/// let scaler = GradScaler::with_options(GradScalerOptions {
+///     growth_interval: 1000,
+///     min_scale: Some(1.0),
+///     error_at_min_scale: true,
+///     ..Default::default()
+/// })
+/// .unwrap();
+/// assert_eq!(scaler.get_scale(), 65536.0);
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GradScalerOptions {
+    /// Initial scale (PyTorch: 2^16). Finite and positive.
+    pub init_scale: f32,
+    /// Factor applied after `growth_interval` steps in a row without overflow (PyTorch: 2). > 1.
+    pub growth_factor: f64,
+    /// Factor applied after an overflow (PyTorch: 0.5). In (0, 1).
+    pub backoff_factor: f64,
+    /// Steps in a row without overflow before the scale grows (PyTorch: 2000). >= 1.
+    pub growth_interval: i32,
+    /// When false, `scale` leaves the loss as is, `get_scale()` is 1, `unscale` does nothing
+    /// and every step is taken (no overflow check), as PyTorch's `enabled=False`.
+    pub enabled: bool,
+    /// Floor: backing off never takes the scale below this (DeepSpeed and Megatron use 1.0).
+    pub min_scale: Option<f32>,
+    /// Ceiling: growing never takes the scale above this (Apex uses 2^24).
+    pub max_scale: Option<f32>,
+    /// Overflows tolerated before backing off (DeepSpeed and Megatron default to 2; 1 is
+    /// PyTorch's behaviour). The count is reset when the scale grows, as in Megatron. Every
+    /// overflowing step is still skipped.
+    pub hysteresis: i32,
+    /// With `min_scale`: an overflow while the scale is already at the floor makes `update()`
+    /// return an error instead of continuing with a collapsed scale (DeepSpeed's
+    /// `raise_error_at_min_scale`).
+    pub error_at_min_scale: bool,
+}
+
+impl Default for GradScalerOptions {
+    fn default() -> Self {
+        GradScalerOptions {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            enabled: true,
+            min_scale: None,
+            max_scale: None,
+            hysteresis: 1,
+            error_at_min_scale: false,
+        }
+    }
+}
+
+impl GradScalerOptions {
+    fn validate(&self) -> Result<()> {
+        let bad = |detail: String| Err(Error::State { context: "GradScaler options".into(), detail });
+        if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
+            return bad(format!("init_scale must be finite and positive, got {}", self.init_scale));
+        }
+        if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
+            return bad(format!("growth_factor must be finite and greater than 1, got {}", self.growth_factor));
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            return bad(format!("backoff_factor must be between 0 and 1 (exclusive), got {}", self.backoff_factor));
+        }
+        if self.growth_interval < 1 {
+            return bad(format!("growth_interval must be at least 1, got {}", self.growth_interval));
+        }
+        if self.hysteresis < 1 {
+            return bad(format!(
+                "hysteresis must be at least 1 (1 backs off at every overflow), got {}",
+                self.hysteresis
+            ));
+        }
+        for (name, v) in [("min_scale", self.min_scale), ("max_scale", self.max_scale)] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    return bad(format!("{name} must be finite and positive, got {v}"));
+                }
+            }
+        }
+        if let (Some(lo), Some(hi)) = (self.min_scale, self.max_scale) {
+            if lo > hi {
+                return bad(format!("min_scale {lo} is above max_scale {hi}"));
+            }
+        }
+        if self.error_at_min_scale && self.min_scale.is_none() {
+            return bad("error_at_min_scale needs a floor: set min_scale too".into());
+        }
+        Ok(())
+    }
+    fn check_in_range(&self, scale: f32, what: &str) -> Result<()> {
+        let out = self.min_scale.is_some_and(|lo| scale < lo) || self.max_scale.is_some_and(|hi| scale > hi);
+        if out {
+            return Err(Error::State {
+                context: "GradScaler".into(),
+                detail: format!(
+                    "{what} {scale} is outside [min_scale, max_scale] = [{:?}, {:?}]",
+                    self.min_scale, self.max_scale
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A scaler checkpoint with exactly PyTorch's keys (`scale`, `growth_factor`,
+/// `backoff_factor`, `growth_interval`, `_growth_tracker`), so it reads and writes the same
+/// JSON as `torch.amp.GradScaler.state_dict()`. The hysteresis count is written only when the
+/// `hysteresis` option is above 1 (key `_hysteresis_tracker`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GradScalerState {
+    /// The current scale.
+    pub scale: f32,
+    /// The growth factor.
+    pub growth_factor: f64,
+    /// The backoff factor.
+    pub backoff_factor: f64,
+    /// The growth interval.
+    pub growth_interval: i32,
+    /// Steps in a row without overflow since the last growth or overflow.
+    #[serde(rename = "_growth_tracker")]
+    pub growth_tracker: i32,
+    /// Overflows still tolerated before backing off (only with `hysteresis` > 1).
+    #[serde(rename = "_hysteresis_tracker", default, skip_serializing_if = "Option::is_none")]
+    pub hysteresis_tracker: Option<i32>,
+}
+
+/// Dynamic loss scaling, exactly as PyTorch's `torch.amp.GradScaler` (rules in the module docs),
+/// with optional floor, ceiling, hysteresis and error on collapse.
+///
+/// ```
+/// use amp_core::scaler::GradScaler;
+/// let scaler = GradScaler::new();
+/// assert_eq!(scaler.get_scale(), 65536.0);
+/// ```
+#[derive(Clone, Debug)]
+pub struct GradScaler {
+    opts: GradScalerOptions,
+    scale: f32,
+    growth_tracker: i32,
+    hysteresis_tracker: i32,
+    /// Overflowing steps in a row (for the collapse error's message; not checkpointed).
+    overflows_in_a_row: u64,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GradScaler {
+    /// PyTorch's defaults: scale 65536, growth 2 every 2000 good steps, backoff 0.5.
+    pub fn new() -> Self {
+        Self::with_options(GradScalerOptions::default()).expect("the default options are valid")
+    }
+    /// A scaler with `opts`, refused with [`Error::State`] if an option is out of its range
+    /// (for example `growth_factor <= 1` or `backoff_factor >= 1`).
+    pub fn with_options(opts: GradScalerOptions) -> Result<Self> {
+        opts.validate()?;
+        opts.check_in_range(opts.init_scale, "init_scale")?;
+        Ok(GradScaler {
+            scale: opts.init_scale,
+            growth_tracker: 0,
+            hysteresis_tracker: opts.hysteresis,
+            overflows_in_a_row: 0,
+            opts,
+        })
+    }
+    /// A disabled scaler (PyTorch's `enabled=False`): no scaling, no overflow check.
+    pub fn disabled() -> Self {
+        Self::with_options(GradScalerOptions { enabled: false, ..Default::default() }).expect("valid")
+    }
+    /// The options this scaler was built with.
+    pub fn options(&self) -> &GradScalerOptions {
+        &self.opts
+    }
+    /// Whether scaling is on.
+    pub fn is_enabled(&self) -> bool {
+        self.opts.enabled
+    }
+    /// The current scale (1.0 when disabled, as PyTorch's `get_scale()`).
+    pub fn get_scale(&self) -> f32 {
+        if self.opts.enabled { self.scale } else { 1.0 }
+    }
+    /// Steps in a row without overflow since the last growth or overflow.
+    pub fn growth_tracker(&self) -> i32 {
+        self.growth_tracker
+    }
+    /// Starts an iteration: the loss times the current scale (see [`TrainStep`]).
+    pub fn scale<'s>(&'s mut self, loss: &Tensor<f32>) -> ScaledLoss<'s, GradScaler> {
+        TrainStep::start(self, loss)
+    }
+    /// The checkpoint (PyTorch's keys).
+    pub fn state_dict(&self) -> GradScalerState {
+        GradScalerState {
+            scale: self.scale,
+            growth_factor: self.opts.growth_factor,
+            backoff_factor: self.opts.backoff_factor,
+            growth_interval: self.opts.growth_interval,
+            growth_tracker: self.growth_tracker,
+            hysteresis_tracker: (self.opts.hysteresis > 1).then_some(self.hysteresis_tracker),
+        }
+    }
+    /// Restores a checkpoint (also before the first step: the next `scale()` uses the loaded
+    /// scale and tracker). The factors and interval are validated like the options.
+    pub fn load_state_dict(&mut self, state: &GradScalerState) -> Result<()> {
+        let opts = GradScalerOptions {
+            init_scale: state.scale,
+            growth_factor: state.growth_factor,
+            backoff_factor: state.backoff_factor,
+            growth_interval: state.growth_interval,
+            ..self.opts.clone()
+        };
+        opts.validate().map_err(|e| match e {
+            Error::State { detail, .. } => Error::State { context: "GradScaler::load_state_dict".into(), detail },
+            other => other,
+        })?;
+        opts.check_in_range(state.scale, "the checkpoint's scale")?;
+        if state.growth_tracker < 0 {
+            return Err(Error::State {
+                context: "GradScaler::load_state_dict".into(),
+                detail: format!("_growth_tracker must not be negative, got {}", state.growth_tracker),
+            });
+        }
+        self.opts.growth_factor = state.growth_factor;
+        self.opts.backoff_factor = state.backoff_factor;
+        self.opts.growth_interval = state.growth_interval;
+        self.scale = state.scale;
+        self.growth_tracker = state.growth_tracker;
+        self.hysteresis_tracker = state.hysteresis_tracker.unwrap_or(self.opts.hysteresis);
+        self.overflows_in_a_row = 0;
+        Ok(())
+    }
+
+    /// The end-of-iteration rule (PyTorch's `_amp_update_scale_`, plus the optional floor,
+    /// ceiling and hysteresis).
+    fn apply_update(&mut self, found_inf: bool) -> Result<()> {
+        if found_inf {
+            self.overflows_in_a_row += 1;
+            self.growth_tracker = 0;
+            self.hysteresis_tracker = self.hysteresis_tracker.saturating_sub(1);
+            if self.hysteresis_tracker > 0 {
+                return Ok(());
+            }
+            if let Some(floor) = self.opts.min_scale {
+                if self.opts.error_at_min_scale && self.scale <= floor {
+                    return Err(Error::State {
+                        context: "GradScaler::update".into(),
+                        detail: format!(
+                            "the loss scale collapsed: a step overflowed with the scale already at its floor \
+                             min_scale = {floor} ({} overflowing steps in a row, every one skipped). The gradients \
+                             are inf or NaN whatever the scale: look for NaN/inf in the input data or the loss, \
+                             lower the learning rate, or train in bf16, whose range does not overflow",
+                            self.overflows_in_a_row
+                        ),
+                    });
+                }
+            }
+            // f32 scale times f64 factor, rounded once to f32, as PyTorch's kernel.
+            let backed_off = (self.scale as f64 * self.opts.backoff_factor) as f32;
+            self.scale = match self.opts.min_scale {
+                Some(floor) => backed_off.max(floor),
+                None => backed_off,
+            };
+        } else {
+            self.overflows_in_a_row = 0;
+            let successful = self.growth_tracker + 1;
+            if successful == self.opts.growth_interval {
+                let grown = (self.scale as f64 * self.opts.growth_factor) as f32;
+                if grown.is_finite() {
+                    self.scale = match self.opts.max_scale {
+                        Some(ceiling) => grown.min(ceiling),
+                        None => grown,
+                    };
+                }
+                self.growth_tracker = 0;
+                self.hysteresis_tracker = self.opts.hysteresis;
+            } else {
+                self.growth_tracker = successful;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LossScaler for GradScaler {
+    fn get_scale(&self) -> f32 {
+        GradScaler::get_scale(self)
+    }
+    fn unscale_mode(&self) -> UnscaleMode {
+        if self.opts.enabled {
+            UnscaleMode::Unscale(super::kernel::inv_scale(self.scale))
+        } else {
+            UnscaleMode::Nothing
+        }
+    }
+    fn refuses_f16_grads(&self) -> bool {
+        self.opts.enabled
+    }
+    fn finish(&mut self, found_inf: bool, new_scale: Option<f32>) -> Result<()> {
+        if !self.opts.enabled {
+            return Ok(());
+        }
+        match new_scale {
+            Some(s) => {
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(Error::State {
+                        context: "update_to".into(),
+                        detail: format!("the new scale must be finite and positive, got {s}"),
+                    });
+                }
+                // PyTorch's update(new_scale): the scale is replaced, the tracker left alone.
+                self.scale = s;
+                Ok(())
+            }
+            None => self.apply_update(found_inf),
+        }
+    }
+    fn growth_tracker_value(&self) -> i32 {
+        self.growth_tracker
+    }
+}
+
+// ---- NoScale ------------------------------------------------------------------------------
+
+/// The scaler for bf16 (and f32) training: the scale is the constant 1 and no arithmetic is
+/// done on the loss or the gradients, but `unscale()` still checks them for inf/NaN, and a
+/// step whose gradients are not finite is skipped (a departure from PyTorch, which has no
+/// scaler for bf16 and would write the NaN into the weights).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoScale;
+
+impl NoScale {
+    /// The no-op scaler.
+    pub fn new() -> Self {
+        NoScale
+    }
+    /// Always 1.
+    pub fn get_scale(&self) -> f32 {
+        1.0
+    }
+    /// Starts an iteration (the loss is used as is; see [`TrainStep`]).
+    pub fn scale<'s>(&'s mut self, loss: &Tensor<f32>) -> ScaledLoss<'s, NoScale> {
+        TrainStep::start(self, loss)
+    }
+}
+
+impl LossScaler for NoScale {
+    fn get_scale(&self) -> f32 {
+        1.0
+    }
+    fn unscale_mode(&self) -> UnscaleMode {
+        UnscaleMode::CheckOnly
+    }
+    fn refuses_f16_grads(&self) -> bool {
+        false
+    }
+    fn finish(&mut self, _found_inf: bool, _new_scale: Option<f32>) -> Result<()> {
+        Ok(())
+    }
+    fn growth_tracker_value(&self) -> i32 {
+        0
+    }
+}
+
+// ---- choosing by precision ----------------------------------------------------------------
+
+/// Maps "needs loss scaling" (a type-level bit) to a scaler type.
+pub trait SelectScaler {
+    /// The scaler for that answer.
+    type Scaler: LossScaler + Default;
+}
+impl SelectScaler for B1 {
+    type Scaler = GradScaler;
+}
+impl SelectScaler for B0 {
+    type Scaler = NoScale;
+}
+
+/// The scaler a model computing in precision `P` needs, chosen by type from `P`'s exponent
+/// width: [`GradScaler`] for f16, [`NoScale`] for bf16 and f32.
+///
+/// ```
+/// use amp_core::scaler::{GradScaler, NoScale, ScalerFor};
+/// use amp_core::{bf16, f16};
+/// let a: GradScaler = ScalerFor::<f16>::default();
+/// let b: NoScale = ScalerFor::<bf16>::default();
+/// assert_eq!((a.get_scale(), b.get_scale()), (65536.0, 1.0));
+/// ```
+pub type ScalerFor<P> = <NeedsLossScaling<P> as SelectScaler>::Scaler;

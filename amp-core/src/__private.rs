@@ -1,1 +1,680 @@
-//! (in progress)
+//! Support for the code `#[autocast]` generates. Not a public API: only amp-macros calls it,
+//! through `::amp_core::__private` (or `::amp::__private`), and it changes without notice.
+//!
+//! Design notes:
+//! - The macro sees names, not types, so the type decides: the generated code wraps each
+//!   operand as `(&W::new(x)).__amp_to::<T>()`. Method lookup tries the receiver type `&W<X>`
+//!   by value first, where only [`CastSpec`] (on `W<X>` with `X:` [`AsTensor`]) is found; when
+//!   `X` is not tensor-like it goes on to `&&W<X>` and finds [`CastPass`], which hands the
+//!   value back untouched ("autoref specialisation"). The value sits in a `Cell<Option<_>>`
+//!   so both impls can move it out from behind `&self`. Everything inlines to the cast (or to
+//!   nothing).
+//! - Arguments keep their form: a `&Tensor` comes back as a reference to the cast temporary
+//!   ([`Borrowed`], read with `&self`), an owned tensor as an owned one ([`Owned`]), anything
+//!   else as itself ([`Same`]); `__amp_get` picks the right one by plain method lookup, as the
+//!   three are distinct types.
+//! - A region ([`Region`]) is entered by every `#[autocast]` function; the weight cast cache
+//!   lives until the outermost one exits. It caches casts of f32 leaves (parameters, tensors
+//!   marked `requires_grad_()`) and of views of them (`w.t()`) to the low type, keyed by the
+//!   storage, the view and the grad mode. Each entry keeps a clone of the source, so an
+//!   in-place update of the parameter inside the region copies on write and can never be
+//!   served a stale cast (the storage pointer no longer matches).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::autograd::{AnyTensor, Node, is_grad_enabled};
+use crate::param::Param;
+use crate::precision::{DType, Precision, Promote, Promoted};
+use crate::tensor::Tensor;
+
+pub use half::{bf16, f16};
+
+/// The helper traits, imported (anonymously) by generated code.
+pub mod autocast_traits {
+    pub use super::{
+        BorrowHeld as _, BorrowOpt as _, CastPass as _, CastSpec as _, ManyPass as _, ManySpec as _, OptPass as _,
+        OptSpec as _, PromoteOpPass as _, PromoteOpSpec as _, PromotePass as _, PromoteSpec as _, TakeHeld as _,
+    };
+}
+
+// ---- what counts as a tensor -----------------------------------------------------------
+
+/// A tensor-like operand: `Tensor<E>`, `Param<E>`, or a reference to one.
+pub trait AsTensor {
+    /// Its precision.
+    type Elem: Precision;
+    /// How a cast of it is handed on: owned for an owned value, borrowed for a reference.
+    type Held<P: Precision>;
+    /// The tensor inside.
+    fn as_tensor(&self) -> &Tensor<Self::Elem>;
+    /// Wraps a cast of it in the matching form.
+    fn hold<P: Precision>(t: Tensor<P>) -> Self::Held<P>;
+}
+
+impl<E: Precision> AsTensor for Tensor<E> {
+    type Elem = E;
+    type Held<P: Precision> = Owned<P>;
+    fn as_tensor(&self) -> &Tensor<E> {
+        self
+    }
+    fn hold<P: Precision>(t: Tensor<P>) -> Owned<P> {
+        Owned(t)
+    }
+}
+
+impl<E: Precision> AsTensor for Param<E> {
+    type Elem = E;
+    type Held<P: Precision> = Owned<P>;
+    fn as_tensor(&self) -> &Tensor<E> {
+        self.tensor()
+    }
+    fn hold<P: Precision>(t: Tensor<P>) -> Owned<P> {
+        Owned(t)
+    }
+}
+
+impl<T: AsTensor + ?Sized> AsTensor for &T {
+    type Elem = T::Elem;
+    type Held<P: Precision> = Borrowed<P>;
+    fn as_tensor(&self) -> &Tensor<T::Elem> {
+        (**self).as_tensor()
+    }
+    fn hold<P: Precision>(t: Tensor<P>) -> Borrowed<P> {
+        Borrowed(t)
+    }
+}
+
+impl<T: AsTensor + ?Sized> AsTensor for &mut T {
+    type Elem = T::Elem;
+    type Held<P: Precision> = Borrowed<P>;
+    fn as_tensor(&self) -> &Tensor<T::Elem> {
+        (**self).as_tensor()
+    }
+    fn hold<P: Precision>(t: Tensor<P>) -> Borrowed<P> {
+        Borrowed(t)
+    }
+}
+
+/// A cast argument that was owned: handed on by value.
+pub struct Owned<P: Precision>(Tensor<P>);
+/// A cast argument that was a reference: handed on as a reference to this temporary.
+pub struct Borrowed<P: Precision>(Tensor<P>);
+/// An argument that is not a tensor: handed on as it came.
+pub struct Same<T>(T);
+
+/// Unwraps [`Owned`] and [`Same`] by value.
+pub trait TakeHeld {
+    /// What comes out.
+    type Out;
+    /// The value.
+    fn __amp_get(self) -> Self::Out;
+}
+impl<P: Precision> TakeHeld for Owned<P> {
+    type Out = Tensor<P>;
+    #[inline(always)]
+    fn __amp_get(self) -> Tensor<P> {
+        self.0
+    }
+}
+impl<T> TakeHeld for Same<T> {
+    type Out = T;
+    #[inline(always)]
+    fn __amp_get(self) -> T {
+        self.0
+    }
+}
+
+/// Lends out [`Borrowed`].
+pub trait BorrowHeld {
+    /// The precision.
+    type P: Precision;
+    /// A reference to the cast tensor.
+    fn __amp_get(&self) -> &Tensor<Self::P>;
+}
+impl<P: Precision> BorrowHeld for Borrowed<P> {
+    type P = P;
+    #[inline(always)]
+    fn __amp_get(&self) -> &Tensor<P> {
+        &self.0
+    }
+}
+
+// ---- one operand -------------------------------------------------------------------------
+
+/// One operand, waiting for its type to pick a cast or a pass-through.
+pub struct W<T>(Cell<Option<T>>);
+
+impl<T> W<T> {
+    /// Wraps an operand.
+    #[inline(always)]
+    pub fn new(value: T) -> Self {
+        W(Cell::new(Some(value)))
+    }
+    #[inline(always)]
+    fn take(&self) -> T {
+        self.0.take().expect("autocast operand used once")
+    }
+}
+
+/// Tensor-like operands: cast.
+pub trait CastSpec {
+    /// The held form of a cast argument.
+    type Held<L: Precision>;
+    /// The receiver, cast to `L`.
+    fn __amp_to<L: Precision>(&self) -> Tensor<L>;
+    /// An argument, cast to `L`, in its original form.
+    fn __amp_arg<L: Precision>(&self) -> Self::Held<L>;
+}
+impl<T: AsTensor> CastSpec for W<T> {
+    type Held<L: Precision> = T::Held<L>;
+    #[inline]
+    fn __amp_to<L: Precision>(&self) -> Tensor<L> {
+        cast(self.take().as_tensor())
+    }
+    #[inline]
+    fn __amp_arg<L: Precision>(&self) -> T::Held<L> {
+        T::hold(cast(self.take().as_tensor()))
+    }
+}
+
+/// Everything else: passed through.
+pub trait CastPass {
+    /// The operand's type.
+    type Value;
+    /// The receiver, untouched.
+    fn __amp_to<L>(&self) -> Self::Value;
+    /// The argument, untouched.
+    fn __amp_arg<L>(&self) -> Same<Self::Value>;
+}
+impl<T> CastPass for &W<T> {
+    type Value = T;
+    #[inline(always)]
+    fn __amp_to<L>(&self) -> T {
+        self.take()
+    }
+    #[inline(always)]
+    fn __amp_arg<L>(&self) -> Same<T> {
+        Same(self.take())
+    }
+}
+
+/// An optional tensor argument (a norm's weight), cast when present.
+pub struct OptHeld<P: Precision>(Option<Tensor<P>>);
+
+/// Lends out [`OptHeld`].
+pub trait BorrowOpt {
+    /// The precision.
+    type P: Precision;
+    /// The cast tensor, if there was one.
+    fn __amp_get(&self) -> Option<&Tensor<Self::P>>;
+}
+impl<P: Precision> BorrowOpt for OptHeld<P> {
+    type P = P;
+    #[inline(always)]
+    fn __amp_get(&self) -> Option<&Tensor<P>> {
+        self.0.as_ref()
+    }
+}
+
+/// `Option<&tensor>` arguments: cast when present.
+pub trait OptSpec {
+    /// An optional argument, cast to `L`.
+    fn __amp_opt<L: Precision>(&self) -> OptHeld<L>;
+}
+impl<T: AsTensor + ?Sized> OptSpec for W<Option<&T>> {
+    #[inline]
+    fn __amp_opt<L: Precision>(&self) -> OptHeld<L> {
+        OptHeld(self.take().map(|t| cast(t.as_tensor())))
+    }
+}
+
+/// Anything else in an optional-tensor position: untouched.
+pub trait OptPass {
+    /// The operand's type.
+    type Value;
+    /// The argument, untouched.
+    fn __amp_opt<L>(&self) -> Same<Self::Value>;
+}
+impl<T> OptPass for &W<T> {
+    type Value = T;
+    #[inline(always)]
+    fn __amp_opt<L>(&self) -> Same<T> {
+        Same(self.take())
+    }
+}
+
+// ---- two operands (promote) ------------------------------------------------------------------
+
+/// Two operands of a promote op or an operator.
+pub struct Pair<A, B>(Cell<Option<(A, B)>>);
+
+impl<A, B> Pair<A, B> {
+    /// Wraps two operands.
+    #[inline(always)]
+    pub fn new(a: A, b: B) -> Self {
+        Pair(Cell::new(Some((a, b))))
+    }
+    #[inline(always)]
+    fn take(&self) -> (A, B) {
+        self.0.take().expect("autocast operands used once")
+    }
+}
+
+/// Two tensor-like operands of a promote method (`a.add(&b)`): both to `Promoted<A, B>`.
+pub trait PromoteSpec {
+    /// The cast receiver and the held argument.
+    type Out;
+    /// Casts both.
+    fn __amp_promote(&self) -> Self::Out;
+}
+impl<A: AsTensor, B: AsTensor> PromoteSpec for Pair<A, B>
+where
+    A::Elem: Promote<B::Elem>,
+{
+    type Out = (Tensor<Promoted<A::Elem, B::Elem>>, B::Held<Promoted<A::Elem, B::Elem>>);
+    #[inline]
+    fn __amp_promote(&self) -> Self::Out {
+        let (a, b) = self.take();
+        (cast(a.as_tensor()), B::hold(cast(b.as_tensor())))
+    }
+}
+
+/// Anything else: both untouched.
+pub trait PromotePass {
+    /// The operands.
+    type Out;
+    /// Hands both back.
+    fn __amp_promote(&self) -> Self::Out;
+}
+impl<A, B> PromotePass for &Pair<A, B> {
+    type Out = (A, Same<B>);
+    #[inline(always)]
+    fn __amp_promote(&self) -> (A, Same<B>) {
+        let (a, b) = self.take();
+        (a, Same(b))
+    }
+}
+
+/// Two tensor-like operands of `+ - * /`: both to `Promoted<A, B>`, owned.
+pub trait PromoteOpSpec {
+    /// The cast operands.
+    type Out;
+    /// Casts both.
+    fn __amp_promote_op(&self) -> Self::Out;
+}
+impl<A: AsTensor, B: AsTensor> PromoteOpSpec for Pair<A, B>
+where
+    A::Elem: Promote<B::Elem>,
+{
+    type Out = (Tensor<Promoted<A::Elem, B::Elem>>, Tensor<Promoted<A::Elem, B::Elem>>);
+    #[inline]
+    fn __amp_promote_op(&self) -> Self::Out {
+        let (a, b) = self.take();
+        (cast(a.as_tensor()), cast(b.as_tensor()))
+    }
+}
+
+/// Anything else (numbers, strings): both untouched, so the operator means what it meant.
+pub trait PromoteOpPass {
+    /// The operands.
+    type Out;
+    /// Hands both back.
+    fn __amp_promote_op(&self) -> Self::Out;
+}
+impl<A, B> PromoteOpPass for &Pair<A, B> {
+    type Out = (A, B);
+    #[inline(always)]
+    fn __amp_promote_op(&self) -> (A, B) {
+        self.take()
+    }
+}
+
+// ---- many operands (`Tensor::cat(&[&a, &b, &c], 0)`, `Tensor::where_cond(m, &a, &b)`) --------
+
+/// The widest precision of a tuple of tensor-like operands.
+pub trait Widest {
+    /// `Promoted` folded over the elements.
+    type P: Precision;
+}
+
+macro_rules! widest {
+    ($A:ident) => {
+        impl<$A: AsTensor> Widest for ($A,) {
+            type P = $A::Elem;
+        }
+    };
+    ($A:ident, $($R:ident),+) => {
+        impl<$A: AsTensor, $($R: AsTensor),+> Widest for ($A, $($R),+)
+        where
+            ($($R,)+): Widest,
+            $A::Elem: Promote<<($($R,)+) as Widest>::P>,
+        {
+            type P = Promoted<$A::Elem, <($($R,)+) as Widest>::P>;
+        }
+        widest!($($R),+);
+    };
+}
+widest!(A, B, C, D, E, F, G, H);
+
+/// Several operands of one promote op.
+pub struct Many<T>(Cell<Option<T>>);
+
+impl<T> Many<T> {
+    /// Wraps a tuple of operands.
+    #[inline(always)]
+    pub fn new(operands: T) -> Self {
+        Many(Cell::new(Some(operands)))
+    }
+    #[inline(always)]
+    fn take(&self) -> T {
+        self.0.take().expect("autocast operands used once")
+    }
+}
+
+/// Tensor-like operands: all to the widest precision, each in its original form.
+pub trait ManySpec {
+    /// The held operands.
+    type Out;
+    /// Casts every operand.
+    fn __amp_promote_all(&self) -> Self::Out;
+}
+
+/// Anything else: untouched.
+pub trait ManyPass {
+    /// The operands.
+    type Out;
+    /// Hands them back.
+    fn __amp_promote_all(&self) -> Self::Out;
+}
+
+macro_rules! many {
+    ($tuple:ty; $($T:ident $v:ident),+) => {
+        impl<$($T: AsTensor),+> ManySpec for Many<($($T,)+)>
+        where
+            $tuple: Widest,
+        {
+            type Out = ($($T::Held<<$tuple as Widest>::P>,)+);
+            #[inline]
+            fn __amp_promote_all(&self) -> Self::Out {
+                let ($($v,)+) = self.take();
+                ($($T::hold(cast($v.as_tensor())),)+)
+            }
+        }
+        impl<$($T),+> ManyPass for &Many<($($T,)+)> {
+            type Out = ($(Same<$T>,)+);
+            #[inline(always)]
+            fn __amp_promote_all(&self) -> Self::Out {
+                let ($($v,)+) = self.take();
+                ($(Same($v),)+)
+            }
+        }
+    };
+}
+many!((A, B); A a, B b);
+many!((A, B, C); A a, B b, C c);
+many!((A, B, C, D); A a, B b, C c, D d);
+many!((A, B, C, D, E); A a, B b, C c, D d, E e);
+many!((A, B, C, D, E, F); A a, B b, C c, D d, E e, F f);
+many!((A, B, C, D, E, F, G); A a, B b, C c, D d, E e, F f, G g);
+many!((A, B, C, D, E, F, G, H); A a, B b, C c, D d, E e, F f, G g, H h);
+
+// ---- return types --------------------------------------------------------------------------
+
+/// A tensor in the declared return precision `T` (moved, not copied, when it already is).
+pub fn conform<T: Precision, E: Precision>(t: Tensor<E>) -> Tensor<T> {
+    match T::from_any(E::into_any(t)) {
+        Ok(same) => same,
+        Err(any) => {
+            let t = any.downcast::<E>().unwrap_or_else(|_| unreachable!("the tensor came in as E"));
+            count_cast();
+            t.cast::<T>()
+        }
+    }
+}
+
+/// [`conform`] inside a `Result`.
+pub fn conform_result<T: Precision, E: Precision, Er>(r: Result<Tensor<E>, Er>) -> Result<Tensor<T>, Er> {
+    r.map(conform)
+}
+
+/// [`conform`] inside an `Option`.
+pub fn conform_option<T: Precision, E: Precision>(o: Option<Tensor<E>>) -> Option<Tensor<T>> {
+    o.map(conform)
+}
+
+// ---- region, cache and counters ------------------------------------------------------------
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct CacheKey {
+    storage: usize,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    to: DType,
+    grad: bool,
+}
+
+struct CacheEntry {
+    /// Keeps the source storage alive (and shared), so its address cannot be reused and an
+    /// in-place update copies on write instead of changing what this entry was cast from.
+    source: Tensor<f32>,
+    cast: AnyTensor,
+}
+
+#[derive(Default)]
+struct State {
+    /// Cache switch of each open region, innermost last.
+    regions: Vec<bool>,
+    cache: HashMap<CacheKey, CacheEntry>,
+    casts: u64,
+    hits: u64,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+/// An autocast region, entered by each `#[autocast]` function for the length of its body.
+/// The weight cast cache is cleared when the outermost region on the thread exits.
+#[must_use]
+pub struct Region {
+    // A region belongs to the thread whose state it pushed.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Region {
+    /// Enters a region; `cache` switches the weight cast cache on or off inside it.
+    #[inline]
+    pub fn enter(cache: bool) -> Region {
+        STATE.with(|s| s.borrow_mut().regions.push(cache));
+        Region { _not_send: std::marker::PhantomData }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // Dropped outside the borrow: the cached tensors may free graph nodes.
+        let cleared = STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            s.regions.pop();
+            if s.regions.is_empty() { std::mem::take(&mut s.cache) } else { HashMap::new() }
+        });
+        drop(cleared);
+    }
+}
+
+/// Counts of the casts `#[autocast]` code ran on this thread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CastStats {
+    /// Conversions performed (each one a pass over the data).
+    pub casts: u64,
+    /// Casts served by the weight cast cache instead.
+    pub cache_hits: u64,
+}
+
+/// The counts since the last [`reset_cast_stats`] on this thread.
+pub fn cast_stats() -> CastStats {
+    STATE.with(|s| {
+        let s = s.borrow();
+        CastStats { casts: s.casts, cache_hits: s.hits }
+    })
+}
+
+/// Zeroes this thread's counts.
+pub fn reset_cast_stats() {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.casts = 0;
+        s.hits = 0;
+    })
+}
+
+/// Whether an `#[autocast]` region is open on this thread.
+pub fn in_region() -> bool {
+    STATE.with(|s| !s.borrow().regions.is_empty())
+}
+
+fn count_cast() {
+    STATE.with(|s| s.borrow_mut().casts += 1);
+}
+
+/// Ops that only re-view their input's storage.
+const VIEW_OPS: &[&str] = &["permute", "reshape", "narrow", "broadcast_to"];
+
+/// Whether `node` is a leaf, or views of a leaf all the way down.
+fn is_leaf_view(node: &Arc<Node>) -> bool {
+    let mut n = node;
+    loop {
+        if n.backward.is_none() {
+            return true;
+        }
+        if !VIEW_OPS.contains(&n.op) || n.parents.len() != 1 {
+            return false;
+        }
+        match &n.parents[0] {
+            Some(p) => n = p,
+            None => return false,
+        }
+    }
+}
+
+/// The cast autocast inserts: a no-op for the same precision, served from the weight cast
+/// cache for f32 parameters (and views of them) going to a 16-bit type, a counted conversion
+/// otherwise.
+pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
+    if E::DTYPE == T::DTYPE {
+        return T::from_any(E::into_any(t.clone())).unwrap_or_else(|_| unreachable!("same precision"));
+    }
+    let cacheable = E::DTYPE == DType::F32
+        && matches!(T::DTYPE, DType::F16 | DType::BF16)
+        && t.node.as_ref().is_some_and(is_leaf_view);
+    // `t` as a Tensor<f32> (E is f32 when cacheable).
+    let Some(source) = cacheable.then(|| f32::from_any(E::into_any(t.clone())).ok()).flatten() else {
+        count_cast();
+        return t.cast::<T>();
+    };
+    let key = CacheKey {
+        storage: Arc::as_ptr(&source.storage) as *const () as usize,
+        shape: source.layout.shape.clone(),
+        strides: source.layout.strides.clone(),
+        offset: source.layout.offset,
+        to: T::DTYPE,
+        grad: is_grad_enabled(),
+    };
+    let hit = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        if !s.regions.last().copied().unwrap_or(false) {
+            return None;
+        }
+        let found = s.cache.get(&key).and_then(|e| {
+            let same_storage = Arc::ptr_eq(&e.source.storage, &source.storage);
+            same_storage.then(|| T::any_ref(&e.cast).cloned()).flatten()
+        });
+        if found.is_some() {
+            s.hits += 1;
+        }
+        Some(found)
+    });
+    match hit {
+        // No region or the cache is off: a plain cast.
+        None => {
+            count_cast();
+            t.cast::<T>()
+        }
+        Some(Some(cached)) => cached,
+        Some(None) => {
+            count_cast();
+            let out = t.cast::<T>();
+            STATE.with(|s| {
+                s.borrow_mut().cache.insert(key, CacheEntry { source, cast: T::into_any(out.clone()) });
+            });
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_serves_leaves_and_views_and_sees_updates() {
+        reset_cast_stats();
+        let mut w = Param::new(Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]));
+        {
+            let _r = Region::enter(true);
+            let a: Tensor<f16> = cast(w.tensor());
+            let b: Tensor<f16> = cast(w.tensor());
+            assert_eq!(cast_stats(), CastStats { casts: 1, cache_hits: 1 });
+            assert_eq!(a.to_vec(), b.to_vec());
+            let t1: Tensor<f16> = cast(&w.t());
+            let t2: Tensor<f16> = cast(&w.t());
+            assert_eq!(cast_stats(), CastStats { casts: 2, cache_hits: 2 });
+            assert_eq!(t1.to_vec(), t2.to_vec());
+            // An update inside the region is seen: the cache entry shares the old storage,
+            // so the update copies on write and the next lookup misses.
+            w.data_mut()[0] = 10.0;
+            let c: Tensor<f16> = cast(w.tensor());
+            assert_eq!(c.to_vec()[0], f16::from_f32(10.0));
+            assert_eq!(cast_stats().casts, 3);
+            // Not a leaf: never cached.
+            let y = w.mul_scalar(2.0);
+            let _: Tensor<f16> = cast(&y);
+            let _: Tensor<f16> = cast(&y);
+            assert_eq!(cast_stats().casts, 5);
+        }
+        assert!(!in_region());
+        // Outside a region: no cache.
+        let _: Tensor<f16> = cast(w.tensor());
+        let _: Tensor<f16> = cast(w.tensor());
+        assert_eq!(cast_stats().casts, 7);
+        // Same precision: no cast at all.
+        let _: Tensor<f32> = cast(w.tensor());
+        assert_eq!(cast_stats().casts, 7);
+    }
+
+    #[test]
+    fn cache_switch_and_nesting() {
+        reset_cast_stats();
+        let w = Param::new(Tensor::<f32>::ones(&[3]));
+        let outer = Region::enter(true);
+        let _: Tensor<bf16> = cast(w.tensor());
+        {
+            let _inner = Region::enter(false);
+            let _: Tensor<bf16> = cast(w.tensor());
+        }
+        {
+            let _inner = Region::enter(true);
+            let _: Tensor<bf16> = cast(w.tensor());
+            // Another target type is another entry.
+            let _: Tensor<f16> = cast(w.tensor());
+        }
+        assert_eq!(cast_stats(), CastStats { casts: 3, cache_hits: 1 });
+        drop(outer);
+        let _r = Region::enter(true);
+        let _: Tensor<bf16> = cast(w.tensor());
+        assert_eq!(cast_stats().casts, 4, "the cache is cleared when the outermost region exits");
+    }
+}

@@ -54,6 +54,8 @@ pub use ops::loss::CrossEntropyOptions;
 pub use param::{Param, Params};
 /// `#[derive(Params)]` (the derive macro shares the trait's name, as serde's derives do).
 pub use amp_macros::Params;
+/// `#[autocast]`: casts inserted at compile time from the op policy table ([`policy`]).
+pub use amp_macros::autocast;
 pub use precision::{DType, NeedsLossScaling, Precision, Promote, Promoted};
 pub use rng::Rng;
 pub use tensor::Tensor;
@@ -61,4 +63,5 @@ pub use tensor::Tensor;
 /// The names most programs need.
 pub mod prelude {
     pub use crate::{DType, Grads, Indices, Mask, Param, Params, Precision, Rng, Tensor, bf16, f16, no_grad};
+    pub use crate::{autocast, autocast_off};
 }

@@ -1,6 +1,16 @@
-//! Procedural macros for amp: `#[autocast]` (see its own issue) and helper derives.
+//! Procedural macros for amp: `#[autocast]` and helper derives.
+//!
+//! `lib.rs` holds only the entry points; each macro's stages live in their own files
+//! (`#[autocast]`: `parse` → `validate` → `policy` → `expand`).
 
 mod derive_params;
+mod expand;
+mod parse;
+mod policy;
+mod validate;
+
+use proc_macro2::TokenStream as TokenStream2;
+use quote::quote;
 
 /// `#[derive(Params)]`: implements `amp_core::Params` for a struct by visiting every field, its
 /// name as the prefix (`blocks.0.ln1.weight`, PyTorch's `state_dict` names). Field options:
@@ -10,4 +20,64 @@ mod derive_params;
 #[proc_macro_derive(Params, attributes(param))]
 pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
     derive_params::expand(syn::parse_macro_input!(input as syn::DeriveInput)).into()
+}
+
+/// Rewrites a forward function so that each op runs in the precision the op policy table
+/// gives it (PyTorch's autocast, decided at compile time): lower-precision ops (`matmul`) get
+/// their tensor inputs cast to the autocast type, fp32 ops (exp, log, norms, losses, softmax,
+/// reductions) get f32 inputs, promote ops (`add`, `a + b`, ...) meet in the widest input type,
+/// and every other op runs as its inputs are. The table: `amp_core::policy`
+/// (`amp_core::policy::print_policy()` prints it).
+///
+/// ```ignore
+/// #[autocast]                      // f16; `#[autocast(bf16)]` for bf16
+/// fn forward(&self, x: &Tensor<f32>) -> Tensor<f32> {
+///     let h = x.matmul(&self.w1).relu();        // f16 matmul (f32 accumulation)
+///     h.matmul(&self.w2).log_softmax(1)         // f16 matmul, f32 log_softmax
+/// }
+/// ```
+///
+/// - The declared return type is honoured: a `Tensor<X>` in it gets a final cast to `X`.
+/// - Each f32 parameter is cast once per call to the outermost `#[autocast]` function, however
+///   often it is used (the weight cast cache; `cache = false` turns it off).
+/// - Options: `lower = [my_proj]`, `fp32 = [my_norm, Self::rescale]` put functions or methods
+///   of your own in a category (their tensor arguments are cast); `passthrough = [softmax]`
+///   turns a table op off in this function.
+/// - `autocast_off! { .. }` or `#[autocast(off)]` on a statement runs that code as written.
+/// - Code that is not a tensor op but shares a name (`iter.sum()`, `f32::max`, `x.exp()` on a
+///   float, macro calls) behaves as without the attribute: whether a value is a tensor is
+///   decided by the compiler, through the types, at each call.
+#[proc_macro_attribute]
+pub fn autocast(attr: proc_macro::TokenStream, item: proc_macro::TokenStream) -> proc_macro::TokenStream {
+    autocast_impl(attr.into(), item.into(), expand::private_path()).into()
+}
+
+/// Parse, validate and expand; on any error the item is still emitted (so the IDE keeps
+/// working) next to one `compile_error!` per problem, each on the offending token.
+fn autocast_impl(attr: TokenStream2, item: TokenStream2, private: TokenStream2) -> TokenStream2 {
+    let opts = parse::options(attr).and_then(|o| validate::options(&o).map(|()| o));
+    let func = validate::item(item.clone());
+    match (opts, func) {
+        (Ok(opts), Ok(func)) => expand::expand(&opts, func, &private),
+        (opts, func) => {
+            let errors = [opts.err(), func.err()].into_iter().flatten().map(|e| e.to_compile_error());
+            let original = expand::strip_off_attrs(item);
+            quote! { #original #(#errors)* }
+        }
+    }
+}
+
+/// The op policy table as `&[amp_core::policy::OpPolicy]` (amp-core expands it; hidden).
+#[doc(hidden)]
+#[proc_macro]
+pub fn __policy_table(_: proc_macro::TokenStream) -> proc_macro::TokenStream {
+    policy::table_tokens().into()
+}
+
+/// The op policy table as a markdown string, for rustdoc (hidden).
+#[doc(hidden)]
+#[proc_macro]
+pub fn __policy_doc(_: proc_macro::TokenStream) -> proc_macro::TokenStream {
+    let md = policy::markdown();
+    quote!(#md).into()
 }

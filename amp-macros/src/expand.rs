@@ -1,0 +1,752 @@
+//! The rewrite: every op call in the body gets the casts its policy row asks for.
+//!
+//! Design notes (the crux: a proc macro sees names, not types):
+//! - A call is a candidate when its method name is a table row (or a user's name) and its
+//!   argument count matches; the decision whether the receiver and the tensor arguments are
+//!   tensors is left to the compiler. Each is wrapped in a hidden helper,
+//!   `(&W::new(x)).__amp_to::<T>()`, resolved by autoref specialisation: a tensor-like value
+//!   (`Tensor<E>`, `Param<E>`, references to them) finds the impl on `W<X>` and is cast;
+//!   anything else (an iterator, an `f32`, a user type) only finds the impl on `&W<X>` and comes
+//!   back untouched. Generic forward functions work the same way, the bound `E: Precision`
+//!   being enough for `Tensor<E>` to find the casting impl.
+//! - Receivers that are places (`x`, `self.w`, `v[i]`) are borrowed, never moved (a tensor
+//!   method takes `&self`); other receivers are moved into the helper, so a by-value method
+//!   on a temporary still works. Arguments are passed as written and come back in the same
+//!   form: a `&Tensor` stays a reference (to the cast temporary), an owned value stays owned.
+//! - Promote ops and the operators `+ - * /` hand both operands to `Pair::new(a, b)`, whose
+//!   casting impl applies only when both are tensor-like and `Promoted<A, B>` exists.
+//! - Nothing inside macro calls, nested items, const contexts, types or patterns is touched,
+//!   so `vec![..]`, `println!(..)`, array lengths and `autocast_off! { .. }` keep their meaning.
+//! - The declared return type is honoured by walking the tail (and each `return`) along the
+//!   declared type: a `Tensor<X>` position gets a final cast to `X`.
+
+use std::collections::{HashMap, HashSet};
+
+use proc_macro2::{Span, TokenStream};
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::visit_mut::{self, VisitMut};
+use syn::{Expr, ExprClosure, Pat, Stmt, Type};
+
+use crate::parse::Options;
+use crate::policy::{self, Arg, Category};
+use crate::validate::path_key;
+
+/// Where generated code finds amp's hidden support module.
+pub(crate) fn private_path() -> TokenStream {
+    use proc_macro_crate::{FoundCrate, crate_name};
+    match crate_name("amp-core") {
+        // Inside amp-core itself `::amp_core` names the crate (`extern crate self as amp_core`).
+        Ok(FoundCrate::Itself) => quote!(::amp_core::__private),
+        Ok(FoundCrate::Name(name)) => {
+            let id = syn::Ident::new(&name, Span::call_site());
+            quote!(::#id::__private)
+        }
+        Err(_) => match crate_name("amp") {
+            Ok(FoundCrate::Name(name)) => {
+                let id = syn::Ident::new(&name, Span::call_site());
+                quote!(::#id::__private)
+            }
+            _ => quote!(::amp_core::__private),
+        },
+    }
+}
+
+/// The precision a category asks for, as tokens.
+#[derive(Clone)]
+enum Target {
+    Low,
+    F32,
+}
+
+struct Rewriter<'a> {
+    p: &'a TokenStream,
+    low: TokenStream,
+    /// Method names the user put in a category.
+    user_methods: HashMap<String, Category>,
+    /// Function paths the user put in a category (matched as a suffix of the call's path).
+    user_fns: Vec<(Vec<String>, Category)>,
+    /// Table ops turned off here (`passthrough = [..]`).
+    off: HashSet<String>,
+    /// Declared return types of the enclosing fn / closures (`None`: not declared).
+    returns: Vec<Option<Type>>,
+    /// Parameters of closures whose types the compiler may not know yet: operators on them
+    /// are left alone (the helper's trait lookup would need the type first).
+    untyped: Vec<HashSet<String>>,
+    /// Whether any call was rewritten (the helper traits are imported only then).
+    rewrote: bool,
+}
+
+/// Runs the rewrite on `f` and wraps its body in an autocast region.
+pub(crate) fn expand(opts: &Options, mut f: syn::ItemFn, p: &TokenStream) -> TokenStream {
+    let low_ident = syn::Ident::new(opts.low.ident(), Span::call_site());
+    let mut rw = Rewriter {
+        p,
+        low: quote!(#p::#low_ident),
+        user_methods: HashMap::new(),
+        user_fns: Vec::new(),
+        off: HashSet::new(),
+        returns: Vec::new(),
+        untyped: Vec::new(),
+        rewrote: false,
+    };
+    for list in &opts.lists {
+        for path in &list.names {
+            let segs: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
+            match list.category {
+                Category::Passthrough => {
+                    rw.off.insert(path_key(path));
+                }
+                cat => {
+                    rw.user_methods.insert(segs.last().cloned().unwrap_or_default(), cat);
+                    rw.user_fns.push((segs, cat));
+                }
+            }
+        }
+    }
+    let ret = match &f.sig.output {
+        syn::ReturnType::Type(_, ty) => Some((**ty).clone()),
+        syn::ReturnType::Default => None,
+    };
+    rw.returns.push(ret.clone());
+    for stmt in &mut f.block.stmts {
+        rw.visit_stmt_mut(stmt);
+    }
+    if let (Some(ty), Some(Stmt::Expr(tail, None))) = (&ret, f.block.stmts.last_mut()) {
+        rw.conform(tail, ty);
+    }
+    let region = syn::Ident::new("__amp_region", Span::mixed_site());
+    let cache = opts.cache;
+    let mut prelude: Vec<Stmt> = vec![syn::parse_quote!(let #region = #p::Region::enter(#cache);)];
+    if rw.rewrote {
+        prelude.push(syn::parse_quote!(
+            #[allow(unused_imports)]
+            use #p::autocast_traits::*;
+        ));
+    }
+    prelude.append(&mut f.block.stmts);
+    f.block.stmts = prelude;
+    quote!(#f)
+}
+
+/// The item as written, less any `#[autocast(off)]` on its statements (emitted next to the
+/// errors when the attribute cannot expand, so the only errors are the real ones).
+pub(crate) fn strip_off_attrs(item: TokenStream) -> TokenStream {
+    struct Strip;
+    impl VisitMut for Strip {
+        fn visit_stmt_mut(&mut self, s: &mut Stmt) {
+            match s {
+                Stmt::Local(l) => l.attrs.retain(|a| !is_off_attr(a)),
+                Stmt::Expr(Expr::Block(b), _) => b.attrs.retain(|a| !is_off_attr(a)),
+                _ => {}
+            }
+            visit_mut::visit_stmt_mut(self, s);
+        }
+    }
+    match syn::parse2::<syn::ItemFn>(item.clone()) {
+        Ok(mut f) => {
+            Strip.visit_item_fn_mut(&mut f);
+            quote!(#f)
+        }
+        Err(_) => item,
+    }
+}
+
+/// A place expression: borrowing it does not move anything.
+fn is_place(e: &Expr) -> bool {
+    match e {
+        Expr::Path(_) | Expr::Field(_) | Expr::Index(_) => true,
+        Expr::Unary(u) => matches!(u.op, syn::UnOp::Deref(_)),
+        Expr::Paren(p) => is_place(&p.expr),
+        _ => false,
+    }
+}
+
+/// Syntax that is never a tensor: a literal (its type may still be an unsettled `{float}`, so
+/// it must not go through a trait lookup), a negated literal or an `as` cast.
+fn is_scalar_syntax(e: &Expr) -> bool {
+    match e {
+        Expr::Lit(_) | Expr::Cast(_) => true,
+        Expr::Unary(u) => matches!(u.op, syn::UnOp::Neg(_)) && is_scalar_syntax(&u.expr),
+        Expr::Paren(p) => is_scalar_syntax(&p.expr),
+        _ => false,
+    }
+}
+
+/// The attribute `#[autocast(off)]` on a statement.
+fn is_off_attr(attr: &syn::Attribute) -> bool {
+    attr.path().is_ident("autocast") && attr.parse_args::<syn::Ident>().is_ok_and(|i| i == "off")
+}
+
+fn pat_idents(pat: &Pat, out: &mut HashSet<String>) {
+    match pat {
+        Pat::Ident(i) => {
+            out.insert(i.ident.to_string());
+        }
+        Pat::Tuple(t) => t.elems.iter().for_each(|p| pat_idents(p, out)),
+        Pat::Reference(r) => pat_idents(&r.pat, out),
+        _ => {}
+    }
+}
+
+/// `Tensor<X, ..>` (by its last path segment): `X`.
+fn tensor_elem(ty: &Type) -> Option<&Type> {
+    let Type::Path(tp) = ty else { return None };
+    let seg = tp.path.segments.last()?;
+    if seg.ident != "Tensor" {
+        return None;
+    }
+    match &seg.arguments {
+        syn::PathArguments::AngleBracketed(a) => a.args.iter().find_map(|g| match g {
+            syn::GenericArgument::Type(t) => Some(t),
+            _ => None,
+        }),
+        _ => None,
+    }
+}
+
+/// `Result<T, ..>` / `Option<T>` (by last segment): the wrapper's name and `T`.
+fn wrapper_inner(ty: &Type) -> Option<(&'static str, &Type)> {
+    let Type::Path(tp) = ty else { return None };
+    let seg = tp.path.segments.last()?;
+    let kind = if seg.ident == "Result" {
+        "Result"
+    } else if seg.ident == "Option" {
+        "Option"
+    } else {
+        return None;
+    };
+    match &seg.arguments {
+        syn::PathArguments::AngleBracketed(a) => match a.args.first()? {
+            syn::GenericArgument::Type(t) => Some((kind, t)),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+impl Rewriter<'_> {
+    fn target(&self, t: &Target) -> TokenStream {
+        match t {
+            Target::Low => self.low.clone(),
+            Target::F32 => quote!(::core::primitive::f32),
+        }
+    }
+
+    /// The receiver, cast to `target` if it is a tensor.
+    fn cast_receiver(&mut self, recv: &Expr, target: &Target) -> TokenStream {
+        self.rewrote = true;
+        let (p, t, span) = (self.p, self.target(target), recv.span());
+        let form = if is_place(recv) { quote_spanned!(span=> &#recv) } else { quote!(#recv) };
+        quote_spanned!(span=> (&#p::W::new(#form)).__amp_to::<#t>())
+    }
+
+    /// An argument, cast to `target` if it is a tensor, handed on in the form it came in.
+    fn cast_arg(&mut self, arg: &Expr, target: &Target) -> TokenStream {
+        if is_scalar_syntax(arg) {
+            return quote!(#arg);
+        }
+        self.rewrote = true;
+        let (p, t, span) = (self.p, self.target(target), arg.span());
+        quote_spanned!(span=> (&#p::W::new(#arg)).__amp_arg::<#t>().__amp_get())
+    }
+
+    /// An `Option<&tensor>` argument, cast when present.
+    fn cast_opt_arg(&mut self, arg: &Expr, target: &Target) -> TokenStream {
+        let is_none = matches!(arg, Expr::Path(p) if p.path.is_ident("None"));
+        if is_none || is_scalar_syntax(arg) {
+            return quote!(#arg);
+        }
+        self.rewrote = true;
+        let (p, t, span) = (self.p, self.target(target), arg.span());
+        quote_spanned!(span=> (&#p::W::new(#arg)).__amp_opt::<#t>().__amp_get())
+    }
+
+    /// What a method call `name` with `argc` arguments does here, if it is an op.
+    fn method_rule(&self, name: &str, argc: usize) -> Option<(Category, Option<&'static [Arg]>)> {
+        if let Some(cat) = self.user_methods.get(name) {
+            return Some((*cat, None));
+        }
+        let op = policy::lookup(name)?;
+        if op.assoc || self.off.contains(op.name) || op.args.len() != argc {
+            return None;
+        }
+        Some((op.category, Some(op.args)))
+    }
+
+    fn rewrite_method_call(&mut self, mc: &syn::ExprMethodCall) -> Option<TokenStream> {
+        if mc.turbofish.is_some() {
+            return None;
+        }
+        let name = mc.method.to_string();
+        let (cat, kinds) = self.method_rule(&name, mc.args.len())?;
+        let target = match cat {
+            Category::Lower => Target::Low,
+            Category::Fp32 | Category::Fp32Accumulate => Target::F32,
+            Category::Promote => return self.rewrite_promote_call(mc, kinds?),
+            Category::Passthrough => return None,
+        };
+        let recv = self.cast_receiver(&mc.receiver, &target);
+        let args: Vec<TokenStream> = mc
+            .args
+            .iter()
+            .enumerate()
+            .map(|(i, a)| match kinds.map_or(Arg::T, |k| k[i]) {
+                Arg::T => self.cast_arg(a, &target),
+                Arg::OptT => self.cast_opt_arg(a, &target),
+                Arg::L | Arg::O => quote!(#a),
+            })
+            .collect();
+        let method = &mc.method;
+        Some(quote_spanned!(mc.method.span()=> #recv.#method(#(#args),*)))
+    }
+
+    /// `a.add(&b)`: both operands to their promoted type.
+    fn rewrite_promote_call(&mut self, mc: &syn::ExprMethodCall, kinds: &[Arg]) -> Option<TokenStream> {
+        let ti = kinds.iter().position(|k| *k == Arg::T)?;
+        let operand = &mc.args[ti];
+        if is_scalar_syntax(operand) {
+            return None;
+        }
+        self.rewrote = true;
+        let p = self.p;
+        let recv = &mc.receiver;
+        let span = mc.span();
+        let recv_form = if is_place(recv) { quote_spanned!(recv.span()=> &#recv) } else { quote!(#recv) };
+        let r = syn::Ident::new("__amp_r", Span::mixed_site());
+        let a = syn::Ident::new("__amp_a", Span::mixed_site());
+        let args = mc.args.iter().enumerate().map(|(i, x)| if i == ti { quote!(#a.__amp_get()) } else { quote!(#x) });
+        let method = &mc.method;
+        Some(quote_spanned!(span=>
+            (match (&#p::Pair::new(#recv_form, #operand)).__amp_promote() {
+                (#r, #a) => #r.#method(#(#args),*),
+            })
+        ))
+    }
+
+    /// `Tensor::where_cond(m, &a, &b)`, `Tensor::cat(&[&a, &b], d)`: every tensor operand to
+    /// the widest of their precisions, each handed on in the form it came in.
+    fn rewrite_assoc_promote(&mut self, call: &syn::ExprCall, kinds: &[Arg]) -> Option<TokenStream> {
+        // Where each operand sits: (argument, element of a `&[..]` list).
+        let mut slots: Vec<(usize, Option<usize>)> = Vec::new();
+        for (i, (arg, kind)) in call.args.iter().zip(kinds).enumerate() {
+            match kind {
+                Arg::T => slots.push((i, None)),
+                Arg::L => {
+                    // Only a written-out list can mix precisions; a slice from elsewhere has one.
+                    let Expr::Reference(r) = arg else { return None };
+                    let Expr::Array(a) = &*r.expr else { return None };
+                    slots.extend((0..a.elems.len()).map(|j| (i, Some(j))));
+                }
+                _ => {}
+            }
+        }
+        let operands: Vec<&Expr> = slots
+            .iter()
+            .map(|(i, j)| match (j, &call.args[*i]) {
+                (Some(j), Expr::Reference(r)) => match &*r.expr {
+                    Expr::Array(a) => &a.elems[*j],
+                    _ => unreachable!("checked above"),
+                },
+                (_, arg) => arg,
+            })
+            .collect();
+        if !(2..=8).contains(&operands.len()) || operands.iter().any(|o| is_scalar_syntax(o)) {
+            return None;
+        }
+        self.rewrote = true;
+        let p = self.p;
+        let vars: Vec<syn::Ident> =
+            (0..operands.len()).map(|k| syn::Ident::new(&format!("__amp_v{k}"), Span::mixed_site())).collect();
+        let args = call.args.iter().enumerate().map(|(i, arg)| {
+            let mine: Vec<(usize, &syn::Ident)> = slots
+                .iter()
+                .zip(&vars)
+                .filter(|((ai, _), _)| *ai == i)
+                .map(|((_, j), v)| (j.unwrap_or(0), v))
+                .collect();
+            match kinds[i] {
+                Arg::T => {
+                    let v = mine[0].1;
+                    quote!(#v.__amp_get())
+                }
+                Arg::L => {
+                    let vs = mine.iter().map(|(_, v)| v);
+                    quote!(&[#(#vs.__amp_get()),*])
+                }
+                _ => quote!(#arg),
+            }
+        });
+        let func = &call.func;
+        Some(quote_spanned!(call.span()=>
+            (match (&#p::Many::new((#(#operands,)*))).__amp_promote_all() {
+                (#(#vars,)*) => #func(#(#args),*),
+            })
+        ))
+    }
+
+    /// `f(args)`: a table op called as an associated function, or a function the user put in
+    /// a category (every non-literal argument that is a tensor is cast).
+    fn rewrite_call(&mut self, call: &syn::ExprCall) -> Option<TokenStream> {
+        let Expr::Path(fp) = &*call.func else { return None };
+        let segs: Vec<String> = fp.path.segments.iter().map(|s| s.ident.to_string()).collect();
+        let user = self.user_fns.iter().find(|(want, _)| segs.ends_with(want)).map(|(_, c)| *c);
+        let cat = match user {
+            Some(c) => c,
+            None => {
+                let last = segs.last()?;
+                let op = policy::lookup(last)?;
+                if !op.assoc || segs.len() < 2 || self.off.contains(op.name) || op.args.len() != call.args.len() {
+                    return None;
+                }
+                return match op.category {
+                    Category::Promote => self.rewrite_assoc_promote(call, op.args),
+                    _ => None,
+                };
+            }
+        };
+        let target = match cat {
+            Category::Lower => Target::Low,
+            Category::Fp32 | Category::Fp32Accumulate => Target::F32,
+            _ => return None,
+        };
+        let args: Vec<TokenStream> = call.args.iter().map(|a| self.cast_arg(a, &target)).collect();
+        let func = &call.func;
+        Some(quote_spanned!(call.span()=> #func(#(#args),*)))
+    }
+
+    fn rewrite_binary(&mut self, b: &syn::ExprBinary) -> Option<TokenStream> {
+        use syn::BinOp::{Add, Div, Mul, Sub};
+        if !matches!(b.op, Add(_) | Sub(_) | Mul(_) | Div(_)) {
+            return None;
+        }
+        if is_scalar_syntax(&b.left)
+            || is_scalar_syntax(&b.right)
+            || self.is_untyped(&b.left)
+            || self.is_untyped(&b.right)
+        {
+            return None;
+        }
+        self.rewrote = true;
+        let (p, l, r, op) = (self.p, &b.left, &b.right, &b.op);
+        let x = syn::Ident::new("__amp_l", Span::mixed_site());
+        let y = syn::Ident::new("__amp_r", Span::mixed_site());
+        Some(quote_spanned!(b.span()=>
+            (match (&#p::Pair::new(#l, #r)).__amp_promote_op() {
+                (#x, #y) => #x #op #y,
+            })
+        ))
+    }
+
+    fn is_untyped(&self, e: &Expr) -> bool {
+        let Expr::Path(p) = e else { return false };
+        let Some(id) = p.path.get_ident() else { return false };
+        let name = id.to_string();
+        self.untyped.iter().any(|s| s.contains(&name))
+    }
+
+    /// Visits a closure; `typed` when it is an argument of a call (its parameter types come
+    /// from the callee's bounds).
+    fn visit_closure(&mut self, c: &mut ExprClosure, typed: bool) {
+        let mut names = HashSet::new();
+        if !typed {
+            for input in &c.inputs {
+                if !matches!(input, Pat::Type(_)) {
+                    pat_idents(input, &mut names);
+                }
+            }
+        }
+        let ret = match &c.output {
+            syn::ReturnType::Type(_, ty) => Some((**ty).clone()),
+            syn::ReturnType::Default => None,
+        };
+        self.untyped.push(names);
+        self.returns.push(ret.clone());
+        self.visit_expr_mut(&mut c.body);
+        if let Some(ty) = &ret {
+            self.conform(&mut c.body, ty);
+        }
+        self.returns.pop();
+        self.untyped.pop();
+    }
+
+    fn visit_args(&mut self, args: &mut syn::punctuated::Punctuated<Expr, syn::Token![,]>) {
+        for a in args.iter_mut() {
+            match a {
+                Expr::Closure(c) => self.visit_closure(c, true),
+                other => self.visit_expr_mut(other),
+            }
+        }
+    }
+
+    /// Makes the value of `e` have the declared type `ty` where `ty` has `Tensor<X>` positions.
+    fn conform(&mut self, e: &mut Expr, ty: &Type) {
+        match e {
+            Expr::Block(b) => return self.conform_block(&mut b.block, ty),
+            Expr::Unsafe(b) => return self.conform_block(&mut b.block, ty),
+            Expr::Paren(pe) => return self.conform(&mut pe.expr, ty),
+            Expr::If(i) => {
+                self.conform_block(&mut i.then_branch, ty);
+                if let Some((_, els)) = &mut i.else_branch {
+                    self.conform(els, ty);
+                }
+                return;
+            }
+            Expr::Match(m) => {
+                for arm in &mut m.arms {
+                    self.conform(&mut arm.body, ty);
+                }
+                return;
+            }
+            // A diverging tail needs nothing; a macro's value is left as it is.
+            Expr::Return(_) | Expr::Macro(_) => return,
+            _ => {}
+        }
+        let p = self.p;
+        if let Some(x) = tensor_elem(ty) {
+            let span = e.span();
+            *e = Expr::Verbatim(quote_spanned!(span=> #p::conform::<#x, _>(#e)));
+            self.rewrote = true;
+        } else if let Some((kind, inner)) = wrapper_inner(ty) {
+            if let Expr::Call(call) = e {
+                if let Expr::Path(fp) = &*call.func {
+                    let ctor = fp.path.segments.last().map(|s| s.ident.to_string()).unwrap_or_default();
+                    let wraps = (kind == "Result" && ctor == "Ok") || (kind == "Option" && ctor == "Some");
+                    if wraps && call.args.len() == 1 {
+                        return self.conform(&mut call.args[0], inner);
+                    }
+                    if matches!(ctor.as_str(), "Err" | "None") {
+                        return;
+                    }
+                }
+            }
+            if let Some(x) = tensor_elem(inner) {
+                let span = e.span();
+                *e = Expr::Verbatim(if kind == "Result" {
+                    quote_spanned!(span=> #p::conform_result::<#x, _, _>(#e))
+                } else {
+                    quote_spanned!(span=> #p::conform_option::<#x, _>(#e))
+                });
+                self.rewrote = true;
+            }
+        } else if let (Type::Tuple(tt), Expr::Tuple(te)) = (ty, &mut *e) {
+            if tt.elems.len() == te.elems.len() {
+                for (t, x) in tt.elems.iter().zip(te.elems.iter_mut()) {
+                    self.conform(x, t);
+                }
+            }
+        } else if let Type::Paren(inner) = ty {
+            self.conform(e, &inner.elem);
+        }
+    }
+
+    fn conform_block(&mut self, b: &mut syn::Block, ty: &Type) {
+        if let Some(Stmt::Expr(tail, None)) = b.stmts.last_mut() {
+            self.conform(tail, ty);
+        }
+    }
+}
+
+impl VisitMut for Rewriter<'_> {
+    fn visit_expr_mut(&mut self, e: &mut Expr) {
+        match e {
+            // Macro calls keep their meaning: `vec![..]`, `println!(..)`, `autocast_off! {..}`.
+            Expr::Macro(_) => {}
+            // Const contexts: a helper call there would not compile.
+            Expr::Const(_) => {}
+            Expr::Repeat(r) => self.visit_expr_mut(&mut r.expr),
+            Expr::Closure(c) => self.visit_closure(c, false),
+            Expr::MethodCall(mc) => {
+                self.visit_expr_mut(&mut mc.receiver);
+                self.visit_args(&mut mc.args);
+                if let Some(t) = self.rewrite_method_call(mc) {
+                    *e = Expr::Verbatim(t);
+                }
+            }
+            Expr::Call(call) => {
+                self.visit_args(&mut call.args);
+                if let Some(t) = self.rewrite_call(call) {
+                    *e = Expr::Verbatim(t);
+                }
+            }
+            Expr::Binary(b) => {
+                self.visit_expr_mut(&mut b.left);
+                self.visit_expr_mut(&mut b.right);
+                if let Some(t) = self.rewrite_binary(b) {
+                    *e = Expr::Verbatim(t);
+                }
+            }
+            Expr::Return(r) => {
+                if let Some(v) = &mut r.expr {
+                    self.visit_expr_mut(v);
+                    if let Some(Some(ty)) = self.returns.last().cloned() {
+                        self.conform(v, &ty);
+                    }
+                }
+            }
+            _ => visit_mut::visit_expr_mut(self, e),
+        }
+    }
+
+    fn visit_stmt_mut(&mut self, s: &mut Stmt) {
+        let attrs = match s {
+            Stmt::Local(l) => Some(&mut l.attrs),
+            Stmt::Expr(Expr::Block(b), _) => Some(&mut b.attrs),
+            _ => None,
+        };
+        if let Some(attrs) = attrs {
+            if attrs.iter().any(is_off_attr) {
+                // `#[autocast(off)]`: this statement runs as written.
+                attrs.retain(|a| !is_off_attr(a));
+                return;
+            }
+        }
+        match s {
+            Stmt::Macro(_) | Stmt::Item(_) => {}
+            _ => visit_mut::visit_stmt_mut(self, s),
+        }
+    }
+
+    // Nested items are not part of this function's region; types, patterns and generic
+    // arguments hold no run-time ops (and const expressions that must stay const).
+    fn visit_item_mut(&mut self, _: &mut syn::Item) {}
+    fn visit_type_mut(&mut self, _: &mut Type) {}
+    fn visit_pat_mut(&mut self, _: &mut Pat) {}
+    fn visit_generic_argument_mut(&mut self, _: &mut syn::GenericArgument) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Expands `item` under `#[autocast(attr)]` and pretty-prints the result.
+    fn expanded(attr: TokenStream, item: TokenStream) -> String {
+        let out = crate::autocast_impl(attr, item, quote!(::amp_core::__private));
+        let file: syn::File = syn::parse2(out.clone()).unwrap_or_else(|e| panic!("{e}: {out}"));
+        prettyplease::unparse(&file)
+    }
+
+    #[test]
+    fn a_small_forward() {
+        // `x.matmul(w1)`: both sides to f16; `.add(b1)`: the f16 product and the f32 bias meet
+        // in f32 (promote); `relu` as its input; `softmax` in f32; the tail cast to the
+        // declared `Tensor<f32>` (a no-op here, decided by the types).
+        let got = expanded(
+            quote!(),
+            quote! {
+                fn mlp(x: &Tensor<f32>, w1: &Param, b1: &Param, w2: &Param) -> Tensor<f32> {
+                    let h = x.matmul(w1).add(b1).relu();
+                    h.matmul(&w2.t()).softmax(1)
+                }
+            },
+        );
+        let want = r#"fn mlp(x: &Tensor<f32>, w1: &Param, b1: &Param, w2: &Param) -> Tensor<f32> {
+    let __amp_region = ::amp_core::__private::Region::enter(true);
+    #[allow(unused_imports)]
+    use ::amp_core::__private::autocast_traits::*;
+    let h = (match (&::amp_core::__private::Pair::new(
+        (&::amp_core::__private::W::new(&x))
+            .__amp_to::<::amp_core::__private::f16>()
+            .matmul(
+                (&::amp_core::__private::W::new(w1))
+                    .__amp_arg::<::amp_core::__private::f16>()
+                    .__amp_get(),
+            ),
+        b1,
+    ))
+        .__amp_promote()
+    {
+        (__amp_r, __amp_a) => __amp_r.add(__amp_a.__amp_get()),
+    })
+        .relu();
+    ::amp_core::__private::conform::<
+        f32,
+        _,
+    >(
+        (&::amp_core::__private::W::new(
+            (&::amp_core::__private::W::new(&h))
+                .__amp_to::<::amp_core::__private::f16>()
+                .matmul(
+                    (&::amp_core::__private::W::new(&w2.t()))
+                        .__amp_arg::<::amp_core::__private::f16>()
+                        .__amp_get(),
+                ),
+        ))
+            .__amp_to::<::core::primitive::f32>()
+            .softmax(1),
+    )
+}
+"#;
+        assert_eq!(got, want, "\n{got}");
+    }
+
+    #[test]
+    fn non_tensor_look_alikes_are_left_alone() {
+        let got = expanded(
+            quote!(bf16),
+            quote! {
+                fn stats(v: &[f32], x: f32) -> f32 {
+                    let s: f32 = v.iter().sum();
+                    let m = v.iter().copied().fold(f32::MIN, f32::max);
+                    let n = vec![x.log(2.0)];
+                    println!("{}", x.exp());
+                    let a = [0.0f32; 2 * 3];
+                    s + m + n[0] * 2.0
+                }
+            },
+        );
+        // `sum()` and `log(2.0)` have the wrong argument count, macros are not entered, array
+        // lengths are const; only `s + m` is a candidate (resolved by type to plain f32 `+`).
+        assert!(got.contains("let s: f32 = v.iter().sum();"), "{got}");
+        assert!(got.contains("let n = vec![x.log(2.0)];"), "{got}");
+        assert!(got.contains("println!(\"{}\", x.exp());"), "{got}");
+        assert!(got.contains("[0.0f32; 2 * 3]"), "{got}");
+        assert!(got.contains("n[0] * 2.0"), "{got}");
+        // `s + m` and `(s + m) + n[0] * 2.0` (plain f32 `+` once the types are known).
+        assert_eq!(got.matches("Pair::new").count(), 2, "{got}");
+    }
+
+    #[test]
+    fn user_categories_and_switching_off() {
+        let got = expanded(
+            quote!(fp32 = [my_norm], lower = [proj], passthrough = [softmax]),
+            quote! {
+                fn f(&self, x: &Tensor<f32>) -> Tensor<f16> {
+                    let h = my_norm(x, 1e-5);
+                    let y = self.proj(&h);
+                    #[autocast(off)]
+                    let z = y.exp();
+                    let s = z.softmax(1);
+                    autocast_off! { let q = s.exp(); }
+                    s
+                }
+            },
+        );
+        assert!(got.contains("let h = my_norm(\n        (&::amp_core::__private::W::new(x))\n            .__amp_arg::<::core::primitive::f32>()"), "{got}");
+        assert!(got.contains("1e-5"), "{got}");
+        assert!(got.contains(".__amp_to::<::amp_core::__private::f16>()\n        .proj("), "{got}");
+        assert!(got.contains("let z = y.exp();"), "{got}");
+        assert!(got.contains("let s = z.softmax(1);"), "{got}");
+        assert!(got.contains("autocast_off! {\n        let q = s.exp();\n    }"), "{got}");
+        assert!(got.contains("conform::<f16, _>(s)"), "{got}");
+    }
+
+    #[test]
+    fn returns_follow_the_declared_type() {
+        let got = expanded(
+            quote!(),
+            quote! {
+                fn f(x: &Tensor<f32>, early: bool) -> Result<(Tensor<f32>, usize), Error> {
+                    if early {
+                        return Ok((x.matmul(x), 1));
+                    }
+                    let y = x.try_matmul(x)?;
+                    Ok((y, 2))
+                }
+            },
+        );
+        assert!(got.contains("return Ok((\n            ::amp_core::__private::conform::<"), "{got}");
+        assert!(got.contains("Ok((::amp_core::__private::conform::<f32, _>(y), 2))"), "{got}");
+        assert!(got.contains(".try_matmul("), "{got}");
+    }
+}

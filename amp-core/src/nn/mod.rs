@@ -1,1 +1,28 @@
-//! (in progress)
+//! Neural-network modules: Linear, LayerNorm, Embedding, Dropout, a GELU MLP, causal
+//! multi-head self-attention, a pre-LayerNorm decoder block and a small GPT.
+//!
+//! Design notes:
+//! - Parameters are f32 master weights (`Param<f32>`) enumerated by `#[derive(Params)]` with
+//!   PyTorch's `state_dict` names (`blocks.0.ln1.weight`), so checkpoints interoperate.
+//! - Each `forward` takes the low (compute) precision `L` as a type parameter and applies the
+//!   autocast policy table (`crate::policy`): matmul-like ops (Linear, attention scores and
+//!   values) run in `L` with f32 accumulation; layer norm, softmax and the loss run in f32; the
+//!   residual stream stays f32 (an f32 + `L` add promotes to f32). With `L = f32` this is plain
+//!   f32 training. Weight casts are differentiable, so gradients arrive in f32.
+//! - `train()` / `eval()` (from [`crate::Params`]) reach every submodule; only dropout reads it.
+
+mod attention;
+mod dropout;
+mod embedding;
+mod gpt;
+mod layer_norm;
+mod linear;
+mod mlp;
+
+pub use attention::CausalSelfAttention;
+pub use dropout::Dropout;
+pub use embedding::Embedding;
+pub use gpt::{Block, Gpt, GptConfig};
+pub use layer_norm::LayerNorm;
+pub use linear::Linear;
+pub use mlp::Mlp;

@@ -1,0 +1,58 @@
+use amp_macros::Params;
+
+use super::{Dropout, Linear};
+use crate::indices::Mask;
+use crate::{Precision, Rng, Tensor};
+
+/// Causal multi-head self-attention (GPT-2 layout: one `qkv` projection, then `proj`).
+///
+/// Scores `q kᵀ/√d` and the value product run in `L`; the masked softmax runs in f32 (the
+/// policy table's fp32 category), and the probabilities are cast back to `L` for `p v`.
+#[derive(Params, Debug, Clone)]
+pub struct CausalSelfAttention {
+    /// `[3 d, d]`: queries, keys and values in one GEMM.
+    pub qkv: Linear,
+    /// `[d, d]` output projection.
+    pub proj: Linear,
+    /// Dropout on the attention probabilities.
+    pub attn_dropout: Dropout,
+    /// Dropout on the output.
+    pub resid_dropout: Dropout,
+    /// Number of heads.
+    #[param(skip)]
+    pub n_heads: usize,
+}
+
+impl CausalSelfAttention {
+    /// Attention over `d` features split into `n_heads` heads.
+    #[track_caller]
+    pub fn new(d: usize, n_heads: usize, dropout: f64, rng: &mut Rng) -> Self {
+        assert!(
+            n_heads > 0 && d % n_heads == 0,
+            "CausalSelfAttention: d = {d} is not divisible by n_heads = {n_heads}"
+        );
+        CausalSelfAttention {
+            qkv: Linear::normal(d, 3 * d, true, 0.02, rng),
+            proj: Linear::normal(d, d, true, 0.02, rng),
+            attn_dropout: Dropout::new(dropout),
+            resid_dropout: Dropout::new(dropout),
+            n_heads,
+        }
+    }
+    /// `x: [B, T, d]` to `[B, T, d]` in precision `L`.
+    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X>, rng: &mut Rng) -> Tensor<L> {
+        let (b, t, d) = (x.shape()[0], x.shape()[1], x.shape()[2]);
+        let (h, hd) = (self.n_heads, d / self.n_heads);
+        // [B, T, 3, H, hd] -> [3, B, H, T, hd]
+        let qkv = self.qkv.forward::<L, X>(x).reshape(&[b, t, 3, h, hd]).permute(&[2, 0, 3, 1, 4]);
+        let part = |i: usize| qkv.narrow(0, i, 1).reshape(&[b, h, t, hd]);
+        let (q, k, v) = (part(0), part(1), part(2));
+        let scores = q.matmul(&k.t()).mul_scalar(1.0 / (hd as f64).sqrt());
+        let scores = scores.masked_fill(&Mask::causal(t), f64::NEG_INFINITY);
+        let probs = scores.cast::<f32>().softmax(3);
+        let probs = self.attn_dropout.forward(&probs, rng);
+        let y = probs.cast::<L>().matmul(&v); // [B, H, T, hd]
+        let y = y.permute(&[0, 2, 1, 3]).reshape(&[b, t, d]);
+        self.resid_dropout.forward(&self.proj.forward::<L, L>(&y), rng)
+    }
+}

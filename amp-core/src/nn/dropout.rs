@@ -1,0 +1,36 @@
+use crate::{Param, Params, Precision, Rng, Tensor};
+
+/// Dropout with probability `p` in training mode, the identity in evaluation mode.
+#[derive(Debug, Clone)]
+pub struct Dropout {
+    /// Probability of zeroing an element.
+    pub p: f64,
+    training: bool,
+}
+
+impl Dropout {
+    /// A dropout layer, in training mode.
+    pub fn new(p: f64) -> Self {
+        Dropout { p, training: true }
+    }
+    /// Whether dropout is active.
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+    /// Zeroes elements with probability `p` (scaling the rest by `1/(1-p)`) when training.
+    pub fn forward<E: Precision>(&self, x: &Tensor<E>, rng: &mut Rng) -> Tensor<E> {
+        x.dropout(self.p, self.training, rng)
+    }
+}
+
+impl Params for Dropout {
+    fn named_params(&self) -> Vec<(String, &Param)> {
+        Vec::new()
+    }
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+        Vec::new()
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}

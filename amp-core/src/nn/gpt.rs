@@ -1,0 +1,139 @@
+use amp_macros::Params;
+
+use super::{CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear, Mlp};
+use crate::error::{Error, Result};
+use crate::ops::loss::CrossEntropyOptions;
+use crate::{Indices, Precision, Rng, Tensor};
+
+/// Size of a [`Gpt`].
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GptConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence (learned positions).
+    pub block_size: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Decoder blocks.
+    pub n_layers: usize,
+    /// Attention heads per block.
+    pub n_heads: usize,
+    /// Dropout probability (0 disables).
+    pub dropout: f64,
+}
+
+impl GptConfig {
+    /// Checks the sizes make a model.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name: &'static str, detail: String| Err(Error::InvalidArgument { op: "GptConfig", name, detail });
+        if self.vocab_size == 0 || self.block_size == 0 || self.d_model == 0 || self.n_layers == 0 {
+            return bad("sizes", format!("every size must be positive: {self:?}"));
+        }
+        if self.n_heads == 0 || self.d_model % self.n_heads != 0 {
+            return bad("n_heads", format!("d_model {} must be a multiple of n_heads {}", self.d_model, self.n_heads));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad("dropout", format!("must be in [0, 1), got {}", self.dropout));
+        }
+        Ok(())
+    }
+}
+
+/// A pre-LayerNorm decoder block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`, residual in f32.
+#[derive(Params, Debug, Clone)]
+pub struct Block {
+    /// Norm before attention.
+    pub ln1: LayerNorm,
+    /// Causal self-attention.
+    pub attn: CausalSelfAttention,
+    /// Norm before the MLP.
+    pub ln2: LayerNorm,
+    /// The MLP.
+    pub mlp: Mlp,
+}
+
+impl Block {
+    /// A block of width `d`.
+    pub fn new(d: usize, n_heads: usize, dropout: f64, rng: &mut Rng) -> Self {
+        Block {
+            ln1: LayerNorm::new(d),
+            attn: CausalSelfAttention::new(d, n_heads, dropout, rng),
+            ln2: LayerNorm::new(d),
+            mlp: Mlp::new(d, 4 * d, dropout, rng),
+        }
+    }
+    /// `x: [B, T, d]` (f32 residual stream) to the same shape.
+    pub fn forward<L: Precision>(&self, x: &Tensor<f32>, rng: &mut Rng) -> Tensor<f32> {
+        let a = self.attn.forward::<L, f32>(&self.ln1.forward(x), rng);
+        let x = x.add(&a.cast::<f32>());
+        let m = self.mlp.forward::<L, f32>(&self.ln2.forward(&x), rng);
+        x.add(&m.cast::<f32>())
+    }
+}
+
+/// A small decoder-only transformer (GPT-2 layout, learned positions).
+#[derive(Params, Debug, Clone)]
+pub struct Gpt {
+    /// Token embeddings `[vocab, d]`.
+    pub tok_emb: Embedding,
+    /// Position embeddings `[block_size, d]`.
+    pub pos_emb: Embedding,
+    /// Dropout on the embeddings.
+    pub drop: Dropout,
+    /// The decoder blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub ln_f: LayerNorm,
+    /// Output projection to the vocabulary.
+    pub head: Linear,
+    /// The sizes.
+    #[param(skip)]
+    pub config: GptConfig,
+}
+
+impl Gpt {
+    /// A model with GPT-2's initialisation; errors on an invalid config.
+    pub fn try_new(config: GptConfig, rng: &mut Rng) -> Result<Self> {
+        config.validate()?;
+        let d = config.d_model;
+        Ok(Gpt {
+            tok_emb: Embedding::new(config.vocab_size, d, 0.02, rng),
+            pos_emb: Embedding::new(config.block_size, d, 0.02, rng),
+            drop: Dropout::new(config.dropout),
+            blocks: (0..config.n_layers).map(|_| Block::new(d, config.n_heads, config.dropout, rng)).collect(),
+            ln_f: LayerNorm::new(d),
+            head: Linear::normal(d, config.vocab_size, true, 0.02, rng),
+            config,
+        })
+    }
+    /// A model with GPT-2's initialisation; panics on an invalid config.
+    #[track_caller]
+    pub fn new(config: GptConfig, rng: &mut Rng) -> Self {
+        crate::error::or_panic(Self::try_new(config, rng))
+    }
+    /// Logits `[B, T, vocab]` in precision `L` for token ids `[B, T]`.
+    #[track_caller]
+    pub fn forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Tensor<L> {
+        let (b, t) = (ids.shape()[0], ids.shape()[1]);
+        assert!(
+            t <= self.config.block_size,
+            "Gpt::forward: sequence length {t} exceeds block_size {}",
+            self.config.block_size
+        );
+        let pos = self.pos_emb.weight.narrow(0, 0, t);
+        let mut x = self.drop.forward(&self.tok_emb.forward(ids).add(&pos), rng);
+        for block in &self.blocks {
+            x = block.forward::<L>(&x, rng);
+        }
+        let _ = b;
+        self.head.forward::<L, f32>(&self.ln_f.forward(&x))
+    }
+    /// Mean cross-entropy (in f32) of next-token predictions; targets `[B, T]` with -100 to
+    /// ignore a position.
+    pub fn loss<L: Precision>(&self, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Tensor<f32> {
+        let logits = self.forward::<L>(ids, rng);
+        let v = self.config.vocab_size;
+        let n = targets.numel();
+        logits.cast::<f32>().reshape(&[n, v]).cross_entropy_with(&targets.reshape(&[n]), CrossEntropyOptions::default())
+    }
+}

@@ -1,0 +1,31 @@
+use amp_macros::Params;
+
+use super::{Dropout, Linear};
+use crate::{Precision, Rng, Tensor};
+
+/// The transformer MLP: `Linear(d, 4d) -> GELU -> Linear(4d, d) -> Dropout`.
+#[derive(Params, Debug, Clone)]
+pub struct Mlp {
+    /// Expansion, `[hidden, d]`.
+    pub fc: Linear,
+    /// Projection back, `[d, hidden]`.
+    pub proj: Linear,
+    /// Residual dropout.
+    pub dropout: Dropout,
+}
+
+impl Mlp {
+    /// An MLP `d -> hidden -> d` with GPT-2 init.
+    pub fn new(d: usize, hidden: usize, dropout: f64, rng: &mut Rng) -> Self {
+        Mlp {
+            fc: Linear::normal(d, hidden, true, 0.02, rng),
+            proj: Linear::normal(hidden, d, true, 0.02, rng),
+            dropout: Dropout::new(dropout),
+        }
+    }
+    /// `x: [..., d]` to `[..., d]` in precision `L` (GELU runs in `L`: a pass-through op).
+    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X>, rng: &mut Rng) -> Tensor<L> {
+        let h = self.fc.forward::<L, X>(x).gelu();
+        self.dropout.forward(&self.proj.forward::<L, L>(&h), rng)
+    }
+}

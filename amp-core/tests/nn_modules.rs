@@ -1,0 +1,119 @@
+//! nn modules: PyTorch names, train/eval reaching every dropout, precisions per the policy
+//! table, and gradients arriving in f32 for every parameter.
+
+use amp_core::nn::{Gpt, GptConfig, Linear};
+use amp_core::{DType, Indices, Params, Precision, Rng, Tensor, bf16, f16};
+
+fn tiny() -> GptConfig {
+    GptConfig { vocab_size: 11, block_size: 8, d_model: 16, n_layers: 2, n_heads: 2, dropout: 0.1 }
+}
+
+#[test]
+fn gpt_parameter_names_follow_pytorch_state_dict() {
+    let model = Gpt::new(tiny(), &mut Rng::seed(0));
+    let names: Vec<String> = model.named_params().into_iter().map(|(n, _)| n).collect();
+    for expected in [
+        "tok_emb.weight",
+        "pos_emb.weight",
+        "blocks.0.ln1.weight",
+        "blocks.0.ln1.bias",
+        "blocks.0.attn.qkv.weight",
+        "blocks.0.attn.qkv.bias",
+        "blocks.0.attn.proj.weight",
+        "blocks.1.mlp.fc.weight",
+        "blocks.1.mlp.proj.bias",
+        "ln_f.weight",
+        "head.weight",
+        "head.bias",
+    ] {
+        assert!(names.iter().any(|n| n == expected), "missing {expected} in {names:?}");
+    }
+    // 2 embeddings + 2 blocks × 12 tensors + ln_f (2) + head (2)
+    assert_eq!(names.len(), 2 + 2 * 12 + 2 + 2);
+    let c = tiny();
+    let per_block = 2 * c.d_model
+        + (3 * c.d_model * c.d_model + 3 * c.d_model)
+        + (c.d_model * c.d_model + c.d_model)
+        + 2 * c.d_model
+        + (4 * c.d_model * c.d_model + 4 * c.d_model)
+        + (4 * c.d_model * c.d_model + c.d_model);
+    let expected = c.vocab_size * c.d_model
+        + c.block_size * c.d_model
+        + c.n_layers * per_block
+        + 2 * c.d_model
+        + c.d_model * c.vocab_size
+        + c.vocab_size;
+    assert_eq!(model.num_params(), expected);
+}
+
+fn ids(b: usize, t: usize, vocab: usize, rng: &mut Rng) -> Indices {
+    Indices::from_vec((0..b * t).map(|_| rng.below(vocab as u64) as i64).collect(), &[b, t])
+}
+
+#[test]
+fn eval_mode_reaches_every_dropout_and_makes_forward_deterministic() {
+    let mut model = Gpt::new(tiny(), &mut Rng::seed(1));
+    let x = ids(2, 8, 11, &mut Rng::seed(2));
+    model.eval();
+    let a = model.forward::<f32>(&x, &mut Rng::seed(3)).to_vec();
+    let b = model.forward::<f32>(&x, &mut Rng::seed(4)).to_vec();
+    assert_eq!(a, b, "eval: different dropout seeds must not change the output");
+    model.train();
+    let c = model.forward::<f32>(&x, &mut Rng::seed(3)).to_vec();
+    let d = model.forward::<f32>(&x, &mut Rng::seed(4)).to_vec();
+    assert_ne!(c, d, "train: dropout must be active");
+}
+
+fn gpt_step<L: Precision>() {
+    let mut model = Gpt::new(tiny(), &mut Rng::seed(5));
+    model.eval();
+    let x = ids(3, 8, 11, &mut Rng::seed(6));
+    let logits = model.forward::<L>(&x, &mut Rng::seed(7));
+    assert_eq!(logits.dtype(), L::DTYPE, "head (a Linear) runs in the compute precision");
+    assert_eq!(logits.shape(), &[3, 8, 11]);
+    let targets = ids(3, 8, 11, &mut Rng::seed(8));
+    let loss = model.loss::<L>(&x, &targets, &mut Rng::seed(7));
+    assert_eq!(loss.dtype(), DType::F32, "the loss is f32 whatever the compute precision");
+    let l = loss.item();
+    assert!((l - (11f32).ln()).abs() < 0.5, "initial loss {l} should be near ln(vocab)");
+    let grads = loss.backward();
+    for (name, p) in model.named_params() {
+        let g: &Tensor<f32> = grads.get(p).unwrap_or_else(|| panic!("no f32 gradient for {name}"));
+        assert_eq!(g.shape(), p.shape(), "{name}");
+        assert!(g.to_vec().iter().all(|v| v.is_finite()), "{name} gradient not finite");
+    }
+}
+
+#[test]
+fn gpt_forward_backward_in_every_precision() {
+    gpt_step::<f32>();
+    gpt_step::<f16>();
+    gpt_step::<bf16>();
+}
+
+#[test]
+fn low_precision_logits_track_f32() {
+    let mut model = Gpt::new(tiny(), &mut Rng::seed(9));
+    model.eval();
+    let x = ids(2, 8, 11, &mut Rng::seed(10));
+    let r = model.forward::<f32>(&x, &mut Rng::seed(0)).to_vec();
+    let h = model.forward::<f16>(&x, &mut Rng::seed(0)).to_f32_vec();
+    let b = model.forward::<bf16>(&x, &mut Rng::seed(0)).to_f32_vec();
+    let err = |v: &[f32]| v.iter().zip(&r).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(err(&h) < 2e-3, "f16 max error {}", err(&h));
+    assert!(err(&b) < 2e-2, "bf16 max error {}", err(&b));
+}
+
+#[test]
+fn linear_matches_manual_formula_and_checks_input_width() {
+    let lin = Linear::new(3, 2, true, &mut Rng::seed(11));
+    let x = Tensor::<f32>::randn(&[4, 3], &mut Rng::seed(12));
+    let y = lin.forward::<f32, f32>(&x);
+    let want = x.matmul(&lin.weight.t()).add(lin.bias.as_ref().unwrap());
+    assert_eq!(y.to_vec(), want.to_vec());
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lin.forward::<f32, f32>(&Tensor::<f32>::zeros(&[4, 5]))
+    }));
+    let msg = *r.unwrap_err().downcast::<String>().unwrap();
+    assert!(msg.contains("Linear: input shape [4, 5] does not end in in_features = 3"), "{msg}");
+}

@@ -428,7 +428,11 @@ pub fn read_checkpoint_state(dir: impl AsRef<Path>) -> Result<(TrainingState, Pa
             format!("names weights file `{}`, which is not a checkpoint weights file", file.weights),
         ));
     }
-    Ok((file.state, dir.join(file.weights)))
+    let weights = dir.join(&file.weights);
+    if !weights.is_file() {
+        return Err(file_err(&state_path, format!("names weights file `{}`, which does not exist", file.weights)));
+    }
+    Ok((file.state, weights))
 }
 
 /// Loads the checkpoint in `dir` into `model` and returns its training state. The model is

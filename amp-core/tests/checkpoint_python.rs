@@ -1,0 +1,121 @@
+//! Interoperability with Python: weights saved here are read by Python's `safetensors` +
+//! numpy (tests/python/read_checkpoint.py checks names, shapes and values against a manifest),
+//! and the f32 and f16 files Python writes back load here.
+//!
+//! Needs `pip install safetensors numpy`. Without them the test says so and passes, unless
+//! `CI` or `AMP_REQUIRE_PYTHON` is set, where it fails: CI must run the check.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use amp_core::checkpoint::{TrainingState, load_weights, save_checkpoint, save_weights};
+use amp_core::{Param, Params, Rng, Tensor};
+
+#[derive(Params)]
+struct Block {
+    ln1: LayerNorm,
+    #[param(rename = "c_fc")]
+    fc: Param,
+}
+
+#[derive(Params)]
+struct LayerNorm {
+    weight: Param,
+    bias: Param,
+}
+
+#[derive(Params)]
+struct Model {
+    wte: Param,
+    blocks: Vec<Block>,
+    head: Param,
+}
+
+fn model(seed: u64) -> Model {
+    let mut rng = Rng::seed(seed);
+    let mut p = |shape: &[usize]| Param::new(Tensor::<f32>::randn(shape, &mut rng));
+    Model {
+        wte: p(&[11, 6]),
+        blocks: (0..2).map(|_| Block { ln1: LayerNorm { weight: p(&[6]), bias: p(&[6]) }, fc: p(&[24, 6]) }).collect(),
+        head: p(&[11, 6]),
+    }
+}
+
+fn python_ready() -> bool {
+    let ok =
+        Command::new("python3").args(["-c", "import safetensors, numpy"]).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        let required = std::env::var_os("CI").is_some() || std::env::var_os("AMP_REQUIRE_PYTHON").is_some();
+        assert!(!required, "python3 with safetensors and numpy is required here: pip install safetensors numpy");
+        eprintln!(
+            "SKIPPED checkpoint_python: python3 with safetensors and numpy not found (pip install safetensors numpy)"
+        );
+    }
+    ok
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/read_checkpoint.py")
+}
+
+#[test]
+fn python_reads_our_weights_and_we_read_python_exports() {
+    if !python_ready() {
+        return;
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("checkpoint_python");
+    let _ = std::fs::remove_dir_all(&dir);
+    let source = model(11);
+    // A checkpoint's weights file is what Python reads.
+    let files = save_checkpoint(dir.join("ckpt"), &source, &TrainingState::new(3)).unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(&files.weights, dir.join("model.safetensors")).unwrap();
+    save_weights(dir.join("model_direct.safetensors"), &source).unwrap();
+    assert_eq!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        std::fs::read(dir.join("model_direct.safetensors")).unwrap()
+    );
+
+    let tensors: Vec<serde_json::Value> = source
+        .named_params()
+        .into_iter()
+        .map(|(name, p)| {
+            serde_json::json!({"name": name, "shape": p.shape(), "dtype": "F32",
+                "values": p.to_vec().iter().map(|&v| f64::from(v)).collect::<Vec<_>>()})
+        })
+        .collect();
+    let names: Vec<&str> = tensors.iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "wte",
+            "blocks.0.ln1.weight",
+            "blocks.0.ln1.bias",
+            "blocks.0.c_fc",
+            "blocks.1.ln1.weight",
+            "blocks.1.ln1.bias",
+            "blocks.1.c_fc",
+            "head"
+        ]
+    );
+    let manifest = serde_json::json!({"weights": "model.safetensors", "tensors": tensors});
+    std::fs::write(dir.join("manifest.json"), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+
+    let out = Command::new("python3").arg(script()).arg(&dir).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "read_checkpoint.py failed:\n{text}");
+    assert!(text.contains("OK: 8 tensors"), "{text}");
+
+    // Python's exports load back: f32 exactly, f16 as f16-rounded values.
+    let mut back = model(12);
+    load_weights(dir.join("from_python_f32.safetensors"), &mut back).unwrap();
+    for ((n, a), (_, b)) in back.named_params().iter().zip(source.named_params()) {
+        assert_eq!(a.to_vec(), b.to_vec(), "{n}");
+    }
+    let mut back16 = model(13);
+    load_weights(dir.join("from_python_f16.safetensors"), &mut back16).unwrap();
+    for ((n, a), (_, b)) in back16.named_params().iter().zip(source.named_params()) {
+        let want: Vec<f32> = b.to_vec().iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        assert_eq!(a.to_vec(), want, "{n}");
+    }
+}

@@ -32,23 +32,20 @@ use crate::parse::Options;
 use crate::policy::{self, Arg, Category};
 use crate::validate::path_key;
 
-/// Where generated code finds amp's hidden support module.
+/// Where generated code finds amp's hidden support module: `::amp::__private` when the
+/// user's crate depends on the facade `amp` (or is it: its tests and examples), otherwise
+/// `::amp_core::__private` (inside amp-core, `extern crate self as amp_core` makes that work).
 pub(crate) fn private_path() -> TokenStream {
     use proc_macro_crate::{FoundCrate, crate_name};
-    match crate_name("amp-core") {
-        // Inside amp-core itself `::amp_core` names the crate (`extern crate self as amp_core`).
-        Ok(FoundCrate::Itself) => quote!(::amp_core::__private),
-        Ok(FoundCrate::Name(name)) => {
-            let id = syn::Ident::new(&name, Span::call_site());
-            quote!(::#id::__private)
-        }
-        Err(_) => match crate_name("amp") {
-            Ok(FoundCrate::Name(name)) => {
-                let id = syn::Ident::new(&name, Span::call_site());
-                quote!(::#id::__private)
-            }
-            _ => quote!(::amp_core::__private),
-        },
+    let named = |name: &str| {
+        let id = syn::Ident::new(name, Span::call_site());
+        quote!(::#id::__private)
+    };
+    match (crate_name("amp"), crate_name("amp-core")) {
+        (Ok(FoundCrate::Itself), _) => quote!(::amp::__private),
+        (Ok(FoundCrate::Name(name)), _) => named(&name),
+        (_, Ok(FoundCrate::Name(name))) => named(&name),
+        _ => quote!(::amp_core::__private),
     }
 }
 

@@ -15,6 +15,8 @@ pub use amp_core::*;
 pub use amp_cuda;
 pub use amp_macros;
 
+pub mod train_utils;
+
 /// The names most programs need.
 pub mod prelude {
     pub use amp_core::prelude::*;

@@ -1,0 +1,301 @@
+//! What `#[autocast]` rewrites, and what it leaves alone: forward functions of every shape
+//! (free, methods, generic, `?`, closures, loops, nested blocks, calls to other `#[autocast]`
+//! functions), user categories, regions switched off, declared return types, and code that
+//! only shares a name with an op.
+
+use std::ops::{Add, Mul};
+
+use amp::prelude::*;
+use amp::{Promote, Promoted, Tensor};
+
+fn data(shape: &[usize], seed: u64) -> Tensor<f32> {
+    Tensor::randn(shape, &mut Rng::seed(seed))
+}
+
+fn param(shape: &[usize], seed: u64) -> Param {
+    Param::new(data(shape, seed))
+}
+
+// ---- code that only shares a name with an op ---------------------------------------------
+
+#[derive(Debug, PartialEq)]
+struct Counter(f32);
+
+// A user type whose methods share names and argument counts with table ops.
+impl Counter {
+    fn softmax(&self, dim: usize) -> f32 {
+        self.0 * dim as f32
+    }
+    fn sum(&self, dim: usize, keepdim: bool) -> f32 {
+        self.0 + dim as f32 + f32::from(u8::from(keepdim))
+    }
+    fn matmul(&self, other: &Counter) -> Counter {
+        Counter(self.0 * other.0)
+    }
+}
+
+/// The same body with and without the attribute.
+macro_rules! look_alikes {
+    ($name:ident $(#[$attr:meta])?) => {
+        $(#[$attr])?
+        #[allow(clippy::all)]
+        fn $name(v: &[f32], x: f32, n: usize) -> (Vec<f32>, usize, String, Counter) {
+            let s: f32 = v.iter().sum(); // Iterator::sum: wrong argument count for the op
+            let total = v.iter().copied().sum::<f32>(); // a turbofish: never an op
+            let m = v.iter().copied().fold(f32::MIN, f32::max); // a path, not a call
+            let e = x.exp(); // f32::exp: same name and argument count as the op
+            let r = x.sqrt().powf(2.0) + x.log(2.0) + x.max(1.0); // f32 methods
+            let y = 1.5f32;
+            let a = x.add(y) + x.mul(y) + x.add(1.5); // std::ops traits by method name: promote candidates
+            let f = |p, q| p * q + p; // untyped closure parameters
+            let c = f(1.5f32, 2.0);
+            let g = v.iter().fold(0.0, |acc, y| acc + y * 2.0);
+            let idx = n * 2 + n / 2 - 1; // integer operators
+            let words = String::from("a") + "b" + &format!("{}", x.exp());
+            let z = vec![x.exp(); 2]; // macros are not entered
+            let arr = [0u8; 2 * 3]; // a const context
+            let k = Counter(x);
+            let u = k.softmax(2) + k.sum(1, true) + Counter(2.0).sum(0, false); // user methods
+            let w = k.matmul(&Counter(3.0)).matmul(&k);
+            (vec![s, total, m, e, r, a, c, g, z[1], u, arr.len() as f32], idx, words, w)
+        }
+    };
+}
+
+look_alikes!(plain);
+look_alikes!(rewritten #[autocast]);
+
+#[test]
+fn non_tensor_code_behaves_as_without_the_attribute() {
+    let v = [1.0f32, -2.5, 4.0];
+    assert_eq!(rewritten(&v, 0.75, 5), plain(&v, 0.75, 5));
+}
+
+#[autocast(bf16)]
+fn generic_numbers<T: Copy + Add<Output = T> + Mul<Output = T>>(a: T, b: T) -> T {
+    a * b + a
+}
+
+#[test]
+fn generic_non_tensor_code_is_left_to_its_own_types() {
+    assert_eq!(generic_numbers(3, 4), 15);
+    assert_eq!(generic_numbers(0.5f32, 4.0), 2.5);
+}
+
+// ---- the rewrite ----------------------------------------------------------------------------
+
+#[autocast]
+fn mlp(x: &Tensor<f32>, w1: &Param, b1: &Param, w2: &Param) -> (DType, DType, DType, Tensor<f32>) {
+    let h = x.matmul(w1); // f16 × f16
+    let hb = h.add(b1); // f16 + f32 bias: promoted to f32
+    let a = hb.relu(); // as its input
+    let logits = a.matmul(&w2.t()); // back to f16
+    (h.dtype(), hb.dtype(), logits.dtype(), logits.log_softmax(1)) // log_softmax in f32
+}
+
+#[test]
+fn ops_run_in_their_category_precision() {
+    let (x, w1, b1, w2) = (data(&[4, 6], 1), param(&[6, 8], 2), param(&[8], 3), param(&[5, 8], 4));
+    let (h, hb, logits, out) = mlp(&x, &w1, &b1, &w2);
+    assert_eq!((h, hb, logits, out.dtype()), (DType::F16, DType::F32, DType::F16, DType::F32));
+}
+
+#[autocast]
+fn operators(a: &Tensor<f16>, b: &Tensor<f32>, c: Tensor<bf16>) -> (DType, DType, DType, DType) {
+    let s = a + b; // f16 + f32: f32
+    let d = &c * &c; // bf16 stays bf16
+    let m = a - &c; // f16 and bf16 meet in f32
+    let q = c / 2.0; // a scalar: the tensor's own precision
+    (s.dtype(), d.dtype(), m.dtype(), q.dtype())
+}
+
+#[test]
+fn operators_promote() {
+    let a = data(&[2, 3], 1).cast::<f16>();
+    let c = data(&[2, 3], 3).cast::<bf16>();
+    assert_eq!(operators(&a, &data(&[2, 3], 2), c), (DType::F32, DType::BF16, DType::F32, DType::BF16));
+}
+
+#[autocast(bf16)]
+fn declared_f32(x: &Tensor<f32>, w: &Param) -> Tensor<f32> {
+    x.matmul(w) // bf16 inside; the declared type asks for f32
+}
+
+#[autocast]
+fn declared_in_wrappers(x: &Tensor<f32>, w: &Param, pick: u8) -> Option<(Tensor<f32>, Tensor<bf16>, usize)> {
+    if pick == 0 {
+        return None;
+    }
+    let h = x.matmul(w);
+    match pick {
+        1 => Some((h.clone(), h, 1)),
+        _ => {
+            let y = h.relu();
+            Some((y.clone(), y, 2))
+        }
+    }
+}
+
+#[test]
+fn declared_return_types_are_honoured() {
+    let (x, w) = (data(&[2, 3], 1), param(&[3, 4], 2));
+    let y = declared_f32(&x, &w);
+    assert_eq!(y.dtype(), DType::F32);
+    let by_hand = x.cast::<bf16>().matmul(&w.cast::<bf16>()).cast::<f32>();
+    assert_eq!(y.to_vec(), by_hand.to_vec());
+    assert!(declared_in_wrappers(&x, &w, 0).is_none());
+    let (a, b, n) = declared_in_wrappers(&x, &w, 1).unwrap();
+    assert_eq!((a.dtype(), b.dtype(), n), (DType::F32, DType::BF16, 1));
+    let (a, b, n) = declared_in_wrappers(&x, &w, 2).unwrap();
+    assert_eq!((a.dtype(), b.dtype(), n), (DType::F32, DType::BF16, 2));
+}
+
+// Generic forwards: the bound `E: Precision` is enough for the casts to be found.
+#[autocast]
+fn generic_forward<E: Precision>(x: &Tensor<E>, w: &Param) -> Tensor<E> {
+    let h = x.matmul(w); // f16 whatever E is
+    assert_eq!(h.dtype(), DType::F16);
+    h.softmax(1) // f32, then the declared Tensor<E>
+}
+
+// Promotion with a generic precision needs the bound that computes it.
+#[autocast]
+fn generic_promote<E: Precision + Promote<f32>>(x: &Tensor<E>, b: &Param) -> Tensor<Promoted<E, f32>> {
+    x.add(b)
+}
+
+#[test]
+fn generic_forwards() {
+    let w = param(&[3, 4], 2);
+    let x = data(&[2, 3], 1);
+    assert_eq!(generic_forward(&x, &w).dtype(), DType::F32);
+    assert_eq!(generic_forward(&x.cast::<bf16>(), &w).dtype(), DType::BF16);
+    assert_eq!(generic_forward(&x.cast::<f16>(), &w).dtype(), DType::F16);
+    let b = param(&[3], 3);
+    assert_eq!(generic_promote(&x.cast::<f16>(), &b).dtype(), DType::F32);
+}
+
+struct Block {
+    w: Param,
+    u: Param,
+}
+
+impl Block {
+    // A method, a `?` body, and a call to another `#[autocast]` function.
+    #[autocast]
+    fn forward(&self, x: &Tensor<f32>) -> amp::Result<Tensor<f32>> {
+        let h = x.try_matmul(&self.w)?;
+        assert_eq!(h.dtype(), DType::F16);
+        let h = self.cell(&h);
+        Ok(h.try_softmax(1)?)
+    }
+
+    #[autocast]
+    fn cell(&self, h: &Tensor<f16>) -> Tensor<f16> {
+        h.matmul(&self.u).tanh()
+    }
+
+    // Closures, loops and nested blocks.
+    #[autocast]
+    fn unrolled(&self, xs: &[Tensor<f32>]) -> Tensor<f32> {
+        let step = |h: &Tensor<f16>, x: &Tensor<f32>| x.matmul(&self.w).add(&h.matmul(&self.u)).tanh();
+        let mut h = Tensor::<f16>::zeros(&[xs[0].shape()[0], 4]);
+        for x in xs {
+            h = {
+                let next = step(&h, x);
+                assert_eq!(next.dtype(), DType::F16);
+                next
+            };
+        }
+        let mut i = 0;
+        while i < 2 {
+            h = h.matmul(&self.u);
+            i += 1;
+        }
+        h
+    }
+}
+
+#[test]
+fn methods_question_marks_closures_and_loops() {
+    let b = Block { w: param(&[3, 4], 1), u: param(&[4, 4], 2) };
+    let y = b.forward(&data(&[2, 3], 3)).unwrap();
+    assert_eq!(y.dtype(), DType::F32);
+    let err = b.forward(&data(&[2, 5], 3)).unwrap_err();
+    assert!(err.to_string().contains("matmul"), "{err}");
+    let xs = [data(&[2, 3], 4), data(&[2, 3], 5)];
+    assert_eq!(b.unrolled(&xs).dtype(), DType::F32);
+}
+
+#[autocast]
+fn switched_off(x: &Tensor<f32>) -> [DType; 4] {
+    let h = x.matmul(x); // f16
+    autocast_off! {
+        let e = h.exp(); // as written: stays f16
+    }
+    #[autocast(off)]
+    let s = h.softmax(1); // as written
+    #[autocast(off)]
+    {
+        let inner = h.exp(); // a block as written
+        assert_eq!(inner.dtype(), DType::F16);
+    }
+    let on = h.exp(); // autocast again: f32
+    let m = autocast_off!(x.matmul(x)); // f32 × f32
+    [e.dtype(), s.dtype(), on.dtype(), m.dtype()]
+}
+
+#[test]
+fn regions_switched_off() {
+    assert_eq!(switched_off(&data(&[3, 3], 1)), [DType::F16, DType::F16, DType::F32, DType::F32]);
+}
+
+// ---- user categories -------------------------------------------------------------------------
+
+/// Needs f32 input: fp32 = [..] provides it.
+fn my_norm(x: &Tensor<f32>, eps: f64) -> Tensor<f32> {
+    x.rms_norm(None, eps)
+}
+
+/// Needs f16 inputs: lower = [..] provides them.
+fn my_proj(x: &Tensor<f16>, w: &Tensor<f16>) -> Tensor<f16> {
+    x.matmul(w)
+}
+
+trait Rescale {
+    fn rescale(&self, k: f64) -> Tensor<f32>;
+}
+
+impl Rescale for Tensor<f32> {
+    fn rescale(&self, k: f64) -> Tensor<f32> {
+        self.mul_scalar(k)
+    }
+}
+
+struct Net {
+    w: Param,
+}
+
+impl Net {
+    fn helper(x: &Tensor<f32>) -> Tensor<f32> {
+        x.square()
+    }
+
+    #[autocast(fp32 = [my_norm, rescale, Self::helper], lower = [my_proj], passthrough = [softmax])]
+    fn forward(&self, x: &Tensor<f32>) -> (Tensor<f16>, Tensor<f32>) {
+        let h = x.matmul(&self.w); // f16
+        let n = my_norm(&h, 1e-5); // h cast to f32 for the user's fp32 function
+        let r = n.rescale(0.5); // a method put in fp32
+        let q = Self::helper(&h); // a path
+        let p = my_proj(&r, &self.w.t()); // both cast to f16
+        let s = p.softmax(1); // passthrough here: stays f16
+        (s, q.add(&r))
+    }
+}
+
+#[test]
+fn user_functions_in_categories() {
+    let net = Net { w: param(&[4, 4], 1) };
+    let (s, q) = net.forward(&data(&[2, 4], 2));
+    assert_eq!((s.dtype(), q.dtype()), (DType::F16, DType::F32));
+}

@@ -1,0 +1,21 @@
+// Gradient accumulation: several micro-batches before one unscale and one step.
+use amp::optim::{Optimizer, Sgd};
+use amp::scaler::GradScaler;
+use amp::{Param, Rng, Tensor};
+
+fn main() {
+    let mut rng = Rng::seed(2);
+    let mut w = Param::new(Tensor::<f32>::randn(&[4, 1], &mut rng));
+    let batches: Vec<Tensor<f32>> = (0..4).map(|_| Tensor::<f32>::randn(&[2, 4], &mut rng)).collect();
+    let mut opt = Sgd::new(0.01).build().unwrap();
+    let mut scaler = GradScaler::new();
+    let losses: Vec<Tensor<f32>> = batches.iter().map(|x| x.matmul(&w).square().mean_all().div_scalar(4.0)).collect();
+    let mut grads = scaler.scale(&losses[0]).backward();
+    for loss in &losses[1..] {
+        grads.accumulate(loss);
+    }
+    assert_eq!(grads.micro_batches(), 4);
+    let report = grads.unscale().step(&mut opt, &mut w).update().unwrap();
+    assert_eq!((report.micro_batches, report.growth_tracker), (4, 1));
+    assert_eq!(opt.steps(), 1);
+}

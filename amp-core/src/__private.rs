@@ -14,17 +14,21 @@
 //!   else as itself ([`Same`]); `__amp_get` picks the right one by plain method lookup, as the
 //!   three are distinct types.
 //! - A region ([`Region`]) is entered by every `#[autocast]` function; the weight cast cache
-//!   lives until the outermost one exits. It caches casts of f32 leaves (parameters, tensors
-//!   marked `requires_grad_()`) and of views of them (`w.t()`) to the low type, keyed by the
-//!   storage, the view and the grad mode. Each entry keeps a clone of the source, so an
-//!   in-place update of the parameter inside the region copies on write and can never be
-//!   served a stale cast (the storage pointer no longer matches).
+//!   lives until the outermost one exits. It serves casts of f32 leaves (parameters, tensors
+//!   marked `requires_grad_()`) and of views of them (`w.t()`, `w.narrow(..)`) to a 16-bit
+//!   type: the parameter's storage is converted once and every view of it reads the converted
+//!   values (a small slice of a large parameter is converted on its own instead). Each use
+//!   still records its own `cast` node, so gradients are exactly those of casts written at
+//!   each use (cast back to f32 and summed in f32 at the parameter).
+//! - Each entry keeps the source storage alive, so an in-place update of the parameter inside
+//!   the region copies on write and can never be served a stale cast (the storage pointer no
+//!   longer matches).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::autograd::{AnyTensor, Node, is_grad_enabled};
+use crate::autograd::{AnyTensor, Node};
 use crate::param::Param;
 use crate::precision::{DType, Precision, Promote, Promoted};
 use crate::tensor::Tensor;
@@ -446,20 +450,26 @@ pub fn conform_option<T: Precision, E: Precision>(o: Option<Tensor<E>>) -> Optio
 
 // ---- region, cache and counters ------------------------------------------------------------
 
+/// What a cache entry converted: the whole storage of a parameter (every view of it is then
+/// served from one conversion), or one view of it (a small slice of a large parameter).
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Extent {
+    Whole,
+    View { shape: Vec<usize>, strides: Vec<usize>, offset: usize },
+}
+
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct CacheKey {
     storage: usize,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-    offset: usize,
     to: DType,
-    grad: bool,
+    extent: Extent,
 }
 
 struct CacheEntry {
     /// Keeps the source storage alive (and shared), so its address cannot be reused and an
     /// in-place update copies on write instead of changing what this entry was cast from.
-    source: Tensor<f32>,
+    source: Arc<Vec<f32>>,
+    /// The converted values (no autograd node): the whole storage, or the view made contiguous.
     cast: AnyTensor,
 }
 
@@ -563,56 +573,66 @@ fn is_leaf_view(node: &Arc<Node>) -> bool {
 /// The cast autocast inserts: a no-op for the same precision, served from the weight cast
 /// cache for f32 parameters (and views of them) going to a 16-bit type, a counted conversion
 /// otherwise.
+///
+/// A cached cast shares the converted values but records its own `cast` node on the tensor it
+/// was asked for, so each use's gradient is cast back to f32 and summed in f32 at the
+/// parameter, exactly as if `.cast()` had been written at each use; only the conversion is
+/// done once.
 pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
     if E::DTYPE == T::DTYPE {
         return T::from_any(E::into_any(t.clone())).unwrap_or_else(|_| unreachable!("same precision"));
     }
     let cacheable = E::DTYPE == DType::F32
         && matches!(T::DTYPE, DType::F16 | DType::BF16)
-        && t.node.as_ref().is_some_and(is_leaf_view);
+        && t.node.as_ref().is_some_and(is_leaf_view)
+        && STATE.with(|s| s.borrow().regions.last().copied().unwrap_or(false));
     // `t` as a Tensor<f32> (E is f32 when cacheable).
     let Some(source) = cacheable.then(|| f32::from_any(E::into_any(t.clone())).ok()).flatten() else {
         count_cast();
         return t.cast::<T>();
     };
-    let key = CacheKey {
-        storage: Arc::as_ptr(&source.storage) as *const () as usize,
-        shape: source.layout.shape.clone(),
-        strides: source.layout.strides.clone(),
-        offset: source.layout.offset,
-        to: T::DTYPE,
-        grad: is_grad_enabled(),
+    // Convert the whole parameter when the view covers most of it (every other view of it is
+    // then free); a small slice of a large parameter is converted on its own.
+    let whole = source.numel() * 2 >= source.storage.len();
+    let layout = &source.layout;
+    let extent = if whole {
+        Extent::Whole
+    } else {
+        Extent::View { shape: layout.shape.clone(), strides: layout.strides.clone(), offset: layout.offset }
     };
-    let hit = STATE.with(|s| {
+    let key = CacheKey { storage: Arc::as_ptr(&source.storage) as *const () as usize, to: T::DTYPE, extent };
+    let cached = STATE.with(|s| {
         let mut s = s.borrow_mut();
-        if !s.regions.last().copied().unwrap_or(false) {
-            return None;
-        }
         let found = s.cache.get(&key).and_then(|e| {
-            let same_storage = Arc::ptr_eq(&e.source.storage, &source.storage);
+            let same_storage = Arc::ptr_eq(&e.source, &source.storage);
             same_storage.then(|| T::any_ref(&e.cast).cloned()).flatten()
         });
         if found.is_some() {
             s.hits += 1;
         }
-        Some(found)
+        found
     });
-    match hit {
-        // No region or the cache is off: a plain cast.
-        None => {
-            count_cast();
-            t.cast::<T>()
-        }
-        Some(Some(cached)) => cached,
-        Some(None) => {
-            count_cast();
-            let out = t.cast::<T>();
-            STATE.with(|s| {
-                s.borrow_mut().cache.insert(key, CacheEntry { source, cast: T::into_any(out.clone()) });
+    let values = cached.unwrap_or_else(|| {
+        count_cast();
+        let converted = if whole {
+            // The storage as it lies, whatever view of it `t` is.
+            let src: &[f32] = &source.storage;
+            let mut out = vec![T::default(); src.len()];
+            crate::cpu::par_chunks_mut(&mut out, |ci, chunk| {
+                let start = ci * crate::cpu::CHUNK;
+                crate::precision::convert_slice(&src[start..start + chunk.len()], chunk);
             });
-            out
-        }
-    }
+            Tensor::<T>::from_parts(out, &[src.len()])
+        } else {
+            source.detach().cast::<T>()
+        };
+        let entry = CacheEntry { source: source.storage.clone(), cast: T::into_any(converted.clone()) };
+        STATE.with(|s| s.borrow_mut().cache.insert(key, entry));
+        converted
+    });
+    let layout = if whole { source.layout.clone() } else { values.layout.clone() };
+    let out = Tensor { storage: values.storage, layout, node: None, device: crate::device::Cpu };
+    out.record("cast", vec![t.node.clone()], |g| vec![Some(g.cast::<E>().into())])
 }
 
 #[cfg(test)]
@@ -629,10 +649,15 @@ mod tests {
             let b: Tensor<f16> = cast(w.tensor());
             assert_eq!(cast_stats(), CastStats { casts: 1, cache_hits: 1 });
             assert_eq!(a.to_vec(), b.to_vec());
+            // Views of the parameter are served from the same conversion.
             let t1: Tensor<f16> = cast(&w.t());
-            let t2: Tensor<f16> = cast(&w.t());
-            assert_eq!(cast_stats(), CastStats { casts: 2, cache_hits: 2 });
-            assert_eq!(t1.to_vec(), t2.to_vec());
+            assert_eq!(cast_stats(), CastStats { casts: 1, cache_hits: 2 });
+            assert_eq!(t1.to_vec(), w.t().cast::<f16>().to_vec());
+            // A small slice is converted on its own, once.
+            let n1: Tensor<f16> = cast(&w.reshape(&[4]).narrow(0, 1, 1));
+            let n2: Tensor<f16> = cast(&w.reshape(&[4]).narrow(0, 1, 1));
+            assert_eq!(cast_stats(), CastStats { casts: 2, cache_hits: 3 });
+            assert_eq!((n1.to_f32_vec(), n2.to_f32_vec()), (vec![2.0], vec![2.0]));
             // An update inside the region is seen: the cache entry shares the old storage,
             // so the update copies on write and the next lookup misses.
             w.data_mut()[0] = 10.0;
@@ -653,6 +678,19 @@ mod tests {
         // Same precision: no cast at all.
         let _: Tensor<f32> = cast(w.tensor());
         assert_eq!(cast_stats().casts, 7);
+    }
+
+    #[test]
+    fn cached_casts_carry_gradients_like_written_casts() {
+        let w = Param::new(Tensor::<f32>::from_vec(vec![0.5, -1.0, 2.0, 0.25], &[2, 2]));
+        let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, -3.0, 0.5], &[2, 2]).cast::<f16>();
+        let by_hand = x.matmul(&w.cast::<f16>()).add(&x.matmul(&w.t().cast::<f16>())).cast::<f32>().sum_all();
+        let _r = Region::enter(true);
+        let cached = x.matmul(&cast(w.tensor())).add(&x.matmul(&cast(&w.t()))).cast::<f32>().sum_all();
+        assert_eq!(cached.to_vec(), by_hand.to_vec());
+        let (g1, g2) = (by_hand.backward(), cached.backward());
+        assert_eq!(g1.get(&w).unwrap().to_vec(), g2.get(&w).unwrap().to_vec());
+        assert_eq!(g2.get(&w).unwrap().dtype(), DType::F32);
     }
 
     #[test]

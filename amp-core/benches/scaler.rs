@@ -25,7 +25,7 @@ fn gradients() -> Vec<f32> {
 
 /// The baseline: `x *= c` in place over 16M f32, parallel in the same chunks (read + write).
 #[divan::bench(sample_count = 30)]
-fn plain_mul_in_place_16m(b: Bencher) {
+fn plain_mul_in_place_16m(b: Bencher<'_, '_>) {
     let mut g = gradients();
     // Multiplying by 1 keeps the values (and their cost) the same from one sample to the next.
     let c = divan::black_box(1.0f32);
@@ -37,7 +37,7 @@ fn plain_mul_in_place_16m(b: Bencher) {
 
 /// The fused pass: multiply by PyTorch's f32 `inv` and check every value for inf/NaN.
 #[divan::bench(sample_count = 30)]
-fn fused_unscale_check_16m(b: Bencher) {
+fn fused_unscale_check_16m(b: Bencher<'_, '_>) {
     let mut g = gradients();
     let inv = divan::black_box(inv_scale(1.0));
     b.counter(BytesCount::new(N * 8)).bench_local(|| divan::black_box(unscale_in_place(&mut g, inv)));
@@ -45,7 +45,7 @@ fn fused_unscale_check_16m(b: Bencher) {
 
 /// The global L2 norm that `clip_grad_norm` computes (read only).
 #[divan::bench(sample_count = 30)]
-fn grad_norm_16m(b: Bencher) {
+fn grad_norm_16m(b: Bencher<'_, '_>) {
     let g = gradients();
     b.counter(BytesCount::new(N * 4)).bench_local(|| divan::black_box(global_norm(&[&g])));
 }
@@ -53,7 +53,7 @@ fn grad_norm_16m(b: Bencher) {
 /// One AdamW step over a 16M-value parameter: one fused pass over parameter, gradient and
 /// both moments (read 16 bytes, write 12 per value).
 #[divan::bench(sample_count = 10)]
-fn adamw_step_16m(b: Bencher) {
+fn adamw_step_16m(b: Bencher<'_, '_>) {
     let mut p = Param::new(Tensor::<f32>::randn(&[N], &mut Rng::seed(1)));
     let mut grads = Grads::new();
     grads.insert(p.id(), Tensor::<f32>::randn(&[N], &mut Rng::seed(2)).mul_scalar(1e-3).into());

@@ -5,7 +5,7 @@
 //!   `found_inf` if it is not finite, and writes `value × inv` (the multiply is done for
 //!   non-finite values too). This kernel does exactly that, in place.
 //! - The inner loop is branch-free so it vectorises: the non-finite test is "all exponent bits
-//!   set" on the value's bits, OR-ed into one accumulator per lane and reduced once per chunk.
+//!   set" on the value's bits, max-reduced into one accumulator and compared once per chunk.
 //! - Work is split into [`CHUNK`] pieces across every gradient at once and run on rayon's pool,
 //!   so many small tensors parallelise as well as one large one; each piece reports its own
 //!   flag, so the result is one flag per tensor (several optimizers sharing a scaler skip on
@@ -19,8 +19,6 @@ use crate::cpu::{CHUNK, PAR_MIN};
 
 /// f32 exponent bits: a value is inf or NaN exactly when all of them are set.
 const EXP_MASK: u32 = 0x7f80_0000;
-/// Values handled per inner-loop step (one AVX-512 register of f32).
-const LANES: usize = 16;
 
 /// The unscale factor PyTorch uses: `1/scale` computed in f64, then rounded to f32.
 ///
@@ -65,39 +63,30 @@ pub fn unscale_all(slices: &mut [&mut [f32]], inv: f32) -> Vec<bool> {
     flags.into_iter().map(AtomicBool::into_inner).collect()
 }
 
-/// One thread's share: multiply and check, lane by lane, with no branch in the loop.
+/// One thread's share: multiply and check, with no branch in the loop. The exponent bits of
+/// every value are max-reduced into one accumulator (a value is inf or NaN exactly when they
+/// are all set). Written as a plain loop over the slice with one scalar accumulator: LLVM
+/// vectorises that reduction (`vpmaxud` next to `vmulps`), whereas an explicit array of lane
+/// accumulators was turned into gathers and scatters and ran ten times slower.
 #[inline]
 fn unscale_serial(data: &mut [f32], inv: f32) -> bool {
-    let mut seen = [0u32; LANES];
-    let mut blocks = data.chunks_exact_mut(LANES);
-    for block in &mut blocks {
-        for (s, v) in seen.iter_mut().zip(block.iter_mut()) {
-            *s |= ((v.to_bits() & EXP_MASK) == EXP_MASK) as u32;
-            *v *= inv;
-        }
-    }
-    let mut tail = 0u32;
-    for v in blocks.into_remainder() {
-        tail |= ((v.to_bits() & EXP_MASK) == EXP_MASK) as u32;
+    let mut exp = 0u32;
+    for v in data.iter_mut() {
+        exp = exp.max(v.to_bits() & EXP_MASK);
         *v *= inv;
     }
-    seen.iter().fold(tail, |a, s| a | s) != 0
+    exp == EXP_MASK
+}
+
+/// The check alone, same reduction.
+#[inline]
+fn check_serial(data: &[f32]) -> bool {
+    data.iter().fold(0u32, |exp, v| exp.max(v.to_bits() & EXP_MASK)) == EXP_MASK
 }
 
 /// Whether any value of `data` is inf or NaN (the check alone, for scalers that do not scale).
 pub fn any_non_finite(data: &[f32]) -> bool {
-    let check = |c: &[f32]| {
-        let mut seen = [0u32; LANES];
-        let mut blocks = c.chunks_exact(LANES);
-        for block in &mut blocks {
-            for (s, v) in seen.iter_mut().zip(block) {
-                *s |= ((v.to_bits() & EXP_MASK) == EXP_MASK) as u32;
-            }
-        }
-        let tail = blocks.remainder().iter().fold(0u32, |a, v| a | ((v.to_bits() & EXP_MASK) == EXP_MASK) as u32);
-        seen.iter().fold(tail, |a, s| a | s) != 0
-    };
-    if data.len() < PAR_MIN { check(data) } else { data.par_chunks(CHUNK).any(check) }
+    if data.len() < PAR_MIN { check_serial(data) } else { data.par_chunks(CHUNK).any(check_serial) }
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@
 //! - Loading checks every tensor (present, expected, shape, dtype) before writing any, so a
 //!   refused load leaves the model as it was. f16, bf16 and f64 files are converted to f32.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -179,55 +179,54 @@ fn checksum(bytes: &[u8]) -> u64 {
     h ^ bytes.len() as u64
 }
 
-/// An f32 tensor's bytes, for the safetensors writer.
-struct F32View {
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl safetensors::View for &F32View {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        (&self.bytes).into()
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
 /// The model's parameters as a safetensors file: f32, PyTorch names, metadata
 /// `format = pt` (what `safetensors.torch` writes) and the data checksum.
+///
+/// The bytes are a function of the parameters alone (tensors sorted by name, metadata keys in
+/// a fixed order), so saving the same model twice gives the same file. The `safetensors`
+/// crate's writer takes the metadata as a `HashMap`, whose order varies from run to run, so
+/// the header is written here; the layout is the format's own (8-byte little-endian header
+/// length, JSON header padded with spaces to 8 bytes, then the data) and every test reads the
+/// result back through the `safetensors` parser (and Python's).
 pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
-    let named = model.named_params();
-    let mut views = Vec::with_capacity(named.len());
-    let mut seen = std::collections::HashSet::new();
-    for (name, p) in &named {
-        if !seen.insert(name.as_str()) {
-            return Err(Error::State {
-                context: "checkpoint".into(),
-                detail: format!("the model has two parameters named `{name}`"),
-            });
-        }
-        let bytes: Vec<u8> = p.to_vec().iter().flat_map(|v| v.to_le_bytes()).collect();
-        views.push((name.clone(), F32View { shape: p.shape().to_vec(), bytes }));
+    let mut named = model.named_params();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(Error::State {
+            context: "checkpoint".into(),
+            detail: format!("the model has two parameters named `{}`", w[0].0),
+        });
     }
-    let serialize = |meta| {
-        safetensors::serialize(views.iter().map(|(n, v)| (n.as_str(), v)), meta)
-            .map_err(|e| Error::State { context: "checkpoint".into(), detail: format!("safetensors: {e}") })
-    };
-    // The data section does not depend on the metadata: serialise once to checksum it.
-    let probe = serialize(Some(HashMap::from([("format".to_string(), "pt".to_string())])))?;
-    let header = 8 + u64::from_le_bytes(probe[..8].try_into().expect("8 bytes")) as usize;
-    let sum = checksum(&probe[header..]);
-    serialize(Some(HashMap::from([
-        ("format".to_string(), "pt".to_string()),
-        (CHECKSUM_KEY.to_string(), format!("{sum:016x}")),
-    ])))
+    let json = |v: &str| serde_json::Value::from(v).to_string();
+    let mut data = Vec::new();
+    let mut entries = Vec::with_capacity(named.len());
+    for (name, p) in &named {
+        let start = data.len();
+        data.extend(p.to_vec().iter().flat_map(|v| v.to_le_bytes()));
+        let shape: Vec<String> = p.shape().iter().map(usize::to_string).collect();
+        entries.push(format!(
+            "{}:{{\"dtype\":\"F32\",\"shape\":[{}],\"data_offsets\":[{start},{}]}}",
+            json(name),
+            shape.join(","),
+            data.len()
+        ));
+    }
+    let metadata = format!(
+        "\"__metadata__\":{{{}:{},{}:{}}}",
+        json("format"),
+        json("pt"),
+        json(CHECKSUM_KEY),
+        json(&format!("{:016x}", checksum(&data)))
+    );
+    let mut header = format!("{{{metadata}{}{}}}", if entries.is_empty() { "" } else { "," }, entries.join(","));
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut out = Vec::with_capacity(8 + header.len() + data.len());
+    out.extend((header.len() as u64).to_le_bytes());
+    out.extend(header.as_bytes());
+    out.extend(data);
+    Ok(out)
 }
 
 /// Saves the model's parameters to `path` (safetensors, f32, PyTorch names), atomically.
@@ -465,6 +464,14 @@ mod tests {
         let bytes = weights_to_bytes(&a).unwrap();
         assign(Path::new("mem"), parse_weights(Path::new("mem"), &bytes).unwrap(), &mut b).unwrap();
         assert_eq!(a.w.to_vec(), b.w.to_vec());
+        // Deterministic bytes, readable by the safetensors parser, also with no tensors.
+        assert_eq!(weights_to_bytes(&a).unwrap(), bytes);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.names(), ["w"]);
+        let empty: Vec<Param> = Vec::new();
+        let bytes = weights_to_bytes(&empty).unwrap();
+        assert!(parse_weights(Path::new("mem"), &bytes).unwrap().is_empty());
+        assert_eq!(bytes.len() % 8, 0);
     }
 
     #[test]

@@ -260,11 +260,14 @@ fn pytorch_style_file(path: &Path, model: &impl Params, dtype: Dtype, encode: im
     std::fs::write(path, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
 }
 
+/// A file dtype, its name, how a value is encoded, and the f32 it should load as.
+type ExportCase = (Dtype, &'static str, fn(f32) -> Vec<u8>, fn(f32) -> f32);
+
 #[test]
 fn pytorch_exports_in_f32_f16_bf16_f64_load() {
     let dir = fresh_dir("pytorch");
     let source = net(4, &[4, 8, 3]);
-    let cases: [(Dtype, &str, fn(f32) -> Vec<u8>, fn(f32) -> f32); 4] = [
+    let cases: [ExportCase; 4] = [
         (Dtype::F32, "f32", |v| v.to_le_bytes().to_vec(), |v| v),
         (Dtype::F16, "f16", |v| half::f16::from_f32(v).to_le_bytes().to_vec(), |v| half::f16::from_f32(v).to_f32()),
         (Dtype::BF16, "bf16", |v| half::bf16::from_f32(v).to_le_bytes().to_vec(), |v| half::bf16::from_f32(v).to_f32()),

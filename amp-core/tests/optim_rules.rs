@@ -138,7 +138,7 @@ fn adam_matches_op_by_op_model(decoupled: bool) {
     let (mut m64, mut v64) = (vec![0f64; n], vec![0f64; n]);
     for t in 1..=8u64 {
         let g: Vec<f32> = Tensor::<f32>::randn(&[n], &mut rng).to_vec();
-        step(&mut opt, &mut m, &[g.clone()]).unwrap();
+        step(&mut opt, &mut m, std::slice::from_ref(&g)).unwrap();
         for i in 0..n {
             torch_adam_element(&mut p[i], g[i], &mut mm[i], &mut vv[i], t, (lr, b1, b2, eps, wd), decoupled);
             // Textbook Adam / AdamW in f64.
@@ -282,13 +282,13 @@ fn checkpoints_round_trip_through_json_and_resume_bit_identically() {
     let mut straight = model();
     let mut opt = make();
     for g in &grads_seq {
-        step(&mut opt, &mut straight, &[g.clone()]).unwrap();
+        step(&mut opt, &mut straight, std::slice::from_ref(g)).unwrap();
     }
 
     let mut first = model();
     let mut opt1 = make();
     for g in &grads_seq[..10] {
-        step(&mut opt1, &mut first, &[g.clone()]).unwrap();
+        step(&mut opt1, &mut first, std::slice::from_ref(g)).unwrap();
     }
     let json = serde_json::to_string(&opt1.state_dict()).unwrap();
     let mut resumed = Named(vec![("w".into(), Param::new(first.0[0].1.tensor().clone()))]);
@@ -298,7 +298,7 @@ fn checkpoints_round_trip_through_json_and_resume_bit_identically() {
     opt2.check_params(&resumed).unwrap();
     assert_eq!((opt2.steps(), opt2.lr()), (10, opt1.lr()));
     for g in &grads_seq[10..] {
-        step(&mut opt2, &mut resumed, &[g.clone()]).unwrap();
+        step(&mut opt2, &mut resumed, std::slice::from_ref(g)).unwrap();
     }
     assert_eq!(bits(&values(&resumed, 0)), bits(&values(&straight, 0)));
     assert_eq!(opt2.state_dict(), opt.state_dict());

@@ -534,7 +534,7 @@ fn unscale_generic<E: Precision>(data: &mut [E], inv: f32) -> bool {
         E::load(c, b);
         for v in b.iter_mut() {
             found |= !num_traits::Float::is_finite(*v);
-            *v = *v * inv;
+            *v *= inv;
         }
         E::store(b, c);
     }

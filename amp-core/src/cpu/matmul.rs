@@ -1,6 +1,10 @@
-//! Batched matmul on the `gemm` crate: f32, f64, and f16 with f32 accumulation inside the
-//! microkernel (one rounding per output). bf16 widens its inputs to f32 (exact, a shift),
-//! multiplies in f32 and rounds the output once.
+//! Batched matmul on the `gemm` crate in f32 and f64. f16 and bf16 widen their inputs to f32
+//! (exact), multiply in f32 and round each output once.
+//!
+//! Why not gemm's own f16 kernel: it rounds the output to f16 after every k-block of `kc`
+//! (reading it back for the next block), and its matrix-vector paths accumulate in f16 at
+//! every step of k (a sum of 4096 ones sticks at 2048). Widening costs O(mk + kn + mn) next
+//! to the O(mnk) product, and gemm's f32 kernel is faster than its f16 one on this CPU.
 //!
 //! Operands may be strided views (a transpose is just swapped strides): gemm takes row and
 //! column strides, so backward's `a^T` and `b^T` cost no copy. Batch dims broadcast with
@@ -18,7 +22,7 @@ const SMALL_GEMM_FLOPS: usize = 1 << 24;
 /// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]` with broadcast batch dims already
 /// resolved into `batch` (the output's batch shape). Returns contiguous `[batch..., m, n]`.
 pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
-    if E::DTYPE == DType::BF16 {
+    if matches!(E::DTYPE, DType::BF16 | DType::F16) {
         return matmul_via_f32(a, la, b, lb, batch);
     }
     let (ra, rb) = (la.shape.len(), lb.shape.len());
@@ -55,7 +59,7 @@ pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, b
         // Bounds: the last element each operand touches must be in its slice.
         assert!(oa + (m - 1) * a_rs as usize + (k - 1) * (a_cs as usize) < a.len());
         assert!(ob + (k - 1) * b_rs as usize + (n - 1) * (b_cs as usize) < b.len());
-        // SAFETY: E is f32, f64 or f16 (bf16 returned above), which gemm dispatches on by
+        // SAFETY: E is f32 or f64 (f16 and bf16 returned above), which gemm dispatches on by
         // TypeId; the asserts above keep every read inside `a` and `b`, `dst` holds exactly
         // m * n elements written with row stride n, and read_dst = false so its contents are
         // not read.

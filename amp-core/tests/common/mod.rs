@@ -75,3 +75,39 @@ macro_rules! for_each_precision {
 }
 
 pub fn _unused(_: f16, _: bf16) {}
+
+/// The unit roundoff of `E` (half an ulp at 1): the largest relative error of one rounding.
+pub fn unit_roundoff<E: Precision>() -> f64 {
+    match E::DTYPE {
+        amp_core::DType::F64 => f64::EPSILON / 2.0,
+        amp_core::DType::F32 => 2f64.powi(-24),
+        amp_core::DType::F16 => 2f64.powi(-11),
+        amp_core::DType::BF16 => 2f64.powi(-8),
+    }
+}
+
+/// Asserts each element of `got` is within `rel` unit roundoffs of `E` of the same element of
+/// `want` (relative to that element), plus `abs` unit roundoffs of the largest `|want|`, plus
+/// 256 f32 unit roundoffs of it for the f32 arithmetic inside kernels. An op that computes in
+/// f32 and rounds once into f16/bf16 passes with `(1, 0)`; each further rounding can add one
+/// to `rel`; results computed from rounded intermediates with cancellation need `abs`. NaN must
+/// meet NaN and infinities must match exactly.
+#[track_caller]
+pub fn assert_close_ulps<E: Precision>(got: &Tensor<E>, want: &Tensor<f64>, (rel, abs): (f64, f64), what: &str) {
+    assert_eq!(got.shape(), want.shape(), "{what} ({}): shape", E::DTYPE);
+    let w = want.to_vec();
+    let scale = w.iter().filter(|v| v.is_finite()).fold(0f64, |m, v| m.max(v.abs()));
+    let u = unit_roundoff::<E>();
+    let floor = (abs * u + 256.0 * 2f64.powi(-24)) * scale;
+    for (i, (g, w)) in got.to_f64_vec().iter().zip(&w).enumerate() {
+        let tol = rel * u * w.abs() + floor;
+        let ok = if w.is_finite() { (g - w).abs() <= tol } else { g == w || (g.is_nan() && w.is_nan()) };
+        assert!(
+            ok,
+            "{what} ({}): element {i}: got {g}, want {w} (error {:.2} ulps of the element, {:.2} of the largest; allowed ({rel}, {abs}))",
+            E::DTYPE,
+            (g - w).abs() / (u * w.abs()),
+            (g - w).abs() / (u * scale),
+        );
+    }
+}

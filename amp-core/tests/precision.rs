@@ -1,0 +1,480 @@
+//! Every op at f32, f16 and bf16 against an f64 reference, with per-precision tolerances.
+//!
+//! Each check rounds random inputs into the precision under test, runs the op there, and runs
+//! the same op in f64 on the same (already rounded) values, so the difference is the op's own
+//! error. The tolerance is counted in unit roundoffs of the precision (see `ONCE`, `TWICE`...):
+//! an op that computes in f32 and rounds once must be within one unit roundoff of every
+//! element, so an f16/bf16 intermediate or accumulator inside a kernel shows up as a failure.
+//! One generic body per op family runs at each precision (`for_each_precision!`).
+//!
+//! Then the properties mixed precision depends on: f16/bf16 reductions and matmul accumulate
+//! in f32 (a naive f16 sum of 4096 ones sticks at 2048), overflow gives inf rather than a
+//! clamp, and NaN propagates.
+
+mod common;
+use amp_core::{CrossEntropyOptions, DType, Indices, Mask, Precision, Rng, Tensor, bf16, f16};
+use common::{assert_close_ulps, randn};
+
+/// Runs `$body` (an expression over the input slice `$t`) at `$E` and in f64 on the same
+/// rounded inputs and compares the outputs within `$tol` (relative, absolute) unit roundoffs.
+macro_rules! check {
+    ($E:ty, $name:expr, $tol:expr, [$($input:expr),* $(,)?], |$t:ident| $body:expr) => {{
+        let inputs: Vec<Tensor<f64>> = vec![$($input),*];
+        let low: Vec<Tensor<$E>> = inputs.iter().map(|x| x.cast::<$E>()).collect();
+        let exact: Vec<Tensor<f64>> = low.iter().map(|x| x.cast::<f64>()).collect();
+        let got = {
+            let $t: &[Tensor<$E>] = &low;
+            $body
+        };
+        let want = {
+            let $t: &[Tensor<f64>] = &exact;
+            $body
+        };
+        assert_close_ulps(&got, &want, $tol, $name);
+    }};
+}
+
+/// Like `check!` for the gradients of every input of `sum($body * w)` (fixed random `w`,
+/// rounded into `$E`, so the op's backward is seeded with exactly the same values).
+macro_rules! check_grad {
+    ($E:ty, $name:expr, $tol:expr, [$($input:expr),* $(,)?], |$t:ident| $body:expr) => {{
+        let inputs: Vec<Tensor<f64>> = vec![$($input),*];
+        let low: Vec<Tensor<$E>> = inputs.iter().map(|x| x.cast::<$E>().requires_grad_()).collect();
+        let exact: Vec<Tensor<f64>> = low.iter().map(|x| x.detach().cast::<f64>().requires_grad_()).collect();
+        let out_low = {
+            let $t: &[Tensor<$E>] = &low;
+            $body
+        };
+        let out_exact = {
+            let $t: &[Tensor<f64>] = &exact;
+            $body
+        };
+        let w = randn(out_low.shape(), 999).cast::<$E>();
+        let g_low = out_low.mul(&w).sum_all().backward();
+        let g_exact = out_exact.mul(&w.cast::<f64>()).sum_all().backward();
+        for (i, (l, e)) in low.iter().zip(&exact).enumerate() {
+            match (g_low.get(l), g_exact.get(e)) {
+                (Some(gl), Some(ge)) => assert_close_ulps(gl, ge, $tol, &format!("{} d/d(input {i})", $name)),
+                (None, None) => {}
+                _ => panic!("{}: input {i} has a gradient in one precision only", $name),
+            }
+        }
+    }};
+}
+
+/// Computed in f32 (or exactly) and rounded once: within one unit roundoff of every element.
+const ONCE: (f64, f64) = (1.0, 0.0);
+/// Two roundings in a row (two ops, or a gradient rounded and then summed back over a
+/// broadcast dim by a second reduction).
+const TWICE: (f64, f64) = (2.0, 0.0);
+/// Computed from a rounded intermediate (a rounded output `y` in `1 - y²`, rounded products
+/// then summed) where cancellation makes that rounding an error relative to the largest value
+/// rather than to each element.
+const FROM_ROUNDED: (f64, f64) = (2.0, 2.0);
+/// Data movement, or a selection of existing values: bit-exact.
+const EXACT: (f64, f64) = (0.0, 0.0);
+
+/// Positive values away from 0 (for log, sqrt, powf, division).
+fn pos(shape: &[usize], seed: u64) -> Tensor<f64> {
+    randn(shape, seed).square().add_scalar(0.25)
+}
+
+/// Uniform values in [0, 1) (sums without cancellation).
+fn unif(shape: &[usize], seed: u64) -> Tensor<f64> {
+    Tensor::rand(shape, &mut Rng::seed(seed))
+}
+
+// ---- elementwise ---------------------------------------------------------------------------
+
+fn elementwise<E: Precision>() {
+    let (a, b, c) = (randn(&[4, 37], 1), randn(&[37], 2), pos(&[4, 1], 3));
+    check!(E, "add", ONCE, [a.clone(), b.clone()], |t| t[0].add(&t[1]));
+    check!(E, "sub", ONCE, [a.clone(), b.clone()], |t| t[0].sub(&t[1]));
+    check!(E, "mul", ONCE, [a.clone(), b.clone()], |t| t[0].mul(&t[1]));
+    check!(E, "div", ONCE, [a.clone(), c.clone()], |t| t[0].div(&t[1]));
+    check!(E, "operators", TWICE, [a.clone(), b.clone()], |t| &(&t[0] + &t[1]) * 3.0);
+    check!(E, "scalar operators", TWICE, [a.clone()], |t| (&t[0] - 1.5) / 4.0);
+    check!(E, "add_scalar", ONCE, [a.clone()], |t| t[0].add_scalar(0.3));
+    check!(E, "sub_scalar", ONCE, [a.clone()], |t| t[0].sub_scalar(0.3));
+    check!(E, "mul_scalar", ONCE, [a.clone()], |t| t[0].mul_scalar(0.3));
+    check!(E, "div_scalar", ONCE, [a.clone()], |t| t[0].div_scalar(0.3));
+    check!(E, "rdiv_scalar", ONCE, [c.clone()], |t| t[0].rdiv_scalar(3.0));
+    check!(E, "neg", EXACT, [a.clone()], |t| -&t[0]);
+    check!(E, "square", ONCE, [a.clone()], |t| t[0].square());
+    check!(E, "relu", EXACT, [a.clone()], |t| t[0].relu());
+    check!(E, "gelu", ONCE, [a.clone()], |t| t[0].gelu());
+    check!(E, "gelu_tanh", ONCE, [a.clone()], |t| t[0].gelu_tanh());
+    check!(E, "tanh", ONCE, [a.clone()], |t| t[0].tanh());
+    check!(E, "sigmoid", ONCE, [a.clone()], |t| t[0].sigmoid());
+    check!(E, "silu", ONCE, [a.clone()], |t| t[0].silu());
+    check!(E, "exp", ONCE, [a.clone()], |t| t[0].exp());
+    let p = pos(&[4, 37], 4);
+    check!(E, "log", ONCE, [p.clone()], |t| t[0].log());
+    check!(E, "sqrt", ONCE, [p.clone()], |t| t[0].sqrt());
+    check!(E, "powf", ONCE, [p.clone()], |t| t[0].powf(1.7));
+    // Large enough to run on the parallel path.
+    check!(E, "add (parallel)", ONCE, [randn(&[300, 300], 5), randn(&[300, 1], 6)], |t| t[0].add(&t[1]));
+    check!(E, "gelu (parallel)", ONCE, [randn(&[300, 300], 7)], |t| t[0].gelu());
+}
+
+fn elementwise_grads<E: Precision>() {
+    let (a, b, c) = (randn(&[4, 37], 11), randn(&[37], 12), pos(&[4, 1], 13));
+    // The broadcast operand's gradient is a sum over the broadcast dim (f32 accumulation).
+    check_grad!(E, "add", ONCE, [a.clone(), b.clone()], |t| t[0].add(&t[1]));
+    check_grad!(E, "sub", ONCE, [a.clone(), b.clone()], |t| t[0].sub(&t[1]));
+    check_grad!(E, "mul", FROM_ROUNDED, [a.clone(), b.clone()], |t| t[0].mul(&t[1]));
+    // -y/b is computed from the rounded output y: one rounding more.
+    check_grad!(E, "div", FROM_ROUNDED, [a.clone(), c.clone()], |t| t[0].div(&t[1]));
+    check_grad!(E, "relu", EXACT, [a.clone()], |t| t[0].relu());
+    check_grad!(E, "gelu", ONCE, [a.clone()], |t| t[0].gelu());
+    check_grad!(E, "gelu_tanh", ONCE, [a.clone()], |t| t[0].gelu_tanh());
+    check_grad!(E, "silu", ONCE, [a.clone()], |t| t[0].silu());
+    // These derivatives are functions of the rounded output y (1 - y², y(1 - y), y).
+    check_grad!(E, "tanh", FROM_ROUNDED, [a.clone()], |t| t[0].tanh());
+    check_grad!(E, "sigmoid", FROM_ROUNDED, [a.clone()], |t| t[0].sigmoid());
+    check_grad!(E, "exp", FROM_ROUNDED, [a.clone()], |t| t[0].exp());
+    let p = pos(&[4, 37], 14);
+    check_grad!(E, "log", ONCE, [p.clone()], |t| t[0].log());
+    check_grad!(E, "sqrt", FROM_ROUNDED, [p.clone()], |t| t[0].sqrt());
+    check_grad!(E, "powf", ONCE, [p.clone()], |t| t[0].powf(1.7));
+}
+
+#[test]
+fn elementwise_ops_match_f64() {
+    for_each_precision!(elementwise);
+    for_each_precision!(elementwise_grads);
+}
+
+// ---- matmul --------------------------------------------------------------------------------
+
+fn matmuls<E: Precision>() {
+    // f32 accumulation inside, one rounding: 2 unit roundoffs of the largest output.
+    check!(E, "matmul 2-D", ONCE, [randn(&[5, 37], 20), randn(&[37, 6], 21)], |t| t[0].matmul(&t[1]));
+    check!(E, "matmul batched", ONCE, [randn(&[2, 1, 4, 9], 22), randn(&[3, 9, 5], 23)], |t| t[0].matmul(&t[1]));
+    check!(E, "matmul transposed", ONCE, [randn(&[9, 4], 24), randn(&[5, 9], 25)], |t| t[0].t().matmul(&t[1].t()));
+    check!(E, "matmul vector", ONCE, [randn(&[9], 26), randn(&[9, 3], 27)], |t| t[0].matmul(&t[1]));
+    check!(E, "matmul large k", ONCE, [unif(&[3, 4096], 28), unif(&[4096, 2], 29)], |t| t[0].matmul(&t[1]));
+    check!(E, "matmul 128^3", ONCE, [randn(&[128, 128], 30), randn(&[128, 128], 31)], |t| t[0].matmul(&t[1]));
+    check_grad!(E, "matmul", ONCE, [randn(&[5, 37], 32), randn(&[37, 6], 33)], |t| t[0].matmul(&t[1]));
+    check_grad!(E, "matmul broadcast batch", FROM_ROUNDED, [randn(&[2, 4, 9], 34), randn(&[9, 5], 35)], |t| t[0]
+        .matmul(&t[1]));
+}
+
+#[test]
+fn matmul_matches_f64() {
+    for_each_precision!(matmuls);
+}
+
+// ---- reductions ----------------------------------------------------------------------------
+
+fn reductions<E: Precision>() {
+    let x = randn(&[3, 5, 7], 40);
+    for d in 0..3 {
+        for keep in [false, true] {
+            check!(E, "sum", ONCE, [x.clone()], |t| t[0].sum(d, keep));
+            check!(E, "mean", ONCE, [x.clone()], |t| t[0].mean(d, keep));
+            check!(E, "max", EXACT, [x.clone()], |t| t[0].max(d, keep));
+            check!(E, "min", EXACT, [x.clone()], |t| t[0].min(d, keep));
+            let low = x.cast::<E>();
+            assert_eq!(low.argmax(d, keep), low.cast::<f64>().argmax(d, keep), "argmax ({})", E::DTYPE);
+            assert_eq!(low.argmin(d, keep), low.cast::<f64>().argmin(d, keep), "argmin ({})", E::DTYPE);
+            check_grad!(E, "sum", EXACT, [x.clone()], |t| t[0].sum(d, keep));
+            check_grad!(E, "mean", ONCE, [x.clone()], |t| t[0].mean(d, keep));
+            check_grad!(E, "max", EXACT, [x.clone()], |t| t[0].max(d, keep));
+            check_grad!(E, "min", EXACT, [x.clone()], |t| t[0].min(d, keep));
+        }
+    }
+    check!(E, "sum_all", ONCE, [unif(&[5000], 41)], |t| t[0].sum_all());
+    check!(E, "mean_all", ONCE, [unif(&[5000], 42)], |t| t[0].mean_all());
+    // Long rows and the parallel path, without cancellation so the reference is well scaled.
+    check!(E, "sum rows (parallel)", ONCE, [unif(&[64, 1100], 43)], |t| t[0].sum(1, false));
+    check!(E, "sum cols (parallel)", ONCE, [unif(&[1100, 64], 44)], |t| t[0].sum(0, false));
+}
+
+#[test]
+fn reductions_match_f64() {
+    for_each_precision!(reductions);
+}
+
+// ---- views and casts (exact) ----------------------------------------------------------------
+
+fn views_and_casts<E: Precision>() {
+    let x = randn(&[2, 3, 4], 50);
+    check!(E, "reshape", EXACT, [x.clone()], |t| t[0].reshape(&[6, 4]));
+    check!(E, "flatten", EXACT, [x.clone()], |t| t[0].flatten());
+    check!(E, "permute", EXACT, [x.clone()], |t| t[0].permute(&[2, 0, 1]).contiguous());
+    check!(E, "transpose", EXACT, [x.clone()], |t| t[0].transpose(0, 2));
+    check!(E, "t", EXACT, [x.clone()], |t| t[0].t());
+    check!(E, "narrow", EXACT, [x.clone()], |t| t[0].narrow(2, 1, 2));
+    check!(E, "slice", EXACT, [x.clone()], |t| t[0].slice(1, 1..3));
+    check!(E, "unsqueeze/squeeze", EXACT, [x.clone()], |t| t[0].unsqueeze(1).squeeze(1));
+    check!(E, "broadcast_to", EXACT, [randn(&[3, 1], 51)], |t| t[0].broadcast_to(&[2, 3, 4]));
+    check_grad!(E, "broadcast_to", FROM_ROUNDED, [randn(&[3, 1], 52)], |t| t[0].broadcast_to(&[2, 3, 4]));
+    check_grad!(E, "permute", EXACT, [x.clone()], |t| t[0].permute(&[1, 2, 0]));
+    check_grad!(E, "narrow", EXACT, [x.clone()], |t| t[0].narrow(1, 1, 2));
+    // Casts round once: to f32 and f64 exactly, and between f16 and bf16 as one rounding of
+    // the exact value.
+    let low = x.cast::<E>();
+    assert_eq!(low.cast::<f32>().to_f64_vec(), low.to_f64_vec());
+    let once = |v: f64| bf16::from_f64(v).to_f64();
+    let via: Vec<f64> = low.cast::<bf16>().to_f64_vec();
+    assert_eq!(via, low.to_f64_vec().into_iter().map(once).collect::<Vec<_>>(), "cast to bf16 ({})", E::DTYPE);
+    let once = |v: f64| f16::from_f64(v).to_f64();
+    let via: Vec<f64> = low.cast::<f16>().to_f64_vec();
+    assert_eq!(via, low.to_f64_vec().into_iter().map(once).collect::<Vec<_>>(), "cast to f16 ({})", E::DTYPE);
+    check_grad!(E, "cast", EXACT, [x.clone()], |t| through_f32(&t[0]));
+}
+
+/// A round trip through f32 (exact for every precision but f64), doubled on the way.
+fn through_f32<E: Precision>(t: &Tensor<E>) -> Tensor<E> {
+    t.cast::<f32>().mul_scalar(2.0).cast::<E>()
+}
+
+#[test]
+fn views_and_casts_are_exact() {
+    for_each_precision!(views_and_casts);
+}
+
+// ---- softmax, norms, losses ------------------------------------------------------------------
+
+fn softmax_family<E: Precision>() {
+    let x = randn(&[4, 37], 60).mul_scalar(3.0);
+    let y = randn(&[3, 4, 5], 61);
+    check!(E, "softmax", ONCE, [x.clone()], |t| t[0].softmax(1));
+    check!(E, "log_softmax", ONCE, [x.clone()], |t| t[0].log_softmax(1));
+    for d in 0..3 {
+        check!(E, "softmax dim", ONCE, [y.clone()], |t| t[0].softmax(d));
+        check!(E, "log_softmax dim", ONCE, [y.clone()], |t| t[0].log_softmax(d));
+    }
+    check!(E, "softmax (parallel)", ONCE, [randn(&[70, 1100], 62)], |t| t[0].softmax(1));
+    check!(E, "softmax of large logits", ONCE, [randn(&[4, 37], 63).add_scalar(1e4)], |t| t[0].softmax(1));
+    // Backward reads the rounded output y: a couple of roundings more than forward.
+    check_grad!(E, "softmax", FROM_ROUNDED, [x.clone()], |t| t[0].softmax(1));
+    check_grad!(E, "log_softmax", FROM_ROUNDED, [x.clone()], |t| t[0].log_softmax(1));
+    check_grad!(E, "softmax dim 0", FROM_ROUNDED, [y.clone()], |t| t[0].softmax(0));
+}
+
+fn norms<E: Precision>() {
+    let x = randn(&[6, 37], 70).mul_scalar(2.0).add_scalar(1.0);
+    let (w, b) = (randn(&[37], 71), randn(&[37], 72));
+    check!(E, "layer_norm", ONCE, [x.clone()], |t| t[0].layer_norm(None, None, 1e-5));
+    check!(E, "layer_norm affine", ONCE, [x.clone(), w.clone(), b.clone()], |t| t[0].layer_norm(
+        Some(&t[1]),
+        Some(&t[2]),
+        1e-5
+    ));
+    check!(E, "layer_norm (parallel)", ONCE, [randn(&[80, 1000], 73)], |t| t[0].layer_norm(None, None, 1e-5));
+    check!(E, "rms_norm", ONCE, [x.clone()], |t| t[0].rms_norm(None, 1e-6));
+    check!(E, "rms_norm weight", ONCE, [x.clone(), w.clone()], |t| t[0].rms_norm(Some(&t[1]), 1e-6));
+    check_grad!(E, "layer_norm", ONCE, [x.clone(), w.clone(), b.clone()], |t| t[0].layer_norm(
+        Some(&t[1]),
+        Some(&t[2]),
+        1e-5
+    ));
+    check_grad!(E, "layer_norm no affine", ONCE, [x.clone()], |t| t[0].layer_norm(None, None, 1e-5));
+    check_grad!(E, "rms_norm", ONCE, [x.clone(), w.clone()], |t| t[0].rms_norm(Some(&t[1]), 1e-6));
+    check_grad!(
+        E,
+        "layer_norm (parallel)",
+        ONCE,
+        [randn(&[80, 1000], 74), randn(&[1000], 75), randn(&[1000], 76)],
+        |t| t[0].layer_norm(Some(&t[1]), Some(&t[2]), 1e-5)
+    );
+}
+
+fn losses<E: Precision>() {
+    let x = randn(&[9, 37], 80).mul_scalar(2.0);
+    let t = Indices::from_vec(vec![0, 5, 36, -100, 7, 7, 1, 20, 3], &[9]);
+    let smooth = CrossEntropyOptions { label_smoothing: 0.1, ..Default::default() };
+    check!(E, "cross_entropy", ONCE, [x.clone()], |l| l[0].cross_entropy(&t));
+    check!(E, "cross_entropy smoothing", ONCE, [x.clone()], |l| l[0].cross_entropy_with(&t, smooth));
+    check_grad!(E, "cross_entropy", ONCE, [x.clone()], |l| l[0].cross_entropy(&t));
+    check_grad!(E, "cross_entropy smoothing", ONCE, [x.clone()], |l| l[0].cross_entropy_with(&t, smooth));
+    let big = Indices::from_vec((0..2000).map(|i| (i * 7) % 50).collect(), &[2000]);
+    check!(E, "cross_entropy (parallel)", ONCE, [randn(&[2000, 50], 81)], |l| l[0].cross_entropy(&big));
+    let (a, b) = (randn(&[5, 37], 82), randn(&[5, 37], 83));
+    check!(E, "mse_loss", ONCE, [a.clone(), b.clone()], |l| l[0].mse_loss(&l[1]));
+    check_grad!(E, "mse_loss", ONCE, [a.clone(), b.clone()], |l| l[0].mse_loss(&l[1]));
+}
+
+#[test]
+fn softmax_norms_and_losses_match_f64() {
+    for_each_precision!(softmax_family);
+    for_each_precision!(norms);
+    for_each_precision!(losses);
+}
+
+// ---- dropout, embedding, selection, joining --------------------------------------------------
+
+fn selection<E: Precision>() {
+    let x = randn(&[4, 37], 90);
+    // The mask depends only on the seed and the length, never on the precision.
+    check!(E, "dropout", ONCE, [x.clone()], |t| t[0].dropout(0.3, true, &mut Rng::seed(5)));
+    check_grad!(E, "dropout", ONCE, [x.clone()], |t| t[0].dropout(0.3, true, &mut Rng::seed(5)));
+    let ids = Indices::from_vec(vec![3, 0, 3, 9, 3, 1], &[2, 3]);
+    check!(E, "embedding", EXACT, [randn(&[10, 37], 91)], |t| t[0].embedding(&ids));
+    check_grad!(E, "embedding", ONCE, [randn(&[10, 37], 91)], |t| t[0].embedding(&ids));
+    let m = Mask::from_vec((0..37).map(|i| i % 3 == 0).collect(), &[37]);
+    check!(E, "masked_fill", EXACT, [x.clone()], |t| t[0].masked_fill(&m, -2.5));
+    check_grad!(E, "masked_fill", EXACT, [x.clone()], |t| t[0].masked_fill(&m, -2.5));
+    let causal = Mask::causal(37).reshape(&[1, 37, 37]);
+    check!(E, "masked_fill causal", EXACT, [randn(&[2, 37, 37], 92)], |t| t[0].masked_fill(&causal, f64::NEG_INFINITY));
+    check!(E, "where_cond", EXACT, [x.clone(), randn(&[37], 93)], |t| Tensor::where_cond(&m, &t[0], &t[1]));
+    check_grad!(E, "where_cond", ONCE, [x.clone(), randn(&[37], 93)], |t| Tensor::where_cond(&m, &t[0], &t[1]));
+    check!(E, "cat", EXACT, [x.clone(), randn(&[4, 5], 94)], |t| Tensor::cat(&[&t[0], &t[1]], 1));
+    check_grad!(E, "cat", EXACT, [x.clone(), randn(&[4, 5], 94)], |t| Tensor::cat(&[&t[0], &t[1]], 1));
+    check!(E, "stack", EXACT, [x.clone(), randn(&[4, 37], 95)], |t| Tensor::stack(&[&t[0], &t[1]], 2));
+    check_grad!(E, "stack", EXACT, [x.clone(), randn(&[4, 37], 95)], |t| Tensor::stack(&[&t[0], &t[1]], 0));
+}
+
+#[test]
+fn dropout_embedding_selection_match_f64() {
+    for_each_precision!(selection);
+}
+
+// ---- accumulation in f32 ---------------------------------------------------------------------
+
+fn accumulates_in_f32<E: Precision>() {
+    let ones = Tensor::<E>::ones(&[4096]);
+    assert_eq!(ones.sum_all().item().to_f64(), 4096.0, "sum of 4096 ones ({})", E::DTYPE);
+    assert_eq!(ones.reshape(&[1, 4096]).sum(1, false).to_f64_vec(), vec![4096.0]);
+    assert_eq!(ones.reshape(&[4096, 1]).broadcast_to(&[4096, 3]).sum(0, false).to_f64_vec(), vec![4096.0; 3]);
+    assert_eq!(ones.mean_all().item().to_f64(), 1.0, "mean of 4096 ones ({})", E::DTYPE);
+    // Sum of 4096 values of 0.1: a naive f16 sum drifts by tens; f32 accumulation then one
+    // rounding is within one f16/bf16 rounding of 409.6 (rounded input 0.1 times 4096).
+    let tenth = Tensor::<E>::full(&[4096], 0.1);
+    let exact = E::from_f64(0.1).to_f64() * 4096.0;
+    let got = tenth.sum_all().item().to_f64();
+    assert!(
+        (got - exact).abs() <= exact * (common::unit_roundoff::<E>() + 1e-5), // + f32's own error
+        "sum of 0.1s ({}): {got} vs {exact}",
+        E::DTYPE
+    );
+    // matmul with k = 4096 of ones: every output is exactly 4096.
+    let a = Tensor::<E>::ones(&[2, 4096]);
+    let b = Tensor::<E>::ones(&[4096, 3]);
+    assert_eq!(a.matmul(&b).to_f64_vec(), vec![4096.0; 6], "matmul k=4096 ({})", E::DTYPE);
+    // Softmax over 4096 equal logits is exactly 2^-12 (a sum stuck at 2048 would give 2^-11).
+    let p = Tensor::<E>::zeros(&[1, 4096]).softmax(1).to_f64_vec();
+    assert!(p.iter().all(|&v| v == 1.0 / 4096.0), "softmax of 4096 ({}): {}", E::DTYPE, p[0]);
+    // Cross-entropy over 4096 equal logits is ln(4096).
+    let ce = Tensor::<E>::zeros(&[2, 4096]).cross_entropy(&Indices::from_vec(vec![0, 4095], &[2]));
+    let want = 4096f64.ln();
+    assert!((ce.item().to_f64() - want).abs() <= 2.0 * want * common::unit_roundoff::<E>(), "ce ({})", E::DTYPE);
+    // Layer norm over 4096 elements: mean and variance in f32.
+    let ramp: Vec<f64> = (0..4096).map(|i| (i % 64) as f64).collect();
+    let ln = Tensor::<E>::from_f64s(&ramp, &[1, 4096]).layer_norm(None, None, 0.0);
+    let want = Tensor::<f64>::from_f64s(&ramp, &[1, 4096]).layer_norm(None, None, 0.0);
+    assert_close_ulps(&ln, &want, ONCE, "layer_norm of 4096");
+    // The embedding gradient of one id used 4096 times is 4096, not 2048.
+    let w = Tensor::<E>::zeros(&[3, 2]).requires_grad_();
+    let ids = Indices::from_vec(vec![1; 4096], &[4096]);
+    let g = w.embedding(&ids).sum_all().backward();
+    assert_eq!(g.get(&w).unwrap().to_f64_vec(), vec![0.0, 0.0, 4096.0, 4096.0, 0.0, 0.0], "{}", E::DTYPE);
+    // So is the gradient of a broadcast operand (summed back over 4096 rows).
+    let bias = Tensor::<E>::zeros(&[2]).requires_grad_();
+    let g = Tensor::<E>::zeros(&[4096, 2]).add(&bias).sum_all().backward();
+    assert_eq!(g.get(&bias).unwrap().to_f64_vec(), vec![4096.0, 4096.0], "{}", E::DTYPE);
+    // And the layer-norm bias gradient (a sum over rows).
+    let (x, bias) = (Tensor::<E>::randn(&[4096, 2], &mut Rng::seed(1)), Tensor::<E>::zeros(&[2]).requires_grad_());
+    let g = x.layer_norm(None, Some(&bias), 1e-5).sum_all().backward();
+    assert_eq!(g.get(&bias).unwrap().to_f64_vec(), vec![4096.0, 4096.0], "{}", E::DTYPE);
+}
+
+#[test]
+fn low_precision_accumulates_in_f32() {
+    for_each_precision!(accumulates_in_f32);
+}
+
+// ---- overflow and NaN ------------------------------------------------------------------------
+
+#[test]
+fn casts_above_max_finite_give_inf() {
+    let x = Tensor::<f32>::from_vec(vec![65504.0, 65520.0, 1e5, -1e5, 3.0e38, f32::MAX, -f32::MAX], &[7]);
+    let h = x.cast::<f16>().to_f64_vec();
+    assert_eq!(h[0], 65504.0, "f16 max finite stays");
+    assert!(h[1..4].iter().all(|v| v.is_infinite()), "{h:?}");
+    assert!(h[3] < 0.0);
+    let b = x.cast::<bf16>().to_f64_vec();
+    assert!((b[4] - 3.0e38).abs() < 3.0e38 / 256.0, "3e38 is finite in bf16: {}", b[4]);
+    assert!(b[5].is_infinite() && b[5] > 0.0, "f32::MAX rounds past bf16's max finite: {}", b[5]);
+    assert!(b[6].is_infinite() && b[6] < 0.0);
+    // From f64 and between the half types.
+    assert!(Tensor::<f64>::from_vec(vec![1e300], &[1]).cast::<f32>().to_vec()[0].is_infinite());
+    assert!(Tensor::<f64>::from_vec(vec![1e300], &[1]).cast::<bf16>().to_vec()[0].is_infinite());
+    assert!(Tensor::<bf16>::from_f64s(&[1e6], &[1]).cast::<f16>().to_vec()[0].is_infinite());
+}
+
+fn overflow_gives_inf<E: Precision>() {
+    let big = E::MAX_FINITE;
+    let x = Tensor::<E>::from_f64s(&[big, big / 2.0], &[2]);
+    assert_eq!(x.mul_scalar(2.0).to_f64_vec(), vec![f64::INFINITY, big], "mul ({})", E::DTYPE);
+    assert!(x.add(&x).to_f64_vec()[0].is_infinite(), "add ({})", E::DTYPE);
+    assert!(x.sum_all().item().to_f64().is_infinite(), "sum ({})", E::DTYPE);
+    assert!(x.square().to_f64_vec()[1].is_infinite(), "square ({})", E::DTYPE);
+    let e = Tensor::<E>::from_f64s(&[100.0], &[1]).exp().to_f64_vec()[0];
+    assert_eq!(e, f64::INFINITY, "exp(100) ({})", E::DTYPE);
+    if E::DTYPE == DType::F16 {
+        // 300 * 300 * 256 = 23M: far past f16's 65504, and inf rather than a clamp.
+        let a = Tensor::<E>::full(&[1, 256], 300.0);
+        let b = Tensor::<E>::full(&[256, 1], 300.0);
+        assert!(a.matmul(&b).item().to_f64().is_infinite());
+        assert!(Tensor::<E>::full(&[4096], 20.0).sum_all().item().to_f64().is_infinite());
+    }
+}
+
+fn nan_propagates<E: Precision>() {
+    let v = [1.0, f64::NAN, -2.0, 0.5];
+    let x = Tensor::<E>::from_f64s(&v, &[1, 4]);
+    let y = Tensor::<E>::from_f64s(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[2, 4]);
+    let all_nan = |t: &Tensor<E>| t.to_f64_vec().iter().all(|v| v.is_nan());
+    let nan_at = |t: &Tensor<E>, i: usize| t.to_f64_vec()[i].is_nan();
+    for (name, t) in [
+        ("add", x.add(&y)),
+        ("mul", x.mul(&y)),
+        ("div", x.div(&y.add_scalar(1.0))),
+        ("relu", x.relu()),
+        ("gelu", x.gelu()),
+        ("exp", x.exp()),
+        ("tanh", x.tanh()),
+        ("masked_fill elsewhere", x.masked_fill(&Mask::from_vec(vec![true, false, false, false], &[4]), 0.0)),
+        ("dropout", x.dropout(0.5, true, &mut Rng::seed(1))),
+    ] {
+        assert!(nan_at(&t, 1), "{name} ({}): {t:?}", E::DTYPE);
+    }
+    fn second_is_nan<P: Precision>(t: Tensor<P>) -> bool {
+        t.to_f64_vec()[1].is_nan()
+    }
+    assert!(second_is_nan(x.cast::<bf16>()) && second_is_nan(x.cast::<f16>()) && second_is_nan(x.cast::<f32>()));
+    for (name, t) in [
+        ("sum", x.sum(1, false)),
+        ("mean", x.mean_all()),
+        ("max", x.max(1, false)),
+        ("min", x.min(1, false)),
+        ("softmax", x.softmax(1)),
+        ("log_softmax", x.log_softmax(1)),
+        ("layer_norm", x.layer_norm(None, None, 1e-5)),
+        ("rms_norm", x.rms_norm(None, 1e-5)),
+        ("matmul", x.matmul(&y.t())),
+        ("cross_entropy", x.cross_entropy(&Indices::from_vec(vec![0], &[1]))),
+        ("mse_loss", x.mse_loss(&x.detach())),
+    ] {
+        assert!(all_nan(&t), "{name} ({}): {t:?}", E::DTYPE);
+    }
+    // A NaN row does not leak into other rows.
+    let rows = Tensor::cat(&[&x, &y], 0);
+    let s = rows.softmax(1).to_f64_vec();
+    assert!(s[..4].iter().all(|v| v.is_nan()) && s[4..].iter().all(|v| v.is_finite()), "{}", E::DTYPE);
+    let n = rows.layer_norm(None, None, 1e-5).to_f64_vec();
+    assert!(n[..4].iter().all(|v| v.is_nan()) && n[4..].iter().all(|v| v.is_finite()), "{}", E::DTYPE);
+    // NaN gradients propagate too.
+    let leaf = x.detach().requires_grad_();
+    let g = leaf.softmax(1).mul(&y.narrow(0, 0, 1)).sum_all().backward();
+    assert!(all_nan(g.get(&leaf).unwrap()), "softmax backward ({})", E::DTYPE);
+}
+
+#[test]
+fn overflow_gives_inf_and_nan_propagates() {
+    for_each_precision!(overflow_gives_inf);
+    for_each_precision!(nan_propagates);
+}

@@ -1,0 +1,285 @@
+//! Bad input: every `try_` form returns an error that names the op and the shapes (or dims,
+//! or the offending value), and the plain form panics with exactly the same text.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use amp_core::{CrossEntropyOptions, Error, Indices, Mask, Rng, Tensor};
+
+fn t(shape: &[usize]) -> Tensor<f32> {
+    Tensor::zeros(shape)
+}
+
+/// Asserts `result` is an error with message `want`, and that `plain` panics with it too.
+#[track_caller]
+fn same_error<T: std::fmt::Debug, U>(result: Result<T, Error>, plain: impl FnOnce() -> U, want: &str) {
+    let err = result.expect_err("the try_ form should fail");
+    assert_eq!(err.to_string(), want);
+    let payload = catch_unwind(AssertUnwindSafe(plain)).err().expect("the plain form should panic");
+    let msg = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .expect("a string panic payload");
+    assert_eq!(msg, want, "the plain form panics with the try_ form's message");
+}
+
+#[test]
+fn elementwise_matmul_and_reductions() {
+    let (a, b) = (t(&[2, 3]), t(&[4]));
+    same_error(a.try_add(&b), || a.add(&b), "add: shapes [2, 3] and [4] cannot be broadcast together");
+    same_error(a.try_div(&b), || a.div(&b), "div: shapes [2, 3] and [4] cannot be broadcast together");
+    let c = t(&[4, 5]);
+    same_error(a.try_matmul(&c), || a.matmul(&c), "matmul: inner dims differ: 3 vs 4 (shapes [[2, 3], [4, 5]])");
+    same_error(
+        a.try_sum(2, false),
+        || a.sum(2, false),
+        "sum: dim 2 is out of range for a tensor of rank 2 (shape [2, 3])",
+    );
+    same_error(
+        a.try_reshape(&[4]),
+        || a.reshape(&[4]),
+        "reshape: cannot reshape 6 elements into [4] (shapes [[2, 3], [4]])",
+    );
+}
+
+#[test]
+fn softmax_errors_name_the_dim_and_shape() {
+    let x = t(&[2, 3]);
+    same_error(
+        x.try_softmax(2),
+        || x.softmax(2),
+        "softmax: dim 2 is out of range for a tensor of rank 2 (shape [2, 3])",
+    );
+    same_error(
+        x.try_log_softmax(5),
+        || x.log_softmax(5),
+        "log_softmax: dim 5 is out of range for a tensor of rank 2 (shape [2, 3])",
+    );
+    let s = t(&[]);
+    same_error(s.try_softmax(1), || s.softmax(1), "softmax: dim 1 is out of range for a tensor of rank 0 (shape [])");
+}
+
+#[test]
+fn norm_errors_name_parameter_shapes_and_eps() {
+    let (x, w3, w4) = (t(&[2, 4]), t(&[3]), t(&[4]));
+    same_error(
+        x.try_layer_norm(Some(&w3), None, 1e-5),
+        || x.layer_norm(Some(&w3), None, 1e-5),
+        "layer_norm: weight must have shape [4] (the input's last dim) (shapes [[2, 4], [3]])",
+    );
+    same_error(
+        x.try_layer_norm(Some(&w4), Some(&w3), 1e-5),
+        || x.layer_norm(Some(&w4), Some(&w3), 1e-5),
+        "layer_norm: bias must have shape [4] (the input's last dim) (shapes [[2, 4], [4], [3]])",
+    );
+    same_error(
+        x.try_layer_norm(None, None, -1.0),
+        || x.layer_norm(None, None, -1.0),
+        "layer_norm: invalid argument `eps`: must be finite and >= 0, got -1 (input shape [2, 4])",
+    );
+    same_error(
+        x.try_rms_norm(Some(&t(&[2, 4])), 1e-6),
+        || x.rms_norm(Some(&t(&[2, 4])), 1e-6),
+        "rms_norm: weight must have shape [4] (the input's last dim) (shapes [[2, 4], [2, 4]])",
+    );
+    let s = t(&[]);
+    same_error(
+        s.try_rms_norm(None, 1e-6),
+        || s.rms_norm(None, 1e-6),
+        "rms_norm: the input needs at least one dim (shapes [[]])",
+    );
+    same_error(
+        x.try_rms_norm(None, f64::NAN),
+        || x.rms_norm(None, f64::NAN),
+        "rms_norm: invalid argument `eps`: must be finite and >= 0, got NaN (input shape [2, 4])",
+    );
+}
+
+#[test]
+fn cross_entropy_errors() {
+    let x = t(&[2, 4]);
+    let bad = Indices::from_vec(vec![1, 5], &[2]);
+    same_error(
+        x.try_cross_entropy(&bad),
+        || x.cross_entropy(&bad),
+        "cross_entropy: index 5 at position 1 is out of range 0..4",
+    );
+    assert!(matches!(
+        x.try_cross_entropy(&bad),
+        Err(Error::IndexOutOfRange { op: "cross_entropy", index: 5, position: 1, bound: 4 })
+    ));
+    // -100 is ignored by default, but any other negative target is an error; with
+    // ignore_index None, -100 is an error too.
+    let neg = Indices::from_vec(vec![-1, -100], &[2]);
+    same_error(
+        x.try_cross_entropy(&neg),
+        || x.cross_entropy(&neg),
+        "cross_entropy: index -1 at position 0 is out of range 0..4",
+    );
+    let none = CrossEntropyOptions { ignore_index: None, ..Default::default() };
+    let ignored = Indices::from_vec(vec![0, -100], &[2]);
+    same_error(
+        x.try_cross_entropy_with(&ignored, none),
+        || x.cross_entropy_with(&ignored, none),
+        "cross_entropy: index -100 at position 1 is out of range 0..4",
+    );
+    let three = Indices::from_vec(vec![0, 1, 2], &[3]);
+    same_error(
+        x.try_cross_entropy(&three),
+        || x.cross_entropy(&three),
+        "cross_entropy: expected logits [N, C] with targets [N] (or logits [C] with a 0-dim target) (shapes [[2, 4], [3]])",
+    );
+    let x3 = t(&[2, 4, 5]);
+    let two = Indices::from_vec(vec![0, 1], &[2]);
+    same_error(
+        x3.try_cross_entropy(&two),
+        || x3.cross_entropy(&two),
+        "cross_entropy: expected logits [N, C] with targets [N] (or logits [C] with a 0-dim target) (shapes [[2, 4, 5], [2]])",
+    );
+    let smooth = CrossEntropyOptions { label_smoothing: 1.5, ..Default::default() };
+    same_error(
+        x.try_cross_entropy_with(&two, smooth),
+        || x.cross_entropy_with(&two, smooth),
+        "cross_entropy: invalid argument `label_smoothing`: must be in [0, 1], got 1.5 (logits shape [2, 4])",
+    );
+}
+
+#[test]
+fn mse_dropout_and_embedding_errors() {
+    let (a, b) = (t(&[2, 3]), t(&[3, 2]));
+    same_error(
+        a.try_mse_loss(&b),
+        || a.mse_loss(&b),
+        "mse_loss: input and target must have the same shape (shapes [[2, 3], [3, 2]])",
+    );
+    for p in [1.0, -0.1, f64::NAN] {
+        same_error(
+            a.try_dropout(p, true, &mut Rng::seed(0)),
+            || a.dropout(p, true, &mut Rng::seed(0)),
+            &format!("dropout: invalid argument `p`: must be in [0, 1), got {p} (input shape [2, 3])"),
+        );
+    }
+    // A bad p is refused in eval mode too, so a config error shows up before training.
+    assert!(a.try_dropout(1.0, false, &mut Rng::seed(0)).is_err());
+    let w = t(&[10, 4]);
+    let ids = Indices::from_vec(vec![0, 9, 10], &[3]);
+    same_error(w.try_embedding(&ids), || w.embedding(&ids), "embedding: index 10 at position 2 is out of range 0..10");
+    let neg = Indices::from_vec(vec![-1], &[1]);
+    same_error(w.try_embedding(&neg), || w.embedding(&neg), "embedding: index -1 at position 0 is out of range 0..10");
+    let v = t(&[10]);
+    same_error(
+        v.try_embedding(&ids),
+        || v.embedding(&ids),
+        "embedding: the weight must be 2-D [num_embeddings, dim] (shapes [[10], [3]])",
+    );
+}
+
+#[test]
+fn mask_selection_and_joining_errors() {
+    let x = t(&[2, 3]);
+    let m4 = Mask::full(&[4], true);
+    same_error(
+        x.try_masked_fill(&m4, 0.0),
+        || x.masked_fill(&m4, 0.0),
+        "masked_fill: shapes [2, 3] and [4] cannot be broadcast together",
+    );
+    let (a, b) = (t(&[2, 3]), t(&[4]));
+    let m = Mask::full(&[2, 3], false);
+    same_error(
+        Tensor::try_where_cond(&m, &a, &b),
+        || Tensor::where_cond(&m, &a, &b),
+        "where_cond: shapes [2, 3] and [4] cannot be broadcast together",
+    );
+    let m5 = Mask::full(&[5], false);
+    let b3 = t(&[3]);
+    same_error(
+        Tensor::try_where_cond(&m5, &a, &b3),
+        || Tensor::where_cond(&m5, &a, &b3),
+        "where_cond: mask, a and b cannot be broadcast together (shapes [[5], [2, 3], [3]])",
+    );
+    let c = t(&[2, 4]);
+    same_error(
+        Tensor::try_cat(&[&a, &c], 0),
+        || Tensor::cat(&[&a, &c], 0),
+        "cat: shapes must match except in dim 0 (shapes [[2, 3], [2, 4]])",
+    );
+    same_error(
+        Tensor::try_cat(&[&a, &t(&[2, 3, 1])], 1),
+        || Tensor::cat(&[&a, &t(&[2, 3, 1])], 1),
+        "cat: shapes must match except in dim 1 (shapes [[2, 3], [2, 3, 1]])",
+    );
+    same_error(
+        Tensor::try_cat(&[&a, &c], 2),
+        || Tensor::cat(&[&a, &c], 2),
+        "cat: dim 2 is out of range for a tensor of rank 2 (shape [2, 3])",
+    );
+    same_error(
+        Tensor::<f32>::try_cat(&[], 0),
+        || Tensor::<f32>::cat(&[], 0),
+        "cat: invalid argument `tensors`: needs at least one tensor",
+    );
+    let s = t(&[]);
+    same_error(
+        Tensor::try_cat(&[&s, &s], 0),
+        || Tensor::cat(&[&s, &s], 0),
+        "cat: dim 0 is out of range for a tensor of rank 0 (shape [])",
+    );
+    let at = t(&[3, 2]);
+    same_error(
+        Tensor::try_stack(&[&a, &at], 0),
+        || Tensor::stack(&[&a, &at], 0),
+        "stack: every tensor must have the same shape (shapes [[2, 3], [3, 2]])",
+    );
+    same_error(
+        Tensor::try_stack(&[&a, &a], 3),
+        || Tensor::stack(&[&a, &a], 3),
+        "stack: dim 3 is out of range 0..=2 for stacking (shapes [[2, 3], [2, 3]])",
+    );
+    same_error(
+        Tensor::<f32>::try_stack(&[], 0),
+        || Tensor::<f32>::stack(&[], 0),
+        "stack: invalid argument `tensors`: needs at least one tensor",
+    );
+    same_error(
+        Mask::try_from_vec(vec![true; 3], &[2, 2]),
+        || Mask::from_vec(vec![true; 3], &[2, 2]),
+        "Mask::from_vec: 3 elements cannot fill shape [2, 2] (4 elements)",
+    );
+    same_error(
+        Mask::causal(3).try_reshape(&[4, 2]),
+        || Mask::causal(3).reshape(&[4, 2]),
+        "Mask::reshape: cannot reshape 9 entries into [4, 2] (shapes [[3, 3], [4, 2]])",
+    );
+}
+
+// The plain forms, through the test harness's own panic check.
+
+#[test]
+#[should_panic(expected = "cross_entropy: index 7 at position 0 is out of range 0..4")]
+fn plain_cross_entropy_panics_with_the_message() {
+    t(&[1, 4]).cross_entropy(&Indices::from_vec(vec![7], &[1]));
+}
+
+#[test]
+#[should_panic(expected = "layer_norm: weight must have shape [8] (the input's last dim) (shapes [[3, 8], [4]])")]
+fn plain_layer_norm_panics_with_the_message() {
+    t(&[3, 8]).layer_norm(Some(&t(&[4])), None, 1e-5);
+}
+
+#[test]
+#[should_panic(expected = "softmax: dim 3 is out of range for a tensor of rank 3 (shape [1, 2, 3])")]
+fn plain_softmax_panics_with_the_message() {
+    t(&[1, 2, 3]).softmax(3);
+}
+
+#[test]
+#[should_panic(expected = "cat: shapes must match except in dim 1 (shapes [[2, 3], [3, 3]])")]
+fn plain_cat_panics_with_the_message() {
+    Tensor::cat(&[&t(&[2, 3]), &t(&[3, 3])], 1);
+}
+
+#[test]
+#[should_panic(expected = "embedding: index 3 at position 1 is out of range 0..3")]
+fn plain_embedding_panics_with_the_message() {
+    t(&[3, 2]).embedding(&Indices::from_vec(vec![0, 3], &[2]));
+}

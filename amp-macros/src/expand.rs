@@ -310,9 +310,14 @@ impl Rewriter<'_> {
         let recv = &mc.receiver;
         let span = mc.span();
         let recv_form = if is_place(recv) { quote_spanned!(recv.span()=> &#recv) } else { quote!(#recv) };
-        let r = syn::Ident::new("__amp_r", Span::mixed_site());
-        let a = syn::Ident::new("__amp_a", Span::mixed_site());
-        let args = mc.args.iter().enumerate().map(|(i, x)| if i == ti { quote!(#a.__amp_get()) } else { quote!(#x) });
+        // Hygienic names located at the user's operands, so type errors point at them.
+        let r = syn::Ident::new("__amp_r", Span::mixed_site().located_at(recv.span()));
+        let a = syn::Ident::new("__amp_a", Span::mixed_site().located_at(operand.span()));
+        let args = mc
+            .args
+            .iter()
+            .enumerate()
+            .map(|(i, x)| if i == ti { quote_spanned!(operand.span()=> #a.__amp_get()) } else { quote!(#x) });
         let method = &mc.method;
         Some(quote_spanned!(span=>
             (match (&#p::Pair::new(#recv_form, #operand)).__amp_promote() {
@@ -353,8 +358,11 @@ impl Rewriter<'_> {
         }
         self.rewrote = true;
         let p = self.p;
-        let vars: Vec<syn::Ident> =
-            (0..operands.len()).map(|k| syn::Ident::new(&format!("__amp_v{k}"), Span::mixed_site())).collect();
+        let vars: Vec<syn::Ident> = operands
+            .iter()
+            .enumerate()
+            .map(|(k, o)| syn::Ident::new(&format!("__amp_v{k}"), Span::mixed_site().located_at(o.span())))
+            .collect();
         let args = call.args.iter().enumerate().map(|(i, arg)| {
             let mine: Vec<(usize, &syn::Ident)> = slots
                 .iter()
@@ -426,8 +434,8 @@ impl Rewriter<'_> {
         }
         self.rewrote = true;
         let (p, l, r, op) = (self.p, &b.left, &b.right, &b.op);
-        let x = syn::Ident::new("__amp_l", Span::mixed_site());
-        let y = syn::Ident::new("__amp_r", Span::mixed_site());
+        let x = syn::Ident::new("__amp_l", Span::mixed_site().located_at(l.span()));
+        let y = syn::Ident::new("__amp_r", Span::mixed_site().located_at(r.span()));
         Some(quote_spanned!(b.span()=>
             (match (&#p::Pair::new(#l, #r)).__amp_promote_op() {
                 (#x, #y) => #x #op #y,

@@ -16,6 +16,7 @@ pub use amp_cuda;
 pub use amp_macros;
 
 pub mod train_utils;
+pub mod trainer;
 
 /// The names most programs need.
 pub mod prelude {

@@ -1,0 +1,134 @@
+//! Step time of the fixed workloads W1 (MLP) and W2 (GPT) from
+//! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table
+//! next to PyTorch's figures on the same 2-core machine.
+//!
+//! Run: `cargo run --release --example bench_steps [-- --steps 5]`.
+//! Each step is a full AMP step: forward, scaled backward, unscale, clip_grad_norm(1.0),
+//! AdamW step, scaler update. Median of `--steps` timed steps after one warm-up step.
+
+use std::time::Instant;
+
+use amp::nn::{Gpt, GptConfig, Linear};
+use amp::optim::{AdamW, Optim};
+use amp::scaler::{GradScaler, LossScaler, NoScale};
+use amp::{Indices, Params, Precision, Rng, Tensor, bf16, f16};
+
+/// W1: 1024 → 4096 → 4096 → 1024 → 10 with GELU between layers.
+#[derive(amp::Params)]
+struct Mlp {
+    layers: Vec<Linear>,
+}
+
+impl Mlp {
+    fn new(rng: &mut Rng) -> Self {
+        let dims = [1024, 4096, 4096, 1024, 10];
+        Mlp { layers: dims.windows(2).map(|w| Linear::new(w[0], w[1], true, rng)).collect() }
+    }
+    fn loss<L: Precision>(&self, x: &Tensor<f32>, y: &Indices) -> Tensor<f32> {
+        let mut h: Tensor<L> = self.layers[0].forward::<L, f32>(x);
+        for layer in &self.layers[1..] {
+            h = layer.forward::<L, L>(&h.gelu());
+        }
+        h.cast::<f32>().cross_entropy(y)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Times `steps` full AMP steps after one warm-up step; returns the median seconds.
+fn time_steps<M: Params, K: LossScaler>(
+    model: &mut M,
+    scaler: &mut K,
+    steps: usize,
+    mut loss: impl FnMut(&M) -> Tensor<f32>,
+) -> f64 {
+    let mut opt: Optim<AdamW> = AdamW::default().build().expect("valid AdamW");
+    let mut times = Vec::new();
+    for i in 0..=steps {
+        let t = Instant::now();
+        let l = loss(model);
+        let mut grads = scaler.scale(&l).backward().unscale();
+        grads.clip_grad_norm(1.0);
+        grads.step(&mut opt, model).update().expect("scaler update");
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    median(times)
+}
+
+fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> f64 {
+    let mut rng = Rng::seed(0);
+    let mut model = Mlp::new(&mut rng);
+    let x = Tensor::<f32>::randn(&[256, 1024], &mut rng);
+    let y = Indices::from_vec((0..256).map(|_| rng.below(10) as i64).collect(), &[256]);
+    time_steps(&mut model, scaler, steps, |m| m.loss::<L>(&x, &y))
+}
+
+fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> f64 {
+    let mut rng = Rng::seed(0);
+    let config = GptConfig { vocab_size: 128, block_size: 128, d_model: 256, n_layers: 4, n_heads: 4, dropout: 0.0 };
+    let mut model = Gpt::new(config, &mut rng);
+    let ids = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
+    let targets = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
+    let mut drop_rng = Rng::seed(1);
+    time_steps(&mut model, scaler, steps, |m| m.loss::<L>(&ids, &targets, &mut drop_rng))
+}
+
+fn main() {
+    let steps: usize = std::env::args()
+        .skip_while(|a| a != "--steps")
+        .nth(1)
+        .map(|s| s.parse().expect("--steps takes a positive integer"))
+        .unwrap_or(5);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, median of {steps} steps",
+        { Mlp::new(&mut Rng::seed(0)).num_params() },
+        {
+            let c = GptConfig { vocab_size: 128, block_size: 128, d_model: 256, n_layers: 4, n_heads: 4, dropout: 0.0 };
+            Gpt::new(c, &mut Rng::seed(0)).num_params()
+        }
+    );
+    let rows = [
+        (
+            "W1 MLP step",
+            [
+                w1::<f32, _>(&mut NoScale, steps),
+                w1::<bf16, _>(&mut NoScale, steps),
+                w1::<f16, _>(&mut GradScaler::new(), steps),
+            ],
+            [0.374, 0.222, 33.4],
+        ),
+        (
+            "W2 GPT step",
+            [
+                w2::<f32, _>(&mut NoScale, steps),
+                w2::<bf16, _>(&mut NoScale, steps),
+                w2::<f16, _>(&mut GradScaler::new(), steps),
+            ],
+            [0.291, 0.188, 9.76],
+        ),
+    ];
+    println!();
+    println!(
+        "| workload | f32 (s) | bf16 (s) | f16 + GradScaler (s) | PyTorch f32 / bf16 / f16 (s) | bf16 vs PyTorch | f16 speed-up vs PyTorch |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for (name, ours, torch) in rows {
+        println!(
+            "| {name} | {:.3} | {:.3} | {:.3} | {} / {} / {} | {:.2}× PyTorch's time | {:.0}× faster |",
+            ours[0],
+            ours[1],
+            ours[2],
+            torch[0],
+            torch[1],
+            torch[2],
+            ours[1] / torch[1],
+            torch[2] / ours[2]
+        );
+    }
+}

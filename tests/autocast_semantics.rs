@@ -136,8 +136,21 @@ fn declared_in_wrappers(x: &Tensor<f32>, w: &Param, pick: u8) -> Option<(Tensor<
     }
 }
 
+#[autocast]
+fn declared_locals(x: &Tensor<f32>, empty: bool) -> Tensor<f32> {
+    let h: Tensor<f32> = x.matmul(x); // an f16 product, as the annotation asks: f32
+    let s: Tensor<bf16> = h.softmax(1); // f32 softmax, to the annotated bf16
+    assert_eq!(s.dtype(), DType::BF16);
+    if empty {
+        return Tensor::zeros(&[0]); // a constructor takes its precision from the return type
+    }
+    h
+}
+
 #[test]
 fn declared_return_types_are_honoured() {
+    assert_eq!(declared_locals(&data(&[2, 2], 1), false).dtype(), DType::F32);
+    assert_eq!(declared_locals(&data(&[2, 2], 1), true).shape(), &[0]);
     let (x, w) = (data(&[2, 3], 1), param(&[3, 4], 2));
     let y = declared_f32(&x, &w);
     assert_eq!(y.dtype(), DType::F32);

@@ -186,6 +186,31 @@ fn pat_idents(pat: &Pat, out: &mut HashSet<String>) {
     }
 }
 
+/// `Tensor::zeros`, `Tensor::from_vec`, ... without a turbofish on `Tensor`: the precision of
+/// what they build comes from the context, so a conversion around them would leave it unknown.
+fn is_tensor_constructor(func: &Expr) -> bool {
+    const CTORS: &[&str] = &[
+        "zeros",
+        "ones",
+        "full",
+        "scalar",
+        "from_vec",
+        "try_from_vec",
+        "from_f64s",
+        "from_f32s",
+        "rand",
+        "randn",
+        "arange",
+        "try_arange",
+    ];
+    let Expr::Path(p) = func else { return false };
+    let segs: Vec<&syn::PathSegment> = p.path.segments.iter().collect();
+    match segs.as_slice() {
+        [.., ty, f] => ty.ident == "Tensor" && ty.arguments.is_none() && CTORS.contains(&f.ident.to_string().as_str()),
+        _ => false,
+    }
+}
+
 /// `Tensor<X, ..>` (by its last path segment): `X`.
 fn tensor_elem(ty: &Type) -> Option<&Type> {
     let Type::Path(tp) = ty else { return None };
@@ -505,6 +530,8 @@ impl Rewriter<'_> {
             }
             // A diverging tail needs nothing; a macro's value is left as it is.
             Expr::Return(_) | Expr::Macro(_) => return,
+            // `Tensor::zeros(..)` and the like take their precision from the declared type.
+            Expr::Call(c) if is_tensor_constructor(&c.func) => return,
             _ => {}
         }
         let p = self.p;
@@ -608,6 +635,16 @@ impl VisitMut for Rewriter<'_> {
         }
         match s {
             Stmt::Macro(_) | Stmt::Item(_) => {}
+            Stmt::Local(local) => {
+                visit_mut::visit_local_mut(self, local);
+                // `let h: Tensor<f32> = ..`: a declared type is honoured like a return type.
+                if let (Pat::Type(pt), Some(init)) = (&local.pat, &mut local.init) {
+                    if init.diverge.is_none() {
+                        let ty = (*pt.ty).clone();
+                        self.conform(&mut init.expr, &ty);
+                    }
+                }
+            }
             _ => visit_mut::visit_stmt_mut(self, s),
         }
     }

@@ -47,6 +47,23 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 /// - Code that is not a tensor op but shares a name (`iter.sum()`, `f32::max`, `x.exp()` on a
 ///   float, macro calls) behaves as without the attribute: whether a value is a tensor is
 ///   decided by the compiler, through the types, at each call.
+/// - Declared types are honoured: a `Tensor<X>` in the return type (also inside `Result`,
+///   `Option` and tuples, at the tail and at each `return`), in a closure's `-> T` and in
+///   `let h: Tensor<X> = ..` gets a final cast to `X`.
+///
+/// Limits (each with its way out):
+/// - The region is lexical: calls to functions without the attribute run as written, and
+///   nothing inside macro calls or nested items is rewritten (put `#[autocast]` on the callee,
+///   or list it in `lower`/`fp32`).
+/// - In a generic function, promoting `Tensor<E>` with another precision needs the bound that
+///   computes it, `E: Promote<f32>`; without it the operands are left as they are.
+/// - A receiver that is a variable is borrowed: a by-value method of a non-`Copy`, non-tensor
+///   value that shares an op's name and argument count (`s.add(t)` on an owned `String`) does
+///   not compile; write it as an operator (`s + t`) or list the op in `passthrough`.
+/// - Operators on parameters of a closure whose parameter types are not yet known
+///   (`let f = |a, b| a + b;`) are left alone; annotate the parameters to have them promote.
+/// - A value whose precision is inferred only from the declared type (`let t = Tensor::zeros(..);
+///   t` as the tail) needs a turbofish.
 #[proc_macro_attribute]
 pub fn autocast(attr: proc_macro::TokenStream, item: proc_macro::TokenStream) -> proc_macro::TokenStream {
     autocast_impl(attr.into(), item.into(), expand::private_path()).into()

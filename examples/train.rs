@@ -46,7 +46,7 @@ struct Args {
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
     /// Optimizer steps in total.
-    #[arg(long, default_value_t = 1200)]
+    #[arg(long, default_value_t = 1500)]
     steps: u64,
     /// Sequences per batch.
     #[arg(long, default_value_t = 64)]

@@ -98,7 +98,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             precision: RunPrecision::F16,
-            steps: 1200,
+            steps: 1500,
             batch_size: 64,
             model: ModelSize::Small,
             lr: 3e-3,

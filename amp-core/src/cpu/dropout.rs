@@ -12,8 +12,8 @@ use crate::rng::Rng;
 
 /// The keep threshold: an element is kept when its 32 random bits are `>= threshold`, which
 /// happens with probability `1 - p` (to within 2^-32).
-fn threshold(p: f64) -> u64 {
-    ((p * 4_294_967_296.0).round() as u64).min(u32::MAX as u64)
+fn threshold(p: f64) -> u32 {
+    (p * 4_294_967_296.0).round().min(u32::MAX as f64) as u32
 }
 
 /// `x * keep * scale` over contiguous `x`, with the mask drawn from `seed` and drop probability
@@ -27,18 +27,22 @@ pub(crate) fn apply<E: Precision>(x: &[E], p: f64, seed: u64) -> Vec<E> {
         let start = ci * CHUNK;
         let mut rng = Rng::seed(seed ^ (ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let mut buf = [E::Acc::default(); BUF];
+        let mut bits = [0u32; BUF];
         // BUF is even, so every buffer but the last starts on a fresh 64-bit draw.
         for (j, o) in chunk.chunks_mut(BUF).enumerate() {
             let s = start + j * BUF;
-            let b = &mut buf[..o.len()];
-            E::load(&x[s..s + o.len()], b);
-            for pair in b.chunks_mut(2) {
-                let bits = rng.next_u64();
-                let keep = [(bits & 0xFFFF_FFFF) >= thr, (bits >> 32) >= thr];
-                for (v, k) in pair.iter_mut().zip(keep) {
-                    // Multiply rather than select so NaN inputs stay NaN, as in PyTorch.
-                    *v *= if k { scale } else { zero };
-                }
+            let n = o.len();
+            // Draw first, then apply in a branch-free loop the compiler vectorises.
+            for pair in bits[..n.next_multiple_of(2)].chunks_exact_mut(2) {
+                let r = rng.next_u64();
+                pair[0] = r as u32;
+                pair[1] = (r >> 32) as u32;
+            }
+            let b = &mut buf[..n];
+            E::load(&x[s..s + n], b);
+            for (v, &r) in b.iter_mut().zip(&bits[..n]) {
+                // Multiply rather than select so NaN inputs stay NaN, as in PyTorch.
+                *v *= if r >= thr { scale } else { zero };
             }
             E::store(b, o);
         }

@@ -137,14 +137,18 @@ pub(crate) fn exp_in_place<A: Accum>(x: &mut [A]) {
 ///
 /// Range reduction `x = n ln2 + r` with `|r| <= ln2/2` (ln2 split in two for exactness), a
 /// degree-6 polynomial for `e^r` (Cephes `expf`), and `2^n` built from its exponent bits.
-/// Results below f32's normal range flush to 0 (below 1.2e-38, far under what a softmax sum can
-/// resolve); above 88.37 gives inf; NaN stays NaN.
+/// `n` is rounded by adding 1.5·2^23, which leaves it in the low mantissa bits: no float-to-int
+/// conversion, whose saturating semantics would keep the loop scalar. Results below f32's
+/// normal range flush to 0 (below 1.2e-38, far under what a softmax sum can resolve); above
+/// 88.37 gives inf; NaN stays NaN.
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
     const LO: f32 = -87.336_55;
     const HI: f32 = 88.376_26;
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
     let xc = x.clamp(LO, HI);
-    let n = (xc * std::f32::consts::LOG2_E + 0.5).floor();
+    let t = xc * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
     let r = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
     let mut p = 1.987_569_1e-4f32;
     p = p * r + 1.398_2e-3;
@@ -153,7 +157,8 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     p = p * r + 0.166_666_65;
     p = p * r + 0.5;
     let er = p * r * r + r + 1.0;
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    // n + 127 is in 1..=254 for the clamped range: a valid biased exponent.
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23);
     let y = er * scale;
     if x > HI {
         f32::INFINITY

@@ -137,7 +137,7 @@ use stage::{
 /// One training iteration in progress, at stage `S`, borrowing its scaler `K` until
 /// `.update()`. Built by `scaler.scale(&loss)`; every transition consumes the step, so calls
 /// can only come in the right order (see the module docs).
-#[must_use = "a training step in progress: finish it with `.backward()`, `.unscale()`, `.step(&mut optimizer, &mut model)` and `.update()`"]
+#[must_use = "an unfinished training step: every iteration ends with `.update()`, which adapts the loss scale (the order is `.backward()`, `.unscale()`, `.step(&mut optimizer, &mut model)`, `.update()`)"]
 pub struct TrainStep<'s, K: LossScaler, S: Stage> {
     scaler: &'s mut K,
     /// The scale this iteration uses (fixed at `scale(&loss)`).

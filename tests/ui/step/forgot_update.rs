@@ -1,0 +1,13 @@
+// A step whose `update()` is forgotten: the scale would never adapt. `Stepped` is #[must_use].
+#![deny(unused_must_use)]
+use amp::optim::Sgd;
+use amp::scaler::GradScaler;
+use amp::{Param, Tensor};
+
+fn main() {
+    let mut w = Param::new(Tensor::<f32>::ones(&[3]));
+    let mut opt = Sgd::new(0.1).build().unwrap();
+    let mut scaler = GradScaler::new();
+    let loss = w.square().sum_all();
+    scaler.scale(&loss).backward().unscale().step(&mut opt, &mut w);
+}

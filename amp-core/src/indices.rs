@@ -155,3 +155,11 @@ impl std::ops::Not for &Mask {
         Mask { data: Arc::new(self.data.iter().map(|b| !b).collect()), shape: self.shape.clone() }
     }
 }
+
+impl std::ops::Not for Mask {
+    type Output = Mask;
+    /// The complement (true where `self` is false).
+    fn not(self) -> Mask {
+        !&self
+    }
+}

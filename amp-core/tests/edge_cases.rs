@@ -299,6 +299,7 @@ fn causal_mask_hides_the_future() {
     ]);
     assert_eq!(m.count(), 3);
     assert_eq!((!&m).count(), 6);
+    assert_eq!(!m.clone(), !&m);
     // Masked attention rows: each query attends to itself and the past only.
     let scores = Tensor::<f32>::zeros(&[2, 3, 3]);
     let p = scores.masked_fill(&m, f64::NEG_INFINITY).softmax(2).to_vec();

@@ -99,24 +99,58 @@ pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, b
     out
 }
 
-fn to_f32_contiguous<E: Precision>(x: &[E], l: &Layout) -> Vec<f32> {
-    let c = gather(x, l);
-    let mut out = vec![0f32; c.len()];
+/// Widens an operand to f32. A view that covers a dense block of storage in some order (a
+/// contiguous tensor, or a transpose or permutation of one) is converted as one linear pass
+/// and keeps its strides, so `wᵀ` and `aᵀ` in backward are never transposed element by
+/// element; other views (narrowed, broadcast) are gathered first.
+fn to_f32<E: Precision>(x: &[E], l: &Layout) -> (Vec<f32>, Layout) {
+    let numel = l.numel();
+    let span = 1 + l.shape.iter().zip(&l.strides).map(|(&d, &s)| d.saturating_sub(1) * s).sum::<usize>();
+    let (src, layout) = if numel > 0 && span == numel {
+        (std::borrow::Cow::Borrowed(&x[l.offset..l.offset + span]), Layout { offset: 0, ..l.clone() })
+    } else {
+        (std::borrow::Cow::Owned(gather(x, l)), Layout::contiguous(&l.shape))
+    };
+    let mut out = vec![0f32; src.len()];
     super::par_chunks_mut(&mut out, |ci, chunk| {
         let s = ci * super::CHUNK;
-        E::to_f32_slice(&c[s..s + chunk.len()], chunk);
+        E::to_f32_slice(&src[s..s + chunk.len()], chunk);
     });
-    out
+    (out, layout)
 }
 
 fn matmul_via_f32<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
-    let a32 = to_f32_contiguous(a, la);
-    let b32 = to_f32_contiguous(b, lb);
-    let out32 = matmul(&a32, &Layout::contiguous(&la.shape), &b32, &Layout::contiguous(&lb.shape), batch);
+    let (a32, la32) = to_f32(a, la);
+    let (b32, lb32) = to_f32(b, lb);
+    let out32 = matmul(&a32, &la32, &b32, &lb32, batch);
     let mut out = vec![E::default(); out32.len()];
     super::par_chunks_mut(&mut out, |ci, chunk| {
         let s = ci * super::CHUNK;
         E::from_f32_slice(&out32[s..s + chunk.len()], chunk);
     });
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Rng, Tensor, bf16, f16};
+
+    /// Transposed (dense, strided) and narrowed (gathered) operands give the f64 product.
+    fn strided_operands<E: crate::Precision>(tol: f64) {
+        let mut rng = Rng::seed(3);
+        let a = Tensor::<f64>::randn(&[5, 4], &mut rng);
+        let b = Tensor::<f64>::randn(&[6, 5], &mut rng);
+        let want = a.t().matmul(&b.t().narrow(1, 1, 4)).to_vec();
+        let got = a.cast::<E>().t().matmul(&b.cast::<E>().t().narrow(1, 1, 4)).to_f64_vec();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{}: {g} vs {w}", E::DTYPE);
+        }
+    }
+
+    #[test]
+    fn strided_operands_in_every_precision() {
+        strided_operands::<f32>(1e-6);
+        strided_operands::<f16>(4e-3);
+        strided_operands::<bf16>(3e-2);
+    }
 }

@@ -50,7 +50,9 @@ fn time_steps<M: Params, K: LossScaler>(
     for i in 0..=steps {
         let t = Instant::now();
         let l = loss(model);
-        let mut grads = scaler.scale(&l).backward().unscale();
+        let scaled = scaler.scale(&l);
+        drop(l); // free the graph before the step, so parameters update in place
+        let mut grads = scaled.backward().unscale();
         grads.clip_grad_norm(1.0);
         grads.step(&mut opt, model).update().expect("scaler update");
         if i > 0 {

@@ -56,6 +56,10 @@ macro_rules! all_cases {
     ($low:ident) => {
         // lower precision
         case!("matmul", $low, |x: f32, y: f16| [f32, f16] Some(x.matmul(&y.t()).dtype()));
+        case!("linear", $low, |x: f32, w: f16| [f32, f16] {
+            let b = w.narrow(1, 0, 1).reshape(&[2]);
+            Some(x.linear(&w, Some(&b)).dtype())
+        });
         // fp32
         case!("exp", $low, |x: f16| [f16] Some(x.exp().dtype()));
         case!("log", $low, |x: bf16| [bf16] Some(x.log().dtype()));
@@ -147,7 +151,7 @@ fn the_table_is_printable_and_complete() {
         assert!(text.contains(&format!("| `{}` |", row.op)), "{} missing from the printed table", row.op);
     }
     let count = |c| POLICY.iter().filter(|r| r.category == c).count();
-    assert_eq!(count(Category::LowerPrecision), 1);
+    assert_eq!(count(Category::LowerPrecision), 2); // matmul, linear
     assert!(count(Category::Fp32) >= 9 && count(Category::Fp32Accumulate) >= 6 && count(Category::Promote) >= 7);
     assert_eq!(policy::lookup("try_softmax").map(|r| r.category), Some(Category::Fp32Accumulate));
     assert_eq!(policy::promote_dtype(DType::F16, DType::BF16), DType::F32);

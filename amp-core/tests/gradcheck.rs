@@ -234,3 +234,14 @@ fn cat_and_stack_along_several_dims() {
     }
     gradcheck(&[randn(&[], 120), randn(&[], 121)], |t| weighted(&Tensor::stack(&[&t[0], &t[1]], 0), 122));
 }
+
+#[test]
+fn linear_with_and_without_bias() {
+    let x = randn(&[2, 3, 4], 40);
+    let w = randn(&[5, 4], 41);
+    let b = randn(&[5], 42);
+    gradcheck(&[x.clone(), w.clone(), b], |t| t[0].linear(&t[1], Some(&t[2])).square().sum_all());
+    gradcheck(&[x, w], |t| t[0].linear(&t[1], None).square().sum_all());
+    // A strided (transposed) weight view.
+    gradcheck(&[randn(&[3, 4], 43), randn(&[4, 5], 44)], |t| t[0].linear(&t[1].t(), None).square().sum_all());
+}

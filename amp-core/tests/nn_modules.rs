@@ -110,10 +110,17 @@ fn linear_matches_manual_formula_and_checks_input_width() {
     let x = Tensor::<f32>::randn(&[4, 3], &mut Rng::seed(12));
     let y = lin.forward::<f32, f32>(&x);
     let want = x.matmul(&lin.weight.t()).add(lin.bias.as_ref().unwrap());
-    assert_eq!(y.to_vec(), want.to_vec());
+    for (a, b) in y.to_vec().iter().zip(want.to_vec()) {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{a} vs {b}");
+    }
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         lin.forward::<f32, f32>(&Tensor::<f32>::zeros(&[4, 5]))
     }));
     let msg = *r.unwrap_err().downcast::<String>().unwrap();
-    assert!(msg.contains("Linear: input shape [4, 5] does not end in in_features = 3"), "{msg}");
+    assert!(
+        msg.contains(
+            "linear: the input's last dim must equal the weight's in_features 3 (shapes [[4, 5], [2, 3], [2]])"
+        ),
+        "{msg}"
+    );
 }

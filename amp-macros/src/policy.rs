@@ -112,6 +112,7 @@ const fn assoc(name: &'static str, category: Category, args: &'static [Arg], why
 /// keep it so, arguments included).
 pub(crate) const TABLE: &[Op] = &[
     op("matmul", Lower, &[T], "tensor-core shaped: low-precision inputs, f32 accumulation in the kernel"),
+    op("linear", Lower, &[T, OptT], "x Wᵀ + b: a matmul with the bias added before the single rounding"),
     // fp32: range or precision loss in 16 bits.
     op("exp", Fp32, &[], "overflows f16 above 11.1"),
     op("log", Fp32, &[], "precision near 1 and of small inputs"),

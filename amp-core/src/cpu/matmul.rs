@@ -119,6 +119,66 @@ fn to_f32<E: Precision>(x: &[E], l: &Layout) -> (Vec<f32>, Layout) {
     (out, layout)
 }
 
+/// `x wᵀ + bias` for `x: [rows, in]`, `w: [out, in]` (any strides), `bias: [out]`, rounded
+/// once: the bias initialises the accumulator, as in PyTorch's `addmm`.
+pub(crate) fn linear<E: Precision>(x: &[E], lx: &Layout, w: &[E], lw: &Layout, bias: Option<&[E]>) -> Vec<E> {
+    let (rows, out_f) = (lx.shape[0], lw.shape[0]);
+    let wt = Layout { shape: vec![lw.shape[1], out_f], strides: vec![lw.strides[1], lw.strides[0]], offset: lw.offset };
+    let Some(bias) = bias else { return matmul(x, lx, w, &wt, &[]) };
+    if matches!(E::DTYPE, DType::BF16 | DType::F16) {
+        let (x32, lx32) = to_f32(x, lx);
+        let (w32, lw32) = to_f32(w, lw);
+        let mut b32 = vec![0f32; bias.len()];
+        E::to_f32_slice(bias, &mut b32);
+        let out32 = linear(&x32, &lx32, &w32, &lw32, Some(&b32));
+        let mut out = vec![E::default(); out32.len()];
+        super::par_chunks_mut(&mut out, |ci, chunk| {
+            let s = ci * super::CHUNK;
+            E::from_f32_slice(&out32[s..s + chunk.len()], chunk);
+        });
+        return out;
+    }
+    let mut out: Vec<E> = Vec::with_capacity(rows * out_f);
+    for _ in 0..rows {
+        out.extend_from_slice(bias);
+    }
+    let (in_f, threads) = (lx.shape[1], rayon::current_num_threads());
+    if rows * out_f == 0 || in_f == 0 {
+        return out;
+    }
+    let (x_rs, x_cs) = (lx.strides[0] as isize, lx.strides[1] as isize);
+    let (w_rs, w_cs) = (wt.strides[0] as isize, wt.strides[1] as isize);
+    assert!(lx.offset + (rows - 1) * (x_rs as usize) + (in_f - 1) * (x_cs as usize) < x.len());
+    assert!(wt.offset + (in_f - 1) * (w_rs as usize) + (out_f - 1) * (w_cs as usize) < w.len());
+    // SAFETY: E is f32 or f64 here (f16/bf16 widened above), which gemm dispatches on; the
+    // asserts keep every read inside `x` and `w`; `out` holds rows * out_f elements written
+    // with row stride out_f, and read_dst = true reads the bias rows it was filled with.
+    unsafe {
+        gemm::gemm(
+            rows,
+            out_f,
+            in_f,
+            out.as_mut_ptr(),
+            1,
+            out_f as isize,
+            true,
+            x.as_ptr().add(lx.offset),
+            x_cs,
+            x_rs,
+            w.as_ptr().add(wt.offset),
+            w_cs,
+            w_rs,
+            E::from_f64(1.0),
+            E::from_f64(1.0),
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(threads),
+        )
+    }
+    out
+}
+
 fn matmul_via_f32<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
     let (a32, la32) = to_f32(a, la);
     let (b32, lb32) = to_f32(b, lb);

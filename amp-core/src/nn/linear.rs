@@ -30,24 +30,11 @@ impl Linear {
             bias: bias.then(|| Param::new(Tensor::zeros(&[out_features]))),
         }
     }
-    /// Applies the layer to `x: [..., in]`, giving `[..., out]` in precision `L`.
+    /// Applies the layer to `x: [..., in]`, giving `[..., out]` in precision `L` (one GEMM with
+    /// the bias in the accumulator: the `linear` op, lower-precision category).
     #[track_caller]
     pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X>) -> Tensor<L> {
-        let in_features = self.weight.shape()[1];
-        let shape = x.shape();
-        assert!(
-            shape.last() == Some(&in_features),
-            "Linear: input shape {shape:?} does not end in in_features = {in_features}"
-        );
-        // Flatten leading dims: one large GEMM instead of a batch of small ones.
-        let rows = x.numel() / in_features.max(1);
-        let x2 = x.cast::<L>().reshape(&[rows, in_features]);
-        let mut y = x2.matmul(&self.weight.cast::<L>().t());
-        if let Some(b) = &self.bias {
-            y = y.add(&b.cast::<L>());
-        }
-        let mut out_shape = shape.to_vec();
-        *out_shape.last_mut().unwrap() = self.weight.shape()[0];
-        y.reshape(&out_shape)
+        let bias = self.bias.as_ref().map(|b| b.cast::<L>());
+        x.cast::<L>().linear(&self.weight.cast::<L>(), bias.as_ref())
     }
 }

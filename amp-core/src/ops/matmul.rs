@@ -66,4 +66,62 @@ impl<E: Precision> Tensor<E> {
     pub fn matmul(&self, rhs: &Self) -> Self {
         or_panic(self.try_matmul(rhs))
     }
+
+    /// `x Wᵀ + b` (PyTorch's `F.linear`) for `x: [..., in]`, `weight: [out, in]`,
+    /// `bias: [out]`: one GEMM with the bias in the accumulator (one rounding). Derivatives:
+    /// `dx = dy W`, `dW = dyᵀ x` (computed directly in `W`'s layout), `db = Σ dy`.
+    pub fn try_linear(&self, weight: &Self, bias: Option<&Self>) -> Result<Self> {
+        let shapes = || {
+            let mut v = vec![self.shape().to_vec(), weight.shape().to_vec()];
+            v.extend(bias.map(|b| b.shape().to_vec()));
+            v
+        };
+        let err = |detail: String| Err(Error::Shape { op: "linear", detail, shapes: shapes() });
+        if weight.rank() != 2 || self.rank() == 0 {
+            return err("needs an input with at least one dim and a 2-D weight [out, in]".into());
+        }
+        let (out_f, in_f) = (weight.shape()[0], weight.shape()[1]);
+        if self.shape()[self.rank() - 1] != in_f {
+            return err(format!("the input's last dim must equal the weight's in_features {in_f}"));
+        }
+        if bias.is_some_and(|b| b.shape() != [out_f]) {
+            return err(format!("the bias must have shape [{out_f}]"));
+        }
+        let rows = self.numel() / in_f.max(1);
+        let x = if self.layout.is_contiguous() { self.clone() } else { self.contiguous() };
+        let lx = crate::layout::Layout { shape: vec![rows, in_f], strides: vec![in_f, 1], offset: x.layout.offset };
+        let b = bias.map(|b| b.contiguous_data().into_owned());
+        let data = cpu::matmul::linear(&x.storage, &lx, &weight.storage, &weight.layout, b.as_deref());
+        let mut shape = self.shape().to_vec();
+        *shape.last_mut().unwrap() = out_f;
+        let out = Self::from_parts(data, &shape);
+        let parents = vec![self.node.clone(), weight.node.clone(), bias.and_then(|b| b.node.clone())];
+        if parents.iter().all(Option::is_none) {
+            return Ok(out);
+        }
+        let needs = [self.requires_grad(), weight.requires_grad(), bias.is_some_and(|b| b.requires_grad())];
+        let (x2, w) = (x.detach().reshape(&[rows, in_f]), weight.detach());
+        let in_shape = self.shape().to_vec();
+        Ok(out.record("linear", parents, move |g| {
+            let g2 = g.reshape(&[rows, out_f]);
+            vec![
+                needs[0].then(|| g2.matmul(&w).reshape(&in_shape).into()),
+                needs[1].then(|| g2.t().matmul(&x2).into()),
+                needs[2].then(|| g2.sum(0, false).into()),
+            ]
+        }))
+    }
+    /// `x Wᵀ + b`; panics on incompatible shapes.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[1, 2]);
+    /// let w = Tensor::<f32>::from_vec(vec![1.0, 0.0, 0.0, 1.0, 1.0, 1.0], &[3, 2]);
+    /// let b = Tensor::<f32>::from_vec(vec![0.5, 0.5, 0.5], &[3]);
+    /// assert_eq!(x.linear(&w, Some(&b)).to_vec(), vec![1.5, 2.5, 3.5]);
+    /// ```
+    #[track_caller]
+    pub fn linear(&self, weight: &Self, bias: Option<&Self>) -> Self {
+        or_panic(self.try_linear(weight, bias))
+    }
 }

@@ -30,6 +30,30 @@ fn copy_f32_16m(b: Bencher) {
     });
 }
 
+/// The allocating baseline: a copy of 16M f32 into a fresh buffer (`to_vec`), page faults
+/// included, as an allocating cast pays them.
+#[divan::bench(sample_count = 20)]
+fn copy_f32_16m_allocating(b: Bencher) {
+    let x = input();
+    b.counter(BytesCount::new(N * 8)).bench_local(|| divan::black_box(x.to_vec()));
+}
+
+/// `cast_into` an f16 buffer kept across iterations (compare with `copy_f32_16m`).
+#[divan::bench(sample_count = 20)]
+fn cast_into_f16_16m(b: Bencher) {
+    let x = input();
+    let mut dst = Tensor::<f16>::zeros(&[N]);
+    b.counter(BytesCount::new(N * 6)).bench_local(|| x.cast_into(&mut dst));
+}
+
+/// `cast_into` a bf16 buffer kept across iterations (compare with `copy_f32_16m`).
+#[divan::bench(sample_count = 20)]
+fn cast_into_bf16_16m(b: Bencher) {
+    let x = input();
+    let mut dst = Tensor::<bf16>::zeros(&[N]);
+    b.counter(BytesCount::new(N * 6)).bench_local(|| x.cast_into(&mut dst));
+}
+
 /// `Tensor::cast::<f16>()` over 16M elements (allocates its output, like PyTorch's `.half()`).
 #[divan::bench(sample_count = 20)]
 fn cast_f32_to_f16_16m(b: Bencher) {

@@ -411,6 +411,26 @@ pub fn convert_slice<A: Precision, B: Precision>(src: &[A], dst: &mut [B]) {
     }
 }
 
+/// `n` zeros, allocated zeroed: the allocator's fresh pages come zeroed from the OS, so a
+/// kernel's output buffer is written once (by the kernel), not twice (memset, then kernel).
+/// All-zero bits are +0.0 in every precision.
+pub(crate) fn zeroed<E: Precision>(n: usize) -> Vec<E> {
+    match E::DTYPE {
+        DType::F32 => reinterpret_vec(vec![0f32; n]),
+        DType::F64 => reinterpret_vec(vec![0f64; n]),
+        DType::F16 | DType::BF16 => reinterpret_vec(vec![0u16; n]),
+    }
+}
+
+fn reinterpret_vec<T, E>(v: Vec<T>) -> Vec<E> {
+    assert!(size_of::<T>() == size_of::<E>() && align_of::<T>() == align_of::<E>());
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: T and E have the same size and alignment (checked above), so the allocation's
+    // layout is unchanged; every T here is an all-zero bit pattern, a valid E (+0.0); the
+    // original Vec is not dropped (ManuallyDrop), so the buffer has one owner.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut E, v.len(), v.capacity()) }
+}
+
 /// Reinterprets `&[A]` as `&[B]` when A and B are the same type.
 pub(crate) fn as_same<A: Precision, B: Precision>(s: &[A]) -> Option<&[B]> {
     (A::DTYPE == B::DTYPE).then(|| {

@@ -116,7 +116,7 @@ impl<E: Precision> Tensor<E> {
     /// Like [`Tensor::from_vec`], rounding each f32 value once into `E` (vectorised).
     #[track_caller]
     pub fn from_f32s(data: &[f32], shape: &[usize]) -> Self {
-        let mut out = vec![E::default(); data.len()];
+        let mut out = crate::precision::zeroed::<E>(data.len());
         convert_slice(data, &mut out);
         Self::from_vec(out, shape)
     }
@@ -410,7 +410,7 @@ impl<E: Precision> Tensor<E> {
             // The gradient is zero outside the window: pad it back to the input's shape.
             let (outer, _, inner) = crate::layout::outer_dim_inner(&in_shape, dim);
             let gd = g.contiguous_data();
-            let mut full = vec![E::default(); in_shape.iter().product()];
+            let mut full = crate::precision::zeroed::<E>(in_shape.iter().product());
             for o in 0..outer {
                 let dst = o * size * inner + start * inner;
                 full[dst..dst + len * inner].copy_from_slice(&gd[o * len * inner..(o + 1) * len * inner]);
@@ -505,13 +505,40 @@ impl<E: Precision> Tensor<E> {
             return E2::from_any(E::into_any(out)).unwrap_or_else(|_| unreachable!());
         }
         let src = self.contiguous_data();
-        let mut out = vec![E2::default(); src.len()];
+        let mut out = crate::precision::zeroed::<E2>(src.len());
         cpu::par_chunks_mut(&mut out, |ci, chunk| {
             let s = ci * cpu::CHUNK;
             convert_slice(&src[s..s + chunk.len()], chunk);
         });
         Tensor::<E2>::from_parts(out, self.shape())
             .record("cast", vec![self.node.clone()], |g| vec![Some(g.cast::<E>().into())])
+    }
+}
+
+impl<E: Precision> Tensor<E> {
+    /// Rounds `self` into `dst`'s precision, writing into `dst`'s buffer (in place when nothing
+    /// else shares it): a cast without allocation, for buffers kept across steps. Not recorded
+    /// by autograd. Errors if the shapes differ.
+    pub fn try_cast_into<E2: Precision>(&self, dst: &mut Tensor<E2>) -> Result<()> {
+        if self.shape() != dst.shape() {
+            return Err(Error::Shape {
+                op: "cast_into",
+                detail: "source and destination shapes differ".into(),
+                shapes: vec![self.shape().to_vec(), dst.shape().to_vec()],
+            });
+        }
+        let src = self.contiguous_data();
+        let out = dst.make_mut();
+        cpu::par_chunks_mut(out, |ci, chunk| {
+            let s = ci * cpu::CHUNK;
+            convert_slice(&src[s..s + chunk.len()], chunk);
+        });
+        Ok(())
+    }
+    /// Rounds `self` into `dst`'s precision in `dst`'s buffer; panics if the shapes differ.
+    #[track_caller]
+    pub fn cast_into<E2: Precision>(&self, dst: &mut Tensor<E2>) {
+        or_panic(self.try_cast_into(dst))
     }
 }
 

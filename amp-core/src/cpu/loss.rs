@@ -79,7 +79,7 @@ pub(crate) fn cross_entropy_backward<E: Precision>(
     let scale = E::Acc::c(scale);
     let hit = E::Acc::c(1.0 - spec.smoothing) * scale;
     let base = E::Acc::c(spec.smoothing / c as f64) * scale;
-    let mut out = vec![E::default(); x.len()];
+    let mut out = crate::precision::zeroed::<E>(x.len());
     par_rows(&mut out, c, c, |r0, chunk| {
         let mut buf = vec![E::Acc::default(); c];
         for (k, gx) in chunk.chunks_mut(c).enumerate() {

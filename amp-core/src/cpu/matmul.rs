@@ -28,7 +28,7 @@ pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, b
     let (ra, rb) = (la.shape.len(), lb.shape.len());
     let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
     let nb: usize = batch.iter().product();
-    let mut out = vec![E::default(); nb * m * n];
+    let mut out = crate::precision::zeroed::<E>(nb * m * n);
     if m * n == 0 {
         return out;
     }
@@ -131,7 +131,7 @@ pub(crate) fn linear<E: Precision>(x: &[E], lx: &Layout, w: &[E], lw: &Layout, b
         let mut b32 = vec![0f32; bias.len()];
         E::to_f32_slice(bias, &mut b32);
         let out32 = linear(&x32, &lx32, &w32, &lw32, Some(&b32));
-        let mut out = vec![E::default(); out32.len()];
+        let mut out = crate::precision::zeroed::<E>(out32.len());
         super::par_chunks_mut(&mut out, |ci, chunk| {
             let s = ci * super::CHUNK;
             E::from_f32_slice(&out32[s..s + chunk.len()], chunk);
@@ -183,7 +183,7 @@ fn matmul_via_f32<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batc
     let (a32, la32) = to_f32(a, la);
     let (b32, lb32) = to_f32(b, lb);
     let out32 = matmul(&a32, &la32, &b32, &lb32, batch);
-    let mut out = vec![E::default(); out32.len()];
+    let mut out = crate::precision::zeroed::<E>(out32.len());
     super::par_chunks_mut(&mut out, |ci, chunk| {
         let s = ci * super::CHUNK;
         E::from_f32_slice(&out32[s..s + chunk.len()], chunk);

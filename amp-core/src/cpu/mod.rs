@@ -149,7 +149,7 @@ pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
     }
     let (shape, [strides]) = collapse(&layout.shape, [&layout.strides]);
     let strides = [strides];
-    let mut out = vec![E::default(); n];
+    let mut out = crate::precision::zeroed::<E>(n);
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         for_each_run(&shape, &strides, [layout.offset], start, start + chunk.len(), |pos, [o], [s], len| {
@@ -170,7 +170,7 @@ pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
 
 /// `out[i] = f(x[i])` over contiguous data, computed in the accumulation type.
 pub(crate) fn map_unary<E: Precision>(x: &[E], f: impl Fn(E::Acc) -> E::Acc + Sync + Send) -> Vec<E> {
-    let mut out = vec![E::default(); x.len()];
+    let mut out = crate::precision::zeroed::<E>(x.len());
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         let mut bx = [E::Acc::default(); BUF];
@@ -194,7 +194,7 @@ pub(crate) fn map_ternary<E: Precision>(
     c: &[E],
     f: impl Fn(E::Acc, E::Acc, E::Acc) -> E::Acc + Sync + Send,
 ) -> Vec<E> {
-    let mut out = vec![E::default(); a.len()];
+    let mut out = crate::precision::zeroed::<E>(a.len());
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         let mut ba = [E::Acc::default(); BUF];
@@ -228,7 +228,7 @@ pub(crate) fn map_binary<E: Precision>(
     let la = la.broadcast_to(out_shape);
     let lb = lb.broadcast_to(out_shape);
     let (shape, strides) = collapse(out_shape, [&la.strides, &lb.strides]);
-    let mut out = vec![E::default(); n];
+    let mut out = crate::precision::zeroed::<E>(n);
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         let mut ba = [E::Acc::default(); BUF];

@@ -46,7 +46,7 @@ pub(crate) fn reduce_dim<E: Precision>(
     scale: f64,
 ) -> Vec<E> {
     let scale = E::Acc::c(scale);
-    let mut out = vec![E::default(); outer * inner];
+    let mut out = crate::precision::zeroed::<E>(outer * inner);
     let big = x.len() >= PAR_MIN;
     if inner == 1 {
         let row = |(o, y): (usize, &mut E)| {

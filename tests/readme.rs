@@ -1,0 +1,49 @@
+//! The README's "library in one screen" snippet, compiled and run.
+
+use amp::nn::Linear;
+use amp::optim::Optim;
+use amp::prelude::*;
+
+#[derive(Params)] // PyTorch state_dict names: fc1.weight, fc1.bias, ...
+struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Mlp {
+    // Under #[autocast] (f16 by default): linear runs in f16 with f32 accumulation,
+    // cross_entropy gets f32 inputs, the loss comes out f32.
+    #[autocast]
+    fn loss(&self, x: &Tensor<f32>, y: &Indices) -> Tensor<f32> {
+        let h = x.linear(&self.fc1.weight, self.fc1.bias.as_ref()).gelu();
+        h.linear(&self.fc2.weight, self.fc2.bias.as_ref()).cross_entropy(y)
+    }
+}
+
+fn train_step(model: &mut Mlp, opt: &mut Optim<AdamW>, scaler: &mut GradScaler, x: &Tensor<f32>, y: &Indices) {
+    let loss = model.loss(x, y);
+    let mut grads = scaler.scale(&loss).backward().unscale(); // one fused pass: ×(1/S) and inf check
+    grads.clip_grad_norm(1.0); // only exists on unscaled gradients
+    let report = grads.step(opt, model).update().unwrap(); // skipped on overflow; S adapts
+    let _ = report.skipped;
+}
+
+#[test]
+fn readme_snippet_trains() {
+    let mut rng = Rng::seed(0);
+    let mut model = Mlp { fc1: Linear::new(8, 32, true, &mut rng), fc2: Linear::new(32, 3, true, &mut rng) };
+    let names: Vec<String> = model.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
+    let x = Tensor::<f32>::randn(&[64, 8], &mut rng);
+    // A learnable labelling: the argmax of three fixed projections of x.
+    let y = x.matmul(&Tensor::<f32>::randn(&[8, 3], &mut rng)).argmax(1, false);
+    let mut opt = AdamW::new(1e-2).build().unwrap();
+    let mut scaler = GradScaler::new();
+    let before = model.loss(&x, &y).item();
+    for _ in 0..100 {
+        train_step(&mut model, &mut opt, &mut scaler, &x, &y);
+    }
+    let after = model.loss(&x, &y).item();
+    assert!(after < 0.5 * before, "loss {before} -> {after}");
+    assert_eq!(model.loss(&x, &y).dtype(), DType::F32);
+}

@@ -24,27 +24,31 @@
 #[allow(unused_extern_crates, reason = "used by derive output, which the lint cannot see")]
 extern crate self as amp_core;
 
+#[doc(hidden)]
+pub mod __private;
 pub mod autograd;
 pub mod checkpoint;
 pub mod clip;
-pub mod data;
-pub mod nn;
-pub mod optim;
-pub mod policy;
-pub mod scaler;
-#[doc(hidden)]
-pub mod __private;
 pub(crate) mod cpu;
+pub mod data;
 pub mod device;
 pub mod error;
 pub mod indices;
 pub mod layout;
+pub mod nn;
 pub mod ops;
+pub mod optim;
 pub mod param;
+pub mod policy;
 pub mod precision;
 pub mod rng;
+pub mod scaler;
 pub mod tensor;
 
+/// `#[derive(Params)]` (the derive macro shares the trait's name, as serde's derives do).
+pub use amp_macros::Params;
+/// `#[autocast]`: casts inserted at compile time from the op policy table ([`policy`]).
+pub use amp_macros::autocast;
 pub use autograd::{AnyTensor, Grads, NoGradGuard, TensorId, is_grad_enabled, no_grad};
 pub use device::{Cpu, Device};
 pub use error::{Error, Result};
@@ -52,10 +56,6 @@ pub use half::{bf16, f16};
 pub use indices::{Indices, Mask};
 pub use ops::loss::CrossEntropyOptions;
 pub use param::{Param, Params};
-/// `#[derive(Params)]` (the derive macro shares the trait's name, as serde's derives do).
-pub use amp_macros::Params;
-/// `#[autocast]`: casts inserted at compile time from the op policy table ([`policy`]).
-pub use amp_macros::autocast;
 pub use precision::{DType, NeedsLossScaling, Precision, Promote, Promoted};
 pub use rng::Rng;
 pub use tensor::Tensor;

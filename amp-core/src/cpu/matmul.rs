@@ -1,5 +1,6 @@
-//! Batched matmul on the `gemm` crate in f32 and f64. f16 and bf16 widen their inputs to f32
-//! (exact), multiply in f32 and round each output once.
+//! Batched matmul on the `gemm` crate in f32 and f64. bf16 runs the native AVX-512 BF16 kernel
+//! ([`super::gemm_bf16`]) where the CPU has it. f16, and bf16 elsewhere, widen their inputs to
+//! f32 (exact), multiply in f32 and round each output once.
 //!
 //! Why not gemm's own f16 kernel: it rounds the output to f16 after every k-block of `kc`
 //! (reading it back for the next block), and its matrix-vector paths accumulate in f16 at
@@ -13,6 +14,7 @@
 use rayon::prelude::*;
 
 use super::gather;
+use super::gemm_bf16::{self, Operand};
 use crate::layout::Layout;
 use crate::precision::{DType, Precision};
 
@@ -22,7 +24,21 @@ const SMALL_GEMM_FLOPS: usize = 1 << 24;
 /// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]` with broadcast batch dims already
 /// resolved into `batch` (the output's batch shape). Returns contiguous `[batch..., m, n]`.
 pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
-    if matches!(E::DTYPE, DType::BF16 | DType::F16) {
+    matmul_with(a, la, b, lb, batch, true)
+}
+
+/// [`matmul`], with `native = false` forcing the widen-to-f32 path for bf16 (tests compare
+/// the two).
+pub(crate) fn matmul_with<E: Precision>(
+    a: &[E],
+    la: &Layout,
+    b: &[E],
+    lb: &Layout,
+    batch: &[usize],
+    native: bool,
+) -> Vec<E> {
+    let native = native && E::DTYPE == DType::BF16 && gemm_bf16::available();
+    if matches!(E::DTYPE, DType::BF16 | DType::F16) && !native {
         return matmul_via_f32(a, la, b, lb, batch);
     }
     let (ra, rb) = (la.shape.len(), lb.shape.len());
@@ -53,13 +69,20 @@ pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, b
     let (b_rs, b_cs) = (lb.strides[rb - 2] as isize, lb.strides[rb - 1] as isize);
     let one_gemm = |i: usize, dst: &mut [E], par: gemm::Parallelism| {
         let (oa, ob) = offsets(i);
+        if native {
+            let opa = Operand { data: a, offset: oa, rs: a_rs as usize, cs: a_cs as usize };
+            let opb = Operand { data: b, offset: ob, rs: b_rs as usize, cs: b_cs as usize };
+            let parallel = !matches!(par, gemm::Parallelism::None);
+            assert!(gemm_bf16::gemm((m, k, n), opa, opb, None, dst, parallel));
+            return;
+        }
         if k == 0 {
             return; // dst is already zero
         }
         // Bounds: the last element each operand touches must be in its slice.
         assert!(oa + (m - 1) * a_rs as usize + (k - 1) * (a_cs as usize) < a.len());
         assert!(ob + (k - 1) * b_rs as usize + (n - 1) * (b_cs as usize) < b.len());
-        // SAFETY: E is f32 or f64 (f16 and bf16 returned above), which gemm dispatches on by
+        // SAFETY: E is f32 or f64 (f16 and bf16 returned above or took the native path), which gemm dispatches on by
         // TypeId; the asserts above keep every read inside `a` and `b`, `dst` holds exactly
         // m * n elements written with row stride n, and read_dst = false so its contents are
         // not read.
@@ -122,9 +145,30 @@ fn to_f32<E: Precision>(x: &[E], l: &Layout) -> (Vec<f32>, Layout) {
 /// `x wᵀ + bias` for `x: [rows, in]`, `w: [out, in]` (any strides), `bias: [out]`, rounded
 /// once: the bias initialises the accumulator, as in PyTorch's `addmm`.
 pub(crate) fn linear<E: Precision>(x: &[E], lx: &Layout, w: &[E], lw: &Layout, bias: Option<&[E]>) -> Vec<E> {
+    linear_with(x, lx, w, lw, bias, true)
+}
+
+/// [`linear`], with `native = false` forcing the widen-to-f32 path for bf16.
+pub(crate) fn linear_with<E: Precision>(
+    x: &[E],
+    lx: &Layout,
+    w: &[E],
+    lw: &Layout,
+    bias: Option<&[E]>,
+    native: bool,
+) -> Vec<E> {
     let (rows, out_f) = (lx.shape[0], lw.shape[0]);
     let wt = Layout { shape: vec![lw.shape[1], out_f], strides: vec![lw.strides[1], lw.strides[0]], offset: lw.offset };
-    let Some(bias) = bias else { return matmul(x, lx, w, &wt, &[]) };
+    let Some(bias) = bias else { return matmul_with(x, lx, w, &wt, &[], native) };
+    if native && E::DTYPE == DType::BF16 && gemm_bf16::available() {
+        let mut b32 = vec![0f32; bias.len()];
+        E::to_f32_slice(bias, &mut b32);
+        let mut out = crate::precision::zeroed::<E>(rows * out_f);
+        let opx = Operand { data: x, offset: lx.offset, rs: lx.strides[0], cs: lx.strides[1] };
+        let opw = Operand { data: w, offset: wt.offset, rs: wt.strides[0], cs: wt.strides[1] };
+        assert!(gemm_bf16::gemm((rows, lx.shape[1], out_f), opx, opw, Some(&b32), &mut out, true));
+        return out;
+    }
     if matches!(E::DTYPE, DType::BF16 | DType::F16) {
         let (x32, lx32) = to_f32(x, lx);
         let (w32, lw32) = to_f32(w, lw);

@@ -540,16 +540,16 @@ impl Rewriter<'_> {
             *e = Expr::Verbatim(quote_spanned!(span=> #p::conform::<#x, _>(#e)));
             self.rewrote = true;
         } else if let Some((kind, inner)) = wrapper_inner(ty) {
-            if let Expr::Call(call) = e {
-                if let Expr::Path(fp) = &*call.func {
-                    let ctor = fp.path.segments.last().map(|s| s.ident.to_string()).unwrap_or_default();
-                    let wraps = (kind == "Result" && ctor == "Ok") || (kind == "Option" && ctor == "Some");
-                    if wraps && call.args.len() == 1 {
-                        return self.conform(&mut call.args[0], inner);
-                    }
-                    if matches!(ctor.as_str(), "Err" | "None") {
-                        return;
-                    }
+            if let Expr::Call(call) = e
+                && let Expr::Path(fp) = &*call.func
+            {
+                let ctor = fp.path.segments.last().map(|s| s.ident.to_string()).unwrap_or_default();
+                let wraps = (kind == "Result" && ctor == "Ok") || (kind == "Option" && ctor == "Some");
+                if wraps && call.args.len() == 1 {
+                    return self.conform(&mut call.args[0], inner);
+                }
+                if matches!(ctor.as_str(), "Err" | "None") {
+                    return;
                 }
             }
             if let Some(x) = tensor_elem(inner) {
@@ -626,23 +626,23 @@ impl VisitMut for Rewriter<'_> {
             Stmt::Expr(Expr::Block(b), _) => Some(&mut b.attrs),
             _ => None,
         };
-        if let Some(attrs) = attrs {
-            if attrs.iter().any(is_off_attr) {
-                // `#[autocast(off)]`: this statement runs as written.
-                attrs.retain(|a| !is_off_attr(a));
-                return;
-            }
+        if let Some(attrs) = attrs
+            && attrs.iter().any(is_off_attr)
+        {
+            // `#[autocast(off)]`: this statement runs as written.
+            attrs.retain(|a| !is_off_attr(a));
+            return;
         }
         match s {
             Stmt::Macro(_) | Stmt::Item(_) => {}
             Stmt::Local(local) => {
                 visit_mut::visit_local_mut(self, local);
                 // `let h: Tensor<f32> = ..`: a declared type is honoured like a return type.
-                if let (Pat::Type(pt), Some(init)) = (&local.pat, &mut local.init) {
-                    if init.diverge.is_none() {
-                        let ty = (*pt.ty).clone();
-                        self.conform(&mut init.expr, &ty);
-                    }
+                if let (Pat::Type(pt), Some(init)) = (&local.pat, &mut local.init)
+                    && init.diverge.is_none()
+                {
+                    let ty = (*pt.ty).clone();
+                    self.conform(&mut init.expr, &ty);
                 }
             }
             _ => visit_mut::visit_stmt_mut(self, s),

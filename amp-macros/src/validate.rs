@@ -11,13 +11,13 @@ use crate::policy::{self, Category};
 /// The function `#[autocast]` rewrites, or the error that says why it cannot.
 pub(crate) fn item(tokens: proc_macro2::TokenStream) -> Result<syn::ItemFn, syn::Error> {
     // A trait method without a body (syn would take it for an unparsed item).
-    if let Ok(f) = syn::parse2::<syn::TraitItemFn>(tokens.clone()) {
-        if f.default.is_none() {
-            return Err(syn::Error::new(
-                f.sig.ident.span(),
-                "`#[autocast]` needs a function body to rewrite: put it on the method in the `impl` block",
-            ));
-        }
+    if let Ok(f) = syn::parse2::<syn::TraitItemFn>(tokens.clone())
+        && f.default.is_none()
+    {
+        return Err(syn::Error::new(
+            f.sig.ident.span(),
+            "`#[autocast]` needs a function body to rewrite: put it on the method in the `impl` block",
+        ));
     }
     let item: syn::Item = syn::parse2(tokens)?;
     let what = match &item {

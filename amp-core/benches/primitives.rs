@@ -20,7 +20,7 @@ fn input() -> Tensor<f32> {
 
 /// The baseline: copy 16M f32 into a preallocated buffer (read + write 128 MB).
 #[divan::bench(sample_count = 20)]
-fn copy_f32_16m(b: Bencher) {
+fn copy_f32_16m(b: Bencher<'_, '_>) {
     let src = input().to_vec();
     let mut dst = vec![0f32; N];
     b.counter(BytesCount::new(N * 8)).bench_local(|| {
@@ -33,14 +33,14 @@ fn copy_f32_16m(b: Bencher) {
 /// The allocating baseline: a copy of 16M f32 into a fresh buffer (`to_vec`), page faults
 /// included, as an allocating cast pays them.
 #[divan::bench(sample_count = 20)]
-fn copy_f32_16m_allocating(b: Bencher) {
+fn copy_f32_16m_allocating(b: Bencher<'_, '_>) {
     let x = input();
     b.counter(BytesCount::new(N * 8)).bench_local(|| divan::black_box(x.to_vec()));
 }
 
 /// `cast_into` an f16 buffer kept across iterations (compare with `copy_f32_16m`).
 #[divan::bench(sample_count = 20)]
-fn cast_into_f16_16m(b: Bencher) {
+fn cast_into_f16_16m(b: Bencher<'_, '_>) {
     let x = input();
     let mut dst = Tensor::<f16>::zeros(&[N]);
     b.counter(BytesCount::new(N * 6)).bench_local(|| x.cast_into(&mut dst));
@@ -48,7 +48,7 @@ fn cast_into_f16_16m(b: Bencher) {
 
 /// `cast_into` a bf16 buffer kept across iterations (compare with `copy_f32_16m`).
 #[divan::bench(sample_count = 20)]
-fn cast_into_bf16_16m(b: Bencher) {
+fn cast_into_bf16_16m(b: Bencher<'_, '_>) {
     let x = input();
     let mut dst = Tensor::<bf16>::zeros(&[N]);
     b.counter(BytesCount::new(N * 6)).bench_local(|| x.cast_into(&mut dst));
@@ -56,28 +56,28 @@ fn cast_into_bf16_16m(b: Bencher) {
 
 /// `Tensor::cast::<f16>()` over 16M elements (allocates its output, like PyTorch's `.half()`).
 #[divan::bench(sample_count = 20)]
-fn cast_f32_to_f16_16m(b: Bencher) {
+fn cast_f32_to_f16_16m(b: Bencher<'_, '_>) {
     let x = input();
     b.counter(BytesCount::new(N * 6)).bench_local(|| divan::black_box(x.cast::<f16>()));
 }
 
 /// `Tensor::cast::<bf16>()` over 16M elements.
 #[divan::bench(sample_count = 20)]
-fn cast_f32_to_bf16_16m(b: Bencher) {
+fn cast_f32_to_bf16_16m(b: Bencher<'_, '_>) {
     let x = input();
     b.counter(BytesCount::new(N * 6)).bench_local(|| divan::black_box(x.cast::<bf16>()));
 }
 
 /// `Tensor::cast::<f32>()` from f16 over 16M elements.
 #[divan::bench(sample_count = 20)]
-fn cast_f16_to_f32_16m(b: Bencher) {
+fn cast_f16_to_f32_16m(b: Bencher<'_, '_>) {
     let x = input().cast::<f16>();
     b.counter(BytesCount::new(N * 6)).bench_local(|| divan::black_box(x.cast::<f32>()));
 }
 
 /// Elementwise add of two 16M tensors, per precision.
 #[divan::bench(types = [f32, f16, bf16], sample_count = 10)]
-fn add_16m<E: amp_core::Precision>(b: Bencher) {
+fn add_16m<E: amp_core::Precision>(b: Bencher<'_, '_>) {
     let x = input().cast::<E>();
     let y = x.mul_scalar(0.5);
     b.counter(ItemsCount::new(N)).bench_local(|| divan::black_box(x.add(&y)));
@@ -85,14 +85,14 @@ fn add_16m<E: amp_core::Precision>(b: Bencher) {
 
 /// GELU (exact erf) over 16M elements, per precision.
 #[divan::bench(types = [f32, f16, bf16], sample_count = 10)]
-fn gelu_16m<E: amp_core::Precision>(b: Bencher) {
+fn gelu_16m<E: amp_core::Precision>(b: Bencher<'_, '_>) {
     let x = input().cast::<E>();
     b.counter(ItemsCount::new(N)).bench_local(|| divan::black_box(x.gelu()));
 }
 
 /// 1024³ matmul; the items counter is FLOPs (2·n³), so items/s is FLOP/s.
 #[divan::bench(types = [f32, f16, bf16], sample_count = 10)]
-fn matmul_1024<E: amp_core::Precision>(b: Bencher) {
+fn matmul_1024<E: amp_core::Precision>(b: Bencher<'_, '_>) {
     let mut rng = Rng::seed(1);
     let x = Tensor::<f32>::randn(&[M, M], &mut rng).cast::<E>();
     let y = Tensor::<f32>::randn(&[M, M], &mut rng).cast::<E>();

@@ -272,10 +272,10 @@ pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
         if next < node.parents.len() {
             let parent = node.parents[next].clone();
             stack.push((node, next + 1));
-            if let Some(p) = parent {
-                if seen.insert(p.id) {
-                    stack.push((p, 0));
-                }
+            if let Some(p) = parent
+                && seen.insert(p.id)
+            {
+                stack.push((p, 0));
             }
         } else {
             order.push(node);

@@ -28,7 +28,7 @@ impl CausalSelfAttention {
     #[track_caller]
     pub fn new(d: usize, n_heads: usize, dropout: f64, rng: &mut Rng) -> Self {
         assert!(
-            n_heads > 0 && d % n_heads == 0,
+            n_heads > 0 && d.is_multiple_of(n_heads),
             "CausalSelfAttention: d = {d} is not divisible by n_heads = {n_heads}"
         );
         CausalSelfAttention {

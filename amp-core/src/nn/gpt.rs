@@ -29,7 +29,7 @@ impl GptConfig {
         if self.vocab_size == 0 || self.block_size == 0 || self.d_model == 0 || self.n_layers == 0 {
             return bad("sizes", format!("every size must be positive: {self:?}"));
         }
-        if self.n_heads == 0 || self.d_model % self.n_heads != 0 {
+        if self.n_heads == 0 || !self.d_model.is_multiple_of(self.n_heads) {
             return bad("n_heads", format!("d_model {} must be a multiple of n_heads {}", self.d_model, self.n_heads));
         }
         if !(0.0..1.0).contains(&self.dropout) {

@@ -22,14 +22,14 @@ impl<E: Precision> Tensor<E> {
         }
         let d = self.shape()[self.rank() - 1];
         for (name, p) in [("weight", weight), ("bias", bias)] {
-            if let Some(p) = p {
-                if p.shape() != [d] {
-                    return Err(Error::Shape {
-                        op,
-                        detail: format!("{name} must have shape [{d}] (the input's last dim)"),
-                        shapes,
-                    });
-                }
+            if let Some(p) = p
+                && p.shape() != [d]
+            {
+                return Err(Error::Shape {
+                    op,
+                    detail: format!("{name} must have shape [{d}] (the input's last dim)"),
+                    shapes,
+                });
             }
         }
         if !(eps >= 0.0 && eps.is_finite()) {

@@ -298,13 +298,13 @@ impl<R: Rule> Optimizer for Optim<R> {
                     shapes: vec![param.shape().to_vec(), grad.shape().to_vec()],
                 });
             }
-            if let Some(st) = self.state.get(&name) {
-                if !self.rule.state_fits(st, param.numel()) {
-                    return Err(Error::State {
-                        context: "optimizer step".into(),
-                        detail: format!("the state of `{name}` does not fit its shape {:?}", param.shape()),
-                    });
-                }
+            if let Some(st) = self.state.get(&name)
+                && !self.rule.state_fits(st, param.numel())
+            {
+                return Err(Error::State {
+                    context: "optimizer step".into(),
+                    detail: format!("the state of `{name}` does not fit its shape {:?}", param.shape()),
+                });
             }
             work.push((name, param, grad));
         }

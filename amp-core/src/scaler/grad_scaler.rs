@@ -132,16 +132,16 @@ impl GradScalerOptions {
             ));
         }
         for (name, v) in [("min_scale", self.min_scale), ("max_scale", self.max_scale)] {
-            if let Some(v) = v {
-                if !(v.is_finite() && v > 0.0) {
-                    return bad(format!("{name} must be finite and positive, got {v}"));
-                }
+            if let Some(v) = v
+                && !(v.is_finite() && v > 0.0)
+            {
+                return bad(format!("{name} must be finite and positive, got {v}"));
             }
         }
-        if let (Some(lo), Some(hi)) = (self.min_scale, self.max_scale) {
-            if lo > hi {
-                return bad(format!("min_scale {lo} is above max_scale {hi}"));
-            }
+        if let (Some(lo), Some(hi)) = (self.min_scale, self.max_scale)
+            && lo > hi
+        {
+            return bad(format!("min_scale {lo} is above max_scale {hi}"));
         }
         if self.error_at_min_scale && self.min_scale.is_none() {
             return bad("error_at_min_scale needs a floor: set min_scale too".into());
@@ -303,19 +303,20 @@ impl GradScaler {
             if self.hysteresis_tracker > 0 {
                 return Ok(());
             }
-            if let Some(floor) = self.opts.min_scale {
-                if self.opts.error_at_min_scale && self.scale <= floor {
-                    return Err(Error::State {
-                        context: "GradScaler::update".into(),
-                        detail: format!(
-                            "the loss scale collapsed: a step overflowed with the scale already at its floor \
+            if let Some(floor) = self.opts.min_scale
+                && self.opts.error_at_min_scale
+                && self.scale <= floor
+            {
+                return Err(Error::State {
+                    context: "GradScaler::update".into(),
+                    detail: format!(
+                        "the loss scale collapsed: a step overflowed with the scale already at its floor \
                              min_scale = {floor} ({} overflowing steps in a row, every one skipped). The gradients \
                              are inf or NaN whatever the scale: look for NaN/inf in the input data or the loss, \
                              lower the learning rate, or train in bf16, whose range does not overflow",
-                            self.overflows_in_a_row
-                        ),
-                    });
-                }
+                        self.overflows_in_a_row
+                    ),
+                });
             }
             // f32 scale times f64 factor, rounded once to f32, as PyTorch's kernel.
             let backed_off = (self.scale as f64 * self.opts.backoff_factor) as f32;

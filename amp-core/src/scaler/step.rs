@@ -279,17 +279,17 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
         S: CanUnscale,
     {
         let mode = self.scaler.unscale_mode();
-        if self.scaler.refuses_f16_grads() {
-            if let Some((id, _)) = self.grads.iter().find(|(_, g)| g.dtype() == DType::F16) {
-                return Err(Error::State {
-                    context: "unscale".into(),
-                    detail: format!(
-                        "the gradient of tensor {id:?} is f16: GradScaler does not unscale f16 gradients \
+        if self.scaler.refuses_f16_grads()
+            && let Some((id, _)) = self.grads.iter().find(|(_, g)| g.dtype() == DType::F16)
+        {
+            return Err(Error::State {
+                context: "unscale".into(),
+                detail: format!(
+                    "the gradient of tensor {id:?} is f16: GradScaler does not unscale f16 gradients \
                          (PyTorch: \"Attempting to unscale FP16 gradients\"). Keep master parameters in f32 \
                          (`Param<f32>`) and cast them to f16 inside the forward pass"
-                    ),
-                });
-            }
+                ),
+            });
         }
         self.non_finite = unscale_grads(&mut self.grads, mode);
         Ok(self.into_stage())

@@ -80,6 +80,17 @@ pub(crate) fn gemm<E: Precision>(
     if let Some(bias) = bias {
         assert_eq!(bias.len(), n);
     }
+    assert_eq!(std::mem::size_of::<E>(), 2);
+    // SAFETY: E is bf16 (checked above), a `repr(transparent)` u16, so both slices reinterpret
+    // as u16 bit patterns of the same length; packing then moves bits instead of converting.
+    let (a_bits, b_bits) = unsafe {
+        (
+            std::slice::from_raw_parts(a.data.as_ptr().cast::<u16>(), a.data.len()),
+            std::slice::from_raw_parts(b.data.as_ptr().cast::<u16>(), b.data.len()),
+        )
+    };
+    let a = Operand { data: a_bits, offset: a.offset, rs: a.rs, cs: a.cs };
+    let b = Operand { data: b_bits, offset: b.offset, rs: b.rs, cs: b.cs };
     let kp = k.div_ceil(2);
     let big = parallel && 2 * m * n * k >= PAR_FLOPS;
     let pa = pack(m, k, MR, a, big);
@@ -124,15 +135,10 @@ pub(crate) fn gemm<E: Precision>(
     true
 }
 
-/// The bf16 bits of `x` (E is bf16, so the f32 widening is exact and its top half is `x`).
-fn bits<E: Precision>(x: E) -> u32 {
-    (x.to_f64() as f32).to_bits() >> 16
-}
-
 /// Packs `rows × k` of `x` into panels of `w` rows: panel i, pair p, row r at
 /// `[(i * kp + p) * w + r]`, holding elements (r, 2p) in the low and (r, 2p + 1) in the high
 /// half. Rows past `rows` and the pad of an odd k are zero.
-fn pack<E: Precision>(rows: usize, k: usize, w: usize, x: Operand<'_, E>, parallel: bool) -> Vec<u32> {
+fn pack(rows: usize, k: usize, w: usize, x: Operand<'_, u16>, parallel: bool) -> Vec<u32> {
     let kp = k.div_ceil(2);
     let mut out = vec![0u32; rows.div_ceil(w) * w * kp];
     if kp == 0 {
@@ -144,12 +150,12 @@ fn pack<E: Precision>(rows: usize, k: usize, w: usize, x: Operand<'_, E>, parall
         for r in 0..w.min(rows - i * w) {
             let row = x.offset + (i * w + r) * x.rs;
             for p in 0..k / 2 {
-                let lo = bits(x.data[row + 2 * p * x.cs]);
-                let hi = bits(x.data[row + (2 * p + 1) * x.cs]);
+                let lo = x.data[row + 2 * p * x.cs] as u32;
+                let hi = x.data[row + (2 * p + 1) * x.cs] as u32;
                 panel[p * w + r] = lo | hi << 16;
             }
             if k % 2 == 1 {
-                panel[(kp - 1) * w + r] = bits(x.data[row + (k - 1) * x.cs]);
+                panel[(kp - 1) * w + r] = x.data[row + (k - 1) * x.cs] as u32;
             }
         }
     };

@@ -10,9 +10,11 @@ use crate::layout::broadcast_shapes;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-/// How a binary op's backward turns `(g, a, b, y)` into the gradients of `a` and `b` at the
-/// output's shape (the driver sums them back to each operand's shape).
-type BinaryBackward<E> = fn(&Tensor<E>, &Tensor<E>, &Tensor<E>, &Tensor<E>) -> (Tensor<E>, Tensor<E>);
+/// How a binary op's backward turns `(needs, g, a, b, y)` into the gradients of `a` and `b` at
+/// the output's shape (the driver sums them back to each operand's shape). A gradient is computed
+/// only where `needs` asks for it: the other one would be a full-size kernel pass thrown away.
+type BinaryBackward<E> =
+    fn((bool, bool), &Tensor<E>, &Tensor<E>, &Tensor<E>, &Tensor<E>) -> (Option<Tensor<E>>, Option<Tensor<E>>);
 
 impl<E: Precision> Tensor<E> {
     fn binary(
@@ -31,26 +33,31 @@ impl<E: Precision> Tensor<E> {
         let (a, b, y) = (self.detach(), rhs.detach(), out.clone());
         let needs = (self.requires_grad(), rhs.requires_grad());
         Ok(out.record(op, vec![self.node.clone(), rhs.node.clone()], move |g| {
-            let (ga, gb) = backward(&g, &a, &b, &y);
-            vec![needs.0.then(|| ga.sum_to_shape(a.shape()).into()), needs.1.then(|| gb.sum_to_shape(b.shape()).into())]
+            let (ga, gb) = backward(needs, &g, &a, &b, &y);
+            vec![ga.map(|ga| ga.sum_to_shape(a.shape()).into()), gb.map(|gb| gb.sum_to_shape(b.shape()).into())]
         }))
     }
 
     /// `self + rhs`, broadcasting. Derivatives: 1, 1.
     pub fn try_add(&self, rhs: &Self) -> Result<Self> {
-        self.binary(rhs, "add", |a, b| a + b, |g, _, _, _| (g.clone(), g.clone()))
+        self.binary(rhs, "add", |a, b| a + b, |n, g, _, _, _| (n.0.then(|| g.clone()), n.1.then(|| g.clone())))
     }
     /// `self - rhs`, broadcasting. Derivatives: 1, -1.
     pub fn try_sub(&self, rhs: &Self) -> Result<Self> {
-        self.binary(rhs, "sub", |a, b| a - b, |g, _, _, _| (g.clone(), g.neg()))
+        self.binary(rhs, "sub", |a, b| a - b, |n, g, _, _, _| (n.0.then(|| g.clone()), n.1.then(|| g.neg())))
     }
     /// `self * rhs`, broadcasting. Derivatives: b, a.
     pub fn try_mul(&self, rhs: &Self) -> Result<Self> {
-        self.binary(rhs, "mul", |a, b| a * b, |g, a, b, _| (g.mul(b), g.mul(a)))
+        self.binary(rhs, "mul", |a, b| a * b, |n, g, a, b, _| (n.0.then(|| g.mul(b)), n.1.then(|| g.mul(a))))
     }
     /// `self / rhs`, broadcasting. Derivatives: 1/b, -y/b.
     pub fn try_div(&self, rhs: &Self) -> Result<Self> {
-        self.binary(rhs, "div", |a, b| a / b, |g, _, b, y| (g.div(b), g.mul(y).div(b).neg()))
+        self.binary(
+            rhs,
+            "div",
+            |a, b| a / b,
+            |n, g, _, b, y| (n.0.then(|| g.div(b)), n.1.then(|| g.mul(y).div(b).neg())),
+        )
     }
     /// `self + rhs`, broadcasting; panics on incompatible shapes.
     #[track_caller]

@@ -1,5 +1,6 @@
 //! Matrix multiply: 2-D, batched, with batch dims broadcast (and 1-D operands as in PyTorch).
-//! f16 runs on gemm's f16 kernel with f32 accumulation; bf16 widens to f32 and rounds once.
+//! Every precision accumulates in f32 (f64 for f64) and rounds each output once: bf16 on an
+//! AVX-512 BF16 kernel where the CPU has one, f16 (and bf16 elsewhere) widened to f32 for gemm.
 //! Derivatives: `dA = dC Bᵀ`, `dB = Aᵀ dC`, summed over broadcast batch dims.
 
 use crate::cpu;

@@ -264,6 +264,7 @@ mod tests {
         ("backward", "autograd entry point"),
         ("backward_with_seed", "autograd entry point"),
         ("cast", "the explicit cast the macro itself inserts"),
+        ("cast_into", "writes into an existing buffer, outside autograd: never autocast"),
         ("unary", "generic driver behind the unary ops"),
     ];
 

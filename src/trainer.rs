@@ -474,10 +474,8 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         }
     };
     let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
-    let k = losses.len().min(20);
     let finite: Vec<f64> = losses.iter().copied().filter(|l| l.is_finite()).collect();
     let kf = finite.len().min(20);
-    let _ = k;
     Ok(TrainReport {
         steps: end,
         first_loss: mean(&finite[..kf]),

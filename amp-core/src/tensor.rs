@@ -501,7 +501,7 @@ impl<E: Precision> Tensor<E> {
     pub fn cast<E2: Precision>(&self) -> Tensor<E2> {
         if E::DTYPE == E2::DTYPE {
             let out = self.clone();
-            // SAFETY-free downcast through the type-erased form: same precision, same type.
+            // Same precision means same type: move it through the type-erased form.
             return E2::from_any(E::into_any(out)).unwrap_or_else(|_| unreachable!());
         }
         let src = self.contiguous_data();

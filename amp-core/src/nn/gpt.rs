@@ -114,7 +114,7 @@ impl Gpt {
     /// Logits `[B, T, vocab]` in precision `L` for token ids `[B, T]`.
     #[track_caller]
     pub fn forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Tensor<L> {
-        let (b, t) = (ids.shape()[0], ids.shape()[1]);
+        let t = ids.shape()[1];
         assert!(
             t <= self.config.block_size,
             "Gpt::forward: sequence length {t} exceeds block_size {}",
@@ -125,7 +125,6 @@ impl Gpt {
         for block in &self.blocks {
             x = block.forward::<L>(&x, rng);
         }
-        let _ = b;
         self.head.forward::<L, f32>(&self.ln_f.forward(&x))
     }
     /// Mean cross-entropy (in f32) of next-token predictions; targets `[B, T]` with -100 to

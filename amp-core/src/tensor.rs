@@ -504,12 +504,7 @@ impl<E: Precision> Tensor<E> {
             // Same precision means same type: move it through the type-erased form.
             return E2::from_any(E::into_any(out)).unwrap_or_else(|_| unreachable!());
         }
-        let src = self.contiguous_data();
-        let mut out = crate::precision::zeroed::<E2>(src.len());
-        cpu::par_chunks_mut(&mut out, |ci, chunk| {
-            let s = ci * cpu::CHUNK;
-            convert_slice(&src[s..s + chunk.len()], chunk);
-        });
+        let out = cpu::convert_par(&self.contiguous_data());
         Tensor::<E2>::from_parts(out, self.shape())
             .record("cast", vec![self.node.clone()], |g| vec![Some(g.cast::<E>().into())])
     }
@@ -527,12 +522,7 @@ impl<E: Precision> Tensor<E> {
                 shapes: vec![self.shape().to_vec(), dst.shape().to_vec()],
             });
         }
-        let src = self.contiguous_data();
-        let out = dst.make_mut();
-        cpu::par_chunks_mut(out, |ci, chunk| {
-            let s = ci * cpu::CHUNK;
-            convert_slice(&src[s..s + chunk.len()], chunk);
-        });
+        cpu::convert_par_into(&self.contiguous_data(), dst.make_mut());
         Ok(())
     }
     /// Rounds `self` into `dst`'s precision in `dst`'s buffer; panics if the shapes differ.

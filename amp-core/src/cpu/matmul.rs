@@ -134,12 +134,7 @@ fn to_f32<E: Precision>(x: &[E], l: &Layout) -> (Vec<f32>, Layout) {
     } else {
         (std::borrow::Cow::Owned(gather(x, l)), Layout::contiguous(&l.shape))
     };
-    let mut out = vec![0f32; src.len()];
-    super::par_chunks_mut(&mut out, |ci, chunk| {
-        let s = ci * super::CHUNK;
-        E::to_f32_slice(&src[s..s + chunk.len()], chunk);
-    });
-    (out, layout)
+    (super::convert_par(&src), layout)
 }
 
 /// `x wᵀ + bias` for `x: [rows, in]`, `w: [out, in]` (any strides), `bias: [out]`, rounded
@@ -174,13 +169,7 @@ pub(crate) fn linear_with<E: Precision>(
         let (w32, lw32) = to_f32(w, lw);
         let mut b32 = vec![0f32; bias.len()];
         E::to_f32_slice(bias, &mut b32);
-        let out32 = linear(&x32, &lx32, &w32, &lw32, Some(&b32));
-        let mut out = crate::precision::zeroed::<E>(out32.len());
-        super::par_chunks_mut(&mut out, |ci, chunk| {
-            let s = ci * super::CHUNK;
-            E::from_f32_slice(&out32[s..s + chunk.len()], chunk);
-        });
-        return out;
+        return super::convert_par(&linear(&x32, &lx32, &w32, &lw32, Some(&b32)));
     }
     let mut out: Vec<E> = Vec::with_capacity(rows * out_f);
     for _ in 0..rows {
@@ -226,13 +215,7 @@ pub(crate) fn linear_with<E: Precision>(
 fn matmul_via_f32<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
     let (a32, la32) = to_f32(a, la);
     let (b32, lb32) = to_f32(b, lb);
-    let out32 = matmul(&a32, &la32, &b32, &lb32, batch);
-    let mut out = crate::precision::zeroed::<E>(out32.len());
-    super::par_chunks_mut(&mut out, |ci, chunk| {
-        let s = ci * super::CHUNK;
-        E::from_f32_slice(&out32[s..s + chunk.len()], chunk);
-    });
-    out
+    super::convert_par(&matmul(&a32, &la32, &b32, &lb32, batch))
 }
 
 #[cfg(test)]

@@ -40,6 +40,23 @@ pub(crate) fn par_chunks_mut<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T])
     }
 }
 
+/// A new buffer holding `src` rounded into precision `B`, converted in parallel chunks
+/// through the vectorised slice conversions.
+pub(crate) fn convert_par<A: Precision, B: Precision>(src: &[A]) -> Vec<B> {
+    let mut out = crate::precision::zeroed::<B>(src.len());
+    convert_par_into(src, &mut out);
+    out
+}
+
+/// Rounds `src` into `dst` (same length) in parallel chunks.
+pub(crate) fn convert_par_into<A: Precision, B: Precision>(src: &[A], dst: &mut [B]) {
+    assert_eq!(src.len(), dst.len(), "convert_par_into: length mismatch");
+    par_chunks_mut(dst, |ci, chunk| {
+        let s = ci * CHUNK;
+        crate::precision::convert_slice(&src[s..s + chunk.len()], chunk);
+    });
+}
+
 /// Merges adjacent dims that every layout walks contiguously, so runs get as long as possible.
 pub(crate) fn collapse<const K: usize>(shape: &[usize], strides: [&[usize]; K]) -> (Vec<usize>, [Vec<usize>; K]) {
     let mut out_shape: Vec<usize> = Vec::with_capacity(shape.len());

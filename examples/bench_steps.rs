@@ -2,7 +2,8 @@
 //! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table
 //! next to PyTorch's figures on the same 2-core machine.
 //!
-//! Run: `cargo run --release --example bench_steps [-- --steps 5]`.
+//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16]`.
+//! Cells left out by `--only` or `--precision` print as `-`.
 //! Each step is a full AMP step: forward, scaled backward, unscale, clip_grad_norm(1.0),
 //! AdamW step, scaler update. Median of `--steps` timed steps after one warm-up step.
 
@@ -80,12 +81,25 @@ fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> f64 {
     time_steps(&mut model, scaler, steps, |m| m.loss::<L>(&ids, &targets, &mut drop_rng))
 }
 
+/// The value after `flag` on the command line, if present.
+fn arg_value(flag: &str) -> Option<String> {
+    std::env::args().skip_while(|a| a != flag).nth(1)
+}
+
 fn main() {
-    let steps: usize = std::env::args()
-        .skip_while(|a| a != "--steps")
-        .nth(1)
-        .map(|s| s.parse().expect("--steps takes a positive integer"))
-        .unwrap_or(5);
+    let steps: usize = arg_value("--steps").map(|s| s.parse().expect("--steps takes a positive integer")).unwrap_or(5);
+    let only = arg_value("--only");
+    if let Some(w) = &only {
+        assert!(w == "w1" || w == "w2", "--only takes w1 or w2, got {w:?}");
+    }
+    let run = |w: &str| only.as_deref().is_none_or(|o| o == w);
+    let precision = arg_value("--precision");
+    if let Some(p) = &precision {
+        assert!(["f32", "bf16", "f16"].contains(&p.as_str()), "--precision takes f32, bf16 or f16, got {p:?}");
+    }
+    let want = |p: &str| precision.as_deref().is_none_or(|q| q == p);
+    // Runs `f` when precision `p` is selected; NaN marks a cell left out.
+    let cell = |p: &str, f: &dyn Fn() -> f64| if want(p) { f() } else { f64::NAN };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, median of {steps} steps",
@@ -95,42 +109,41 @@ fn main() {
             Gpt::new(c, &mut Rng::seed(0)).num_params()
         }
     );
-    let rows = [
-        (
-            "W1 MLP step",
-            [
-                w1::<f32, _>(&mut NoScale, steps),
-                w1::<bf16, _>(&mut NoScale, steps),
-                w1::<f16, _>(&mut GradScaler::new(), steps),
-            ],
-            [0.374, 0.222, 33.4],
-        ),
-        (
-            "W2 GPT step",
-            [
-                w2::<f32, _>(&mut NoScale, steps),
-                w2::<bf16, _>(&mut NoScale, steps),
-                w2::<f16, _>(&mut GradScaler::new(), steps),
-            ],
-            [0.291, 0.188, 9.76],
-        ),
-    ];
+    let mut rows = Vec::new();
+    if run("w1") {
+        let ours = [
+            cell("f32", &|| w1::<f32, _>(&mut NoScale, steps)),
+            cell("bf16", &|| w1::<bf16, _>(&mut NoScale, steps)),
+            cell("f16", &|| w1::<f16, _>(&mut GradScaler::new(), steps)),
+        ];
+        rows.push(("W1 MLP step", ours, [0.374, 0.222, 33.4]));
+    }
+    if run("w2") {
+        let ours = [
+            cell("f32", &|| w2::<f32, _>(&mut NoScale, steps)),
+            cell("bf16", &|| w2::<bf16, _>(&mut NoScale, steps)),
+            cell("f16", &|| w2::<f16, _>(&mut GradScaler::new(), steps)),
+        ];
+        rows.push(("W2 GPT step", ours, [0.291, 0.188, 9.76]));
+    }
     println!();
     println!(
         "| workload | f32 (s) | bf16 (s) | f16 + GradScaler (s) | PyTorch f32 / bf16 / f16 (s) | bf16 vs PyTorch | f16 speed-up vs PyTorch |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for (name, ours, torch) in rows {
+        let secs = |t: f64| if t.is_nan() { "-".to_string() } else { format!("{t:.3}") };
+        let ratio = |r: f64, digits: usize| if r.is_nan() { "-".to_string() } else { format!("{r:.digits$}") };
         println!(
-            "| {name} | {:.3} | {:.3} | {:.3} | {} / {} / {} | {:.2}× PyTorch's time | {:.0}× faster |",
-            ours[0],
-            ours[1],
-            ours[2],
+            "| {name} | {} | {} | {} | {} / {} / {} | {}× PyTorch's time | {}× faster |",
+            secs(ours[0]),
+            secs(ours[1]),
+            secs(ours[2]),
             torch[0],
             torch[1],
             torch[2],
-            ours[1] / torch[1],
-            torch[2] / ours[2]
+            ratio(ours[1] / torch[1], 2),
+            ratio(torch[2] / ours[2], 0)
         );
     }
 }

@@ -1,11 +1,11 @@
-//! Batched matmul on the `gemm` crate in f32 and f64. bf16 runs the native AVX-512 BF16 kernel
-//! ([`super::gemm_bf16`]) where the CPU has it. f16, and bf16 elsewhere, widen their inputs to
-//! f32 (exact), multiply in f32 and round each output once.
+//! Batched matmul on the `gemm` crate in f32 and f64. f16 and bf16 run the native kernels of
+//! [`super::gemm_half`] (f32 accumulation, one rounding per output) where the CPU has them
+//! (AVX-512; bf16 also needs AVX-512 BF16); elsewhere they widen their inputs to f32 (exact),
+//! multiply on gemm's f32 kernel and round each output once.
 //!
 //! Why not gemm's own f16 kernel: it rounds the output to f16 after every k-block of `kc`
 //! (reading it back for the next block), and its matrix-vector paths accumulate in f16 at
-//! every step of k (a sum of 4096 ones sticks at 2048). Widening costs O(mk + kn + mn) next
-//! to the O(mnk) product, and gemm's f32 kernel is faster than its f16 one on this CPU.
+//! every step of k (a sum of 4096 ones sticks at 2048).
 //!
 //! Operands may be strided views (a transpose is just swapped strides): gemm takes row and
 //! column strides, so backward's `a^T` and `b^T` cost no copy. Batch dims broadcast with
@@ -14,7 +14,7 @@
 use rayon::prelude::*;
 
 use super::gather;
-use super::gemm_bf16::{self, Operand};
+use super::gemm_half::{self, Operand};
 use crate::layout::Layout;
 use crate::precision::{DType, Precision};
 
@@ -27,8 +27,8 @@ pub(crate) fn matmul<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, b
     matmul_with(a, la, b, lb, batch, true)
 }
 
-/// [`matmul`], with `native = false` forcing the widen-to-f32 path for bf16 (tests compare
-/// the two).
+/// [`matmul`], with `native = false` forcing the widen-to-f32 path for f16 and bf16 (tests
+/// compare the two).
 pub(crate) fn matmul_with<E: Precision>(
     a: &[E],
     la: &Layout,
@@ -37,7 +37,7 @@ pub(crate) fn matmul_with<E: Precision>(
     batch: &[usize],
     native: bool,
 ) -> Vec<E> {
-    let native = native && E::DTYPE == DType::BF16 && gemm_bf16::available();
+    let native = native && gemm_half::available::<E>();
     if matches!(E::DTYPE, DType::BF16 | DType::F16) && !native {
         return matmul_via_f32(a, la, b, lb, batch);
     }
@@ -73,7 +73,7 @@ pub(crate) fn matmul_with<E: Precision>(
             let opa = Operand { data: a, offset: oa, rs: a_rs as usize, cs: a_cs as usize };
             let opb = Operand { data: b, offset: ob, rs: b_rs as usize, cs: b_cs as usize };
             let parallel = !matches!(par, gemm::Parallelism::None);
-            assert!(gemm_bf16::gemm((m, k, n), opa, opb, None, dst, parallel));
+            assert!(gemm_half::gemm((m, k, n), opa, opb, None, dst, parallel));
             return;
         }
         if k == 0 {
@@ -143,7 +143,7 @@ pub(crate) fn linear<E: Precision>(x: &[E], lx: &Layout, w: &[E], lw: &Layout, b
     linear_with(x, lx, w, lw, bias, true)
 }
 
-/// [`linear`], with `native = false` forcing the widen-to-f32 path for bf16.
+/// [`linear`], with `native = false` forcing the widen-to-f32 path for f16 and bf16.
 pub(crate) fn linear_with<E: Precision>(
     x: &[E],
     lx: &Layout,
@@ -155,13 +155,13 @@ pub(crate) fn linear_with<E: Precision>(
     let (rows, out_f) = (lx.shape[0], lw.shape[0]);
     let wt = Layout { shape: vec![lw.shape[1], out_f], strides: vec![lw.strides[1], lw.strides[0]], offset: lw.offset };
     let Some(bias) = bias else { return matmul_with(x, lx, w, &wt, &[], native) };
-    if native && E::DTYPE == DType::BF16 && gemm_bf16::available() {
+    if native && gemm_half::available::<E>() {
         let mut b32 = vec![0f32; bias.len()];
         E::to_f32_slice(bias, &mut b32);
         let mut out = crate::precision::zeroed::<E>(rows * out_f);
         let opx = Operand { data: x, offset: lx.offset, rs: lx.strides[0], cs: lx.strides[1] };
         let opw = Operand { data: w, offset: wt.offset, rs: wt.strides[0], cs: wt.strides[1] };
-        assert!(gemm_bf16::gemm((rows, lx.shape[1], out_f), opx, opw, Some(&b32), &mut out, true));
+        assert!(gemm_half::gemm((rows, lx.shape[1], out_f), opx, opw, Some(&b32), &mut out, true));
         return out;
     }
     if matches!(E::DTYPE, DType::BF16 | DType::F16) {

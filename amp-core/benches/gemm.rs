@@ -1,0 +1,47 @@
+//! GEMMs at the shapes of one W2 GPT training step (performance.md: d_model 256, MLP 1024,
+//! 2048 tokens, 4 heads of 64, seq 128), in f32, bf16 and f16, through the public ops. The
+//! items counter is FLOPs, so items/s is FLOP/s.
+//!
+//! Run: `cargo bench -p amp-core --bench gemm`. Compare ratios within one run only.
+
+use amp_core::{Precision, Rng, Tensor, bf16, f16};
+use divan::Bencher;
+use divan::counter::ItemsCount;
+
+fn main() {
+    divan::main();
+}
+
+fn randn<E: Precision>(shape: &[usize], seed: u64) -> Tensor<E> {
+    Tensor::<f32>::randn(shape, &mut Rng::seed(seed)).cast::<E>()
+}
+
+/// Forward `qkv` projection: `x [2048, 256] Wᵀ + b`, `W [768, 256]` (B read transposed).
+#[divan::bench(types = [f32, bf16, f16], sample_count = 30)]
+fn linear_qkv_fwd<E: Precision>(b: Bencher<'_, '_>) {
+    let (x, w, bias) = (randn::<E>(&[2048, 256], 0), randn::<E>(&[768, 256], 1), randn::<E>(&[768], 2));
+    b.counter(ItemsCount::new(2usize * 2048 * 256 * 768)).bench_local(|| divan::black_box(x.linear(&w, Some(&bias))));
+}
+
+/// Backward input gradient of the MLP's second layer: `dy [2048, 256] @ W [256, 1024]`.
+#[divan::bench(types = [f32, bf16, f16], sample_count = 30)]
+fn matmul_dx<E: Precision>(b: Bencher<'_, '_>) {
+    let (dy, w) = (randn::<E>(&[2048, 256], 3), randn::<E>(&[256, 1024], 4));
+    b.counter(ItemsCount::new(2usize * 2048 * 256 * 1024)).bench_local(|| divan::black_box(dy.matmul(&w)));
+}
+
+/// Backward weight gradient of the MLP's first layer: `dyᵀ [1024, 2048] @ x [2048, 256]`
+/// (A read transposed, k = tokens).
+#[divan::bench(types = [f32, bf16, f16], sample_count = 30)]
+fn matmul_dw<E: Precision>(b: Bencher<'_, '_>) {
+    let (dy, x) = (randn::<E>(&[2048, 1024], 5), randn::<E>(&[2048, 256], 6));
+    b.counter(ItemsCount::new(2usize * 1024 * 2048 * 256)).bench_local(|| divan::black_box(dy.t().matmul(&x)));
+}
+
+/// Attention scores for 16 sequences × 4 heads: `q [64, 128, 64] @ kᵀ [64, 64, 128]`.
+#[divan::bench(types = [f32, bf16, f16], sample_count = 30)]
+fn attention_scores<E: Precision>(b: Bencher<'_, '_>) {
+    let (q, k) = (randn::<E>(&[64, 128, 64], 7), randn::<E>(&[64, 128, 64], 8));
+    b.counter(ItemsCount::new(2usize * 64 * 128 * 128 * 64))
+        .bench_local(|| divan::black_box(q.matmul(&k.transpose(1, 2))));
+}

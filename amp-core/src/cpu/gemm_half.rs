@@ -1,0 +1,618 @@
+//! Native half-precision GEMM: f16 or bf16 inputs, f32 accumulation, one rounding of each
+//! output at the end.
+//!
+//! - **bf16** runs `vdpbf16ps` (AVX-512 BF16): it multiplies pairs of bf16 exactly (8-bit
+//!   significands, so each product fits f32) and adds them into f32 lanes, at twice the f32
+//!   FMA rate.
+//! - **f16** has no arithmetic on this class of CPU (no AVX-512 FP16), so packing widens each
+//!   f16 to f32 (exact) and the kernel runs f32 FMAs. Widening inside the pack, rather than
+//!   into full f32 copies of both operands handed to an f32 GEMM, saves two passes over memory
+//!   and the f32 output buffer.
+//!
+//! Layout (BLIS-style): A is packed into panels of [`MR`] rows, B into panels of [`NR`]
+//! columns, k taken in *steps* of 4-byte packed values: a pair of bf16 (the two share one
+//! 32-bit lane, as `vdpbf16ps` wants; an odd k is padded with a zero) or one widened f16.
+//! Packing reads any strides, so transposed views cost nothing extra; its loops run step by
+//! step across the panel's rows, which reads every operand layout in cache-friendly order,
+//! and a panel whose rows are adjacent in memory (row stride 1) is packed from contiguous
+//! runs. The microkernel keeps an MR×NR tile of f32 accumulators in zmm registers; k is
+//! blocked by [`KC`] steps so a B micro-panel stays in L1, columns by [`NC`] so the f32 tile
+//! buffer of a row block stays in L2. Row blocks run in parallel on rayon.
+//!
+//! Numerics differ from a scalar f32 loop only in summation order (pairs, then k blocks);
+//! `vdpbf16ps` also treats denormal inputs as zero and flushes denormal partial sums
+//! (magnitudes below 1.2e-38), which a bf16 model never relies on.
+
+use std::cell::RefCell;
+
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+
+use crate::precision::{DType, Precision};
+use crate::{bf16, f16};
+
+/// Rows of the register tile.
+const MR: usize = 8;
+/// Columns of the register tile (two zmm of 16 f32 lanes).
+const NR: usize = 32;
+/// k steps per cache block: a B micro-panel is KC·NR·4 bytes = 16 KiB, half of L1.
+const KC: usize = 128;
+/// Columns per block of the f32 accumulator buffer.
+const NC: usize = 512;
+/// Most rows per parallel task.
+const MC: usize = 96;
+/// Below this many flops the product runs on the calling thread.
+const PAR_FLOPS: usize = 1 << 22;
+
+/// One 2-D operand: `data[offset + i * rs + j * cs]` is element (i, j).
+#[derive(Clone, Copy)]
+pub(crate) struct Operand<'a, E> {
+    /// Storage the view reads.
+    pub data: &'a [E],
+    /// Index of element (0, 0).
+    pub offset: usize,
+    /// Row stride.
+    pub rs: usize,
+    /// Column stride.
+    pub cs: usize,
+}
+
+/// Whether this CPU runs the native kernel for `E` (f16 or bf16).
+pub(crate) fn available<E: Precision>() -> bool {
+    match E::DTYPE {
+        DType::BF16 => Bf16Pairs::available(),
+        DType::F16 => F16Widened::available(),
+        _ => false,
+    }
+}
+
+/// `out = round(a @ b + bias)` for `a: [m, k]`, `b: [k, n]`, `bias: [n]` (added into the f32
+/// accumulator), `out` contiguous `[m, n]`. Returns false, leaving `out` untouched, when `E`
+/// is not f16 or bf16 or the CPU lacks the kernel's features; the caller then takes its own
+/// path.
+pub(crate) fn gemm<E: Precision>(
+    dims: (usize, usize, usize),
+    a: Operand<'_, E>,
+    b: Operand<'_, E>,
+    bias: Option<&[f32]>,
+    out: &mut [E],
+    parallel: bool,
+) -> bool {
+    match E::DTYPE {
+        DType::BF16 if Bf16Pairs::available() => {
+            run::<E, Bf16Pairs>(dims, retype(a), retype(b), bias, out, parallel);
+            true
+        }
+        DType::F16 if F16Widened::available() => {
+            run::<E, F16Widened>(dims, retype(a), retype(b), bias, out, parallel);
+            true
+        }
+        _ => false,
+    }
+}
+
+/// The same operand seen as `T`, which the caller has checked is `E` itself (by `DTYPE`).
+fn retype<E: Precision, T: Precision>(x: Operand<'_, E>) -> Operand<'_, T> {
+    assert!(E::DTYPE == T::DTYPE && std::mem::size_of::<E>() == std::mem::size_of::<T>());
+    // SAFETY: `Precision` is sealed and each DTYPE belongs to exactly one type, so `E` and `T`
+    // are the same type: same size, alignment and valid bit patterns.
+    let data = unsafe { std::slice::from_raw_parts(x.data.as_ptr().cast::<T>(), x.data.len()) };
+    Operand { data, offset: x.offset, rs: x.rs, cs: x.cs }
+}
+
+/// One way to pack and multiply: what a packed step holds, and the microkernel over it.
+trait Kernel {
+    /// The input element type.
+    type In: Precision;
+    /// One packed 4-byte step of one row.
+    type Packed: Copy + Send + Sync + 'static;
+    /// The packed value of a zero step.
+    const ZERO: Self::Packed;
+    /// k values per step.
+    const K_STEP: usize;
+    /// Whether this CPU runs the microkernel.
+    fn available() -> bool;
+    /// Step `s` of a row whose k values are `x[first + j * cs]` for `j < k`.
+    fn pack_one(x: &[Self::In], first: usize, cs: usize, s: usize, k: usize) -> Self::Packed;
+    /// One step of a panel's rows held in contiguous runs: `lo` holds the step's first k of
+    /// each row, `hi` the second (pairs only; `None` past an odd k).
+    fn pack_run(lo: &[Self::In], hi: Option<&[Self::In]>, dst: &mut [Self::Packed]);
+    /// Every step of one contiguous row (all its k values) into `dst[s * w]`.
+    fn pack_row(row: &[Self::In], dst: &mut [Self::Packed], w: usize);
+    /// `tile[r * ldc + j] += Σ_s a[s·MR + r] · b[s·NR + j]` over `kc` steps.
+    fn micro(kc: usize, a: &[Self::Packed], b: &[Self::Packed], tile: &mut [f32], ldc: usize);
+}
+
+/// bf16 pairs for `vdpbf16ps`: element (r, 2s) in the low half of the lane, (r, 2s + 1) in
+/// the high half.
+struct Bf16Pairs;
+
+impl Kernel for Bf16Pairs {
+    type In = bf16;
+    type Packed = u32;
+    const ZERO: u32 = 0;
+    const K_STEP: usize = 2;
+    fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+    #[inline(always)]
+    fn pack_one(x: &[bf16], first: usize, cs: usize, s: usize, k: usize) -> u32 {
+        let lo = x[first + 2 * s * cs].to_bits() as u32;
+        let hi = if 2 * s + 1 < k { x[first + (2 * s + 1) * cs].to_bits() as u32 } else { 0 };
+        lo | hi << 16
+    }
+    #[inline(always)]
+    fn pack_run(lo: &[bf16], hi: Option<&[bf16]>, dst: &mut [u32]) {
+        match hi {
+            Some(hi) => {
+                for ((d, l), h) in dst.iter_mut().zip(lo).zip(hi) {
+                    *d = l.to_bits() as u32 | (h.to_bits() as u32) << 16;
+                }
+            }
+            None => {
+                for (d, l) in dst.iter_mut().zip(lo) {
+                    *d = l.to_bits() as u32;
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    fn pack_row(row: &[bf16], dst: &mut [u32], w: usize) {
+        let pairs = row.chunks_exact(2);
+        let odd = pairs.remainder().first().map(|x| x.to_bits() as u32);
+        let mut slots = dst.iter_mut().step_by(w);
+        // Data first in each zip: a zip that ends on the data side takes no slot.
+        for (pair, d) in pairs.zip(slots.by_ref()) {
+            *d = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+        }
+        if let (Some(d), Some(odd)) = (slots.next(), odd) {
+            *d = odd;
+        }
+    }
+    fn micro(kc: usize, a: &[u32], b: &[u32], tile: &mut [f32], ldc: usize) {
+        assert!(a.len() >= kc * MR && b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm` only runs this kernel after `available()` saw avx512f and avx512bf16
+        // on this CPU, and the assert above covers every index the kernel reads and writes.
+        unsafe {
+            micro_bf16(kc, a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), ldc)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("the native GEMM runs only where available() is true")
+    }
+}
+
+/// f16 widened to f32, one k per step.
+struct F16Widened;
+
+impl Kernel for F16Widened {
+    type In = f16;
+    type Packed = f32;
+    const ZERO: f32 = 0.0;
+    const K_STEP: usize = 1;
+    fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+    #[inline(always)]
+    fn pack_one(x: &[f16], first: usize, cs: usize, s: usize, _k: usize) -> f32 {
+        x[first + s * cs].to_f32()
+    }
+    #[inline(always)]
+    fn pack_run(lo: &[f16], _hi: Option<&[f16]>, dst: &mut [f32]) {
+        lo.convert_to_f32_slice(dst);
+    }
+    #[inline(always)]
+    fn pack_row(row: &[f16], dst: &mut [f32], w: usize) {
+        // Widen a chunk at a time with SIMD, then spread it down the panel.
+        let mut slots = dst.iter_mut().step_by(w);
+        let mut wide = [0f32; 64];
+        for chunk in row.chunks(64) {
+            let wide = &mut wide[..chunk.len()];
+            chunk.convert_to_f32_slice(wide);
+            // Data first in the zip: one that ends on the data side takes no slot.
+            for (&v, d) in wide.iter().zip(slots.by_ref()) {
+                *d = v;
+            }
+        }
+    }
+    fn micro(kc: usize, a: &[f32], b: &[f32], tile: &mut [f32], ldc: usize) {
+        assert!(a.len() >= kc * MR && b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm` only runs this kernel after `available()` saw avx512f on this CPU, and
+        // the assert above covers every index the kernel reads and writes.
+        unsafe {
+            micro_f32(kc, a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), ldc)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("the native GEMM runs only where available() is true")
+    }
+}
+
+thread_local! {
+    /// Each thread's f32 tile buffer, kept between products so the hot path allocates nothing.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on a buffer of `len` f32 (contents unspecified): the thread's kept buffer, or a
+/// fresh one if that is in use further up this thread's stack (rayon may run a task inside a
+/// wait).
+fn with_tile<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    TILE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < len {
+                buf.resize(len, 0.0);
+            }
+            f(&mut buf[..len])
+        }
+        Err(_) => f(&mut vec![0.0; len]),
+    })
+}
+
+/// The blocked product for one kernel; see the module notes.
+fn run<E: Precision, K: Kernel>(
+    (m, k, n): (usize, usize, usize),
+    a: Operand<'_, K::In>,
+    b: Operand<'_, K::In>,
+    bias: Option<&[f32]>,
+    out: &mut [E],
+    parallel: bool,
+) {
+    assert_eq!(out.len(), m * n);
+    if m * n == 0 {
+        return;
+    }
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), n);
+    }
+    let steps = k.div_ceil(K::K_STEP);
+    let big = parallel && 2 * m * n * k >= PAR_FLOPS;
+    let pa = pack::<K, MR>(m, k, a, big);
+    let pb = pack::<K, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big);
+    // Rows per task: enough tasks for every thread when m allows, a multiple of MR.
+    let threads = if big { rayon::current_num_threads() } else { 1 };
+    let rows = (m.div_ceil(2 * threads).div_ceil(MR) * MR).clamp(MR, MC);
+    let nc_max = NC.min(n.div_ceil(NR) * NR);
+    let task = |t: usize, dst: &mut [E]| {
+        let r0 = t * rows;
+        let mc = dst.len() / n;
+        let mc_pad = mc.div_ceil(MR) * MR;
+        with_tile(mc_pad * nc_max, |c| {
+            for jc in (0..n).step_by(NC) {
+                let nc = NC.min(n - jc);
+                let nc_pad = nc.div_ceil(NR) * NR;
+                let c = &mut c[..mc_pad * nc_pad];
+                match bias {
+                    Some(bias) => c.chunks_mut(nc_pad).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
+                    None => c.fill(0.0),
+                }
+                for pc in (0..steps).step_by(KC) {
+                    let kc = KC.min(steps - pc);
+                    for jr in 0..nc_pad / NR {
+                        let bp = &pb[((jc / NR + jr) * steps + pc) * NR..][..kc * NR];
+                        for ir in 0..mc_pad / MR {
+                            let ap = &pa[((r0 / MR + ir) * steps + pc) * MR..][..kc * MR];
+                            K::micro(kc, ap, bp, &mut c[ir * MR * nc_pad + jr * NR..], nc_pad);
+                        }
+                    }
+                }
+                for r in 0..mc {
+                    E::from_f32_slice(&c[r * nc_pad..r * nc_pad + nc], &mut dst[r * n + jc..r * n + jc + nc]);
+                }
+            }
+        })
+    };
+    if big {
+        out.par_chunks_mut(rows * n).enumerate().for_each(|(t, dst)| task(t, dst));
+    } else {
+        out.chunks_mut(rows * n).enumerate().for_each(|(t, dst)| task(t, dst));
+    }
+}
+
+/// Packs `rows × k` of `x` into panels of `W` rows: panel i, step s, row r at
+/// `[(i * steps + s) * W + r]`. Rows past `rows` and the pad of a last odd pair are zero.
+fn pack<K: Kernel, const W: usize>(rows: usize, k: usize, x: Operand<'_, K::In>, parallel: bool) -> Vec<K::Packed> {
+    let steps = k.div_ceil(K::K_STEP);
+    let mut out = vec![K::ZERO; rows.div_ceil(W) * W * steps];
+    if steps == 0 {
+        return out;
+    }
+    let last = x.offset + (rows - 1) * x.rs + (k - 1) * x.cs;
+    assert!(last < x.data.len(), "native GEMM operand out of bounds");
+    let fill = |i: usize, panel: &mut [K::Packed]| {
+        let live = W.min(rows - i * W);
+        let first = x.offset + i * W * x.rs;
+        if x.rs == 1 && live == W {
+            // The panel's rows are adjacent: each k is one contiguous run of W elements.
+            let run = |j: usize| &x.data[first + j * x.cs..][..W];
+            for (s, dst) in panel.chunks_exact_mut(W).enumerate() {
+                let j = s * K::K_STEP;
+                let hi = (K::K_STEP == 2 && j + 1 < k).then(|| run(j + 1));
+                K::pack_run(run(j), hi, dst);
+            }
+        } else if x.cs == 1 {
+            // Each row's k values are contiguous: pack row by row.
+            for r in 0..live {
+                let row = &x.data[first + r * x.rs..][..k];
+                K::pack_row(row, &mut panel[r..], W);
+            }
+        } else {
+            let firsts: [usize; W] = std::array::from_fn(|r| first + r.min(live - 1) * x.rs);
+            for (s, dst) in panel.chunks_exact_mut(W).enumerate() {
+                for (d, &f) in dst[..live].iter_mut().zip(&firsts) {
+                    *d = K::pack_one(x.data, f, x.cs, s, k);
+                }
+            }
+        }
+    };
+    if parallel {
+        out.par_chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+    } else {
+        out.chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+    }
+    out
+}
+
+/// The bf16 register-blocked kernel: 2·MR zmm accumulators, two B vectors per pair, A pairs
+/// broadcast from memory.
+///
+/// # Safety
+/// The CPU must support avx512f and avx512bf16; `a` must be readable for `kc * MR` u32, `b`
+/// for `kc * NR`, and `c` readable and writable at `r * ldc + j` for r < MR, j < NR.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn micro_bf16(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for (r, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: row r < MR of the tile, columns 0..32, inside `c` per the contract.
+        unsafe {
+            acc[0] = _mm512_loadu_ps(c.add(r * ldc));
+            acc[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
+        }
+    }
+    for p in 0..kc {
+        // SAFETY: p < kc, so p·NR + 32 ≤ kc·NR and p·MR + MR ≤ kc·MR stay inside `b` and `a`;
+        // __m512i and __m512bh are both 64-byte vectors for which every bit pattern is valid.
+        unsafe {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + r) as i32));
+                acc[0] = _mm512_dpbf16_ps(acc[0], av, b0);
+                acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: as for the loads above.
+        unsafe {
+            _mm512_storeu_ps(c.add(r * ldc), acc[0]);
+            _mm512_storeu_ps(c.add(r * ldc + 16), acc[1]);
+        }
+    }
+}
+
+/// The f32 register-blocked kernel over widened f16: 2·MR zmm accumulators, two B vectors
+/// per k, A values broadcast from memory, one FMA each.
+///
+/// # Safety
+/// The CPU must support avx512f; `a` must be readable for `kc * MR` f32, `b` for `kc * NR`,
+/// and `c` readable and writable at `r * ldc + j` for r < MR, j < NR.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn micro_f32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for (r, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: row r < MR of the tile, columns 0..32, inside `c` per the contract.
+        unsafe {
+            acc[0] = _mm512_loadu_ps(c.add(r * ldc));
+            acc[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
+        }
+    }
+    for p in 0..kc {
+        // SAFETY: p < kc, so p·NR + 32 ≤ kc·NR and p·MR + MR ≤ kc·MR stay inside `b` and `a`.
+        unsafe {
+            let b0 = _mm512_loadu_ps(b.add(p * NR));
+            let b1 = _mm512_loadu_ps(b.add(p * NR + 16));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*a.add(p * MR + r));
+                acc[0] = _mm512_fmadd_ps(av, b0, acc[0]);
+                acc[1] = _mm512_fmadd_ps(av, b1, acc[1]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: as for the loads above.
+        unsafe {
+            _mm512_storeu_ps(c.add(r * ldc), acc[0]);
+            _mm512_storeu_ps(c.add(r * ldc + 16), acc[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::Layout;
+
+    /// Random values in [-2, 2) from a fixed LCG, so every case is reproducible.
+    fn values<E: Precision>(len: usize, seed: u64) -> Vec<E> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                E::from_f64(((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0)
+            })
+            .collect()
+    }
+
+    /// Stored significand bits (after the leading one) of `E`.
+    fn mantissa_bits<E: Precision>() -> i32 {
+        if E::DTYPE == DType::BF16 { 7 } else { 10 }
+    }
+
+    /// One unit in the last place of `E` at |x|.
+    fn ulp<E: Precision>(x: f64) -> f64 {
+        let b = E::from_f64(x).to_f64().abs().max(f64::MIN_POSITIVE);
+        2f64.powi(b.log2().floor() as i32 - mantissa_bits::<E>())
+    }
+
+    /// Checks `a @ b` (+ bias) through both paths for one shape and layout. `ta`/`tb` store
+    /// the operand transposed (column-major), so packing reads strided views.
+    fn case<E: Precision>(m: usize, k: usize, n: usize, ta: bool, tb: bool, with_bias: bool) {
+        let a = values::<E>(m * k + 3, (m * 31 + k * 7 + n) as u64);
+        let b = values::<E>(k * n + 5, (m + k * 13 + n * 17) as u64);
+        let bias = values::<E>(n, 99);
+        let (a_rs, a_cs) = if ta { (1, m) } else { (k, 1) };
+        let (b_rs, b_cs) = if tb { (1, k) } else { (n, 1) };
+        // An offset of 2 into A and 1 into B, so offsets are exercised too.
+        let a_at = |i: usize, p: usize| a[2 + i * a_rs + p * a_cs].to_f64();
+        let b_at = |p: usize, j: usize| b[1 + p * b_rs + j * b_cs].to_f64();
+        let mut want64 = vec![0f64; m * n];
+        let mut want32 = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let (mut s64, mut s32) =
+                    if with_bias { (bias[j].to_f64(), bias[j].to_f64() as f32) } else { (0.0, 0.0) };
+                for p in 0..k {
+                    s64 += a_at(i, p) * b_at(p, j);
+                    s32 += (a_at(i, p) * b_at(p, j)) as f32;
+                }
+                want64[i * n + j] = s64;
+                want32[i * n + j] = s32;
+            }
+        }
+        let la = Layout { shape: vec![m, k], strides: vec![a_rs, a_cs], offset: 2 };
+        let lb = Layout { shape: vec![k, n], strides: vec![b_rs, b_cs], offset: 1 };
+        let wt = Layout { shape: vec![n, k], strides: vec![b_cs, b_rs], offset: 1 };
+        let run = |native: bool| {
+            if with_bias {
+                super::super::matmul::linear_with(&a, &la, &b, &wt, Some(&bias), native)
+            } else {
+                super::super::matmul::matmul_with(&a, &la, &b, &lb, &[], native)
+            }
+        };
+        let mut paths = vec![("fallback", run(false))];
+        if available::<E>() {
+            paths.push(("native", run(true)));
+        }
+        for (name, got) in paths {
+            assert_eq!(got.len(), m * n);
+            for (idx, g) in got.iter().enumerate() {
+                let (g, w64, w32) = (g.to_f64(), want64[idx], want32[idx] as f64);
+                // f32 accumulation in any order errs by at most k·2⁻²⁴·Σ|a·b| (+ the bias).
+                let mag: f64 = (0..k).map(|p| (a_at(idx / n, p) * b_at(p, idx % n)).abs()).sum::<f64>() + 2.0;
+                let f32_err = (k as f64 + 1.0) * 2f64.powi(-24) * mag;
+                let e = E::DTYPE;
+                assert!(
+                    (g - w64).abs() <= 0.5 * ulp::<E>(w64) + f32_err + 1e-30,
+                    "{e} {name} {m}x{k}x{n} ta={ta} tb={tb} bias={with_bias} [{idx}]: {g} vs f64 {w64}"
+                );
+                // And equal to one f32 accumulate-then-round within one ulp.
+                let r32 = E::from_f64(w32).to_f64();
+                assert!(
+                    (g - r32).abs() <= ulp::<E>(r32) + f32_err,
+                    "{e} {name} {m}x{k}x{n} [{idx}]: {g} vs f32-then-round {r32}"
+                );
+            }
+        }
+    }
+
+    fn shapes_layouts_and_bias<E: Precision>() {
+        let shapes = [
+            (1, 1, 1),
+            (1, 0, 1),
+            (4, 0, 3),
+            (3, 1000, 5),
+            (7, 3, 9),
+            (9, 33, 31),
+            (8, 2, 32),
+            (17, 1, 65),
+            (64, 5, 96),
+            (257, 129, 67),
+            (1, 300, 600),
+            (100, 257, 1),
+        ];
+        for &(m, k, n) in &shapes {
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                case::<E>(m, k, n, ta, tb, false);
+            }
+            case::<E>(m, k, n, false, true, true);
+            case::<E>(m, k, n, true, false, true);
+        }
+    }
+
+    /// Small and ragged shapes, every operand layout (including the contiguous-run pack of a
+    /// transposed operand), with and without bias.
+    #[test]
+    fn shapes_layouts_and_bias_match_reference() {
+        shapes_layouts_and_bias::<bf16>();
+        shapes_layouts_and_bias::<f16>();
+    }
+
+    /// Large enough to take the parallel path, several k and column blocks, ragged edges.
+    #[test]
+    fn blocked_parallel_product() {
+        case::<bf16>(203, 600, 1100, false, false, false);
+        case::<bf16>(130, 301, 520, true, true, true);
+        case::<f16>(203, 300, 1100, false, false, false);
+        case::<f16>(130, 301, 520, true, true, true);
+    }
+
+    /// Batched, broadcast matmul through the native path matches the fallback per batch.
+    fn batched<E: Precision>() {
+        let a = values::<E>(3 * 5 * 7, 1);
+        let b = values::<E>(7 * 4, 2);
+        let la = Layout::contiguous(&[3, 5, 7]);
+        let lb = Layout { shape: vec![1, 7, 4], strides: vec![0, 1, 7], offset: 0 };
+        let native = super::super::matmul::matmul_with(&a, &la, &b, &lb, &[3], true);
+        let fallback = super::super::matmul::matmul_with(&a, &la, &b, &lb, &[3], false);
+        assert_eq!(native.len(), 3 * 5 * 4);
+        for (x, y) in native.iter().zip(&fallback) {
+            let (x, y) = (x.to_f64(), y.to_f64());
+            assert!((x - y).abs() <= ulp::<E>(y) * 1.01, "{}: {x} vs {y}", E::DTYPE);
+        }
+    }
+
+    #[test]
+    fn batched_native_matches_fallback() {
+        batched::<bf16>();
+        batched::<f16>();
+    }
+
+    /// f16 products keep f32 accumulation: 4096 ones sum to 4096, where an f16 accumulator
+    /// sticks at 2048 (gemm's own f16 kernel did).
+    #[test]
+    fn f16_accumulates_in_f32() {
+        let ones = vec![f16::ONE; 4096];
+        let la = Layout::contiguous(&[1, 4096]);
+        let lb = Layout::contiguous(&[4096, 1]);
+        let got = super::super::matmul::matmul_with(&ones, &la, &ones, &lb, &[], true);
+        assert_eq!(got[0].to_f64(), 4096.0);
+    }
+
+    /// f32 and f64 are refused, so the caller keeps its own path.
+    #[test]
+    fn refuses_other_types() {
+        let x = [1f32; 4];
+        let op = Operand { data: &x[..], offset: 0, rs: 2, cs: 1 };
+        let mut out = [0f32; 4];
+        assert!(!gemm((2, 2, 2), op, op, None, &mut out, false));
+        assert_eq!(out, [0.0; 4]);
+    }
+}

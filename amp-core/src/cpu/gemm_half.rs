@@ -24,6 +24,7 @@
 //! (magnitudes below 1.2e-38), which a bf16 model never relies on.
 
 use std::cell::RefCell;
+use std::thread::LocalKey;
 
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -119,6 +120,9 @@ trait Kernel {
     fn pack_run(lo: &[Self::In], hi: Option<&[Self::In]>, dst: &mut [Self::Packed]);
     /// Every step of one contiguous row (all its k values) into `dst[s * w]`.
     fn pack_row(row: &[Self::In], dst: &mut [Self::Packed], w: usize);
+    /// This kernel's per-thread pack buffers for A and B, kept between products so the hot
+    /// path neither allocates nor zero-fills them.
+    fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<Self::Packed>; 2]>>;
     /// `tile[r * ldc + j] += Σ_s a[s·MR + r] · b[s·NR + j]` over `kc` steps.
     fn micro(kc: usize, a: &[Self::Packed], b: &[Self::Packed], tile: &mut [f32], ldc: usize);
 }
@@ -162,6 +166,10 @@ impl Kernel for Bf16Pairs {
                 }
             }
         }
+    }
+    fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<u32>; 2]>> {
+        thread_local!(static BUFFERS: RefCell<[Vec<u32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) });
+        &BUFFERS
     }
     #[inline(always)]
     fn pack_row(row: &[bf16], dst: &mut [u32], w: usize) {
@@ -215,6 +223,10 @@ impl Kernel for F16Widened {
     fn pack_run(lo: &[f16], _hi: Option<&[f16]>, dst: &mut [f32]) {
         lo.convert_to_f32_slice(dst);
     }
+    fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<f32>; 2]>> {
+        thread_local!(static BUFFERS: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) });
+        &BUFFERS
+    }
     #[inline(always)]
     fn pack_row(row: &[f16], dst: &mut [f32], w: usize) {
         // Widen a chunk at a time with SIMD, then spread it down the panel.
@@ -262,14 +274,36 @@ fn with_tile<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
-/// The blocked product for one kernel; see the module notes.
+/// The blocked product for one kernel on the thread's kept pack buffers (fresh ones if those
+/// are in use further up this thread's stack).
 fn run<E: Precision, K: Kernel>(
+    dims: (usize, usize, usize),
+    a: Operand<'_, K::In>,
+    b: Operand<'_, K::In>,
+    bias: Option<&[f32]>,
+    out: &mut [E],
+    parallel: bool,
+) {
+    K::pack_buffers().with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buffers) => {
+            let [pa, pb] = &mut *buffers;
+            multiply::<E, K>(dims, a, b, bias, out, parallel, pa, pb)
+        }
+        Err(_) => multiply::<E, K>(dims, a, b, bias, out, parallel, &mut Vec::new(), &mut Vec::new()),
+    })
+}
+
+/// The blocked product for one kernel; see the module notes.
+#[allow(clippy::too_many_arguments)] // the product's operands plus its two scratch buffers
+fn multiply<E: Precision, K: Kernel>(
     (m, k, n): (usize, usize, usize),
     a: Operand<'_, K::In>,
     b: Operand<'_, K::In>,
     bias: Option<&[f32]>,
     out: &mut [E],
     parallel: bool,
+    pa: &mut Vec<K::Packed>,
+    pb: &mut Vec<K::Packed>,
 ) {
     assert_eq!(out.len(), m * n);
     if m * n == 0 {
@@ -280,8 +314,9 @@ fn run<E: Precision, K: Kernel>(
     }
     let steps = k.div_ceil(K::K_STEP);
     let big = parallel && 2 * m * n * k >= PAR_FLOPS;
-    let pa = pack::<K, MR>(m, k, a, big);
-    let pb = pack::<K, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big);
+    pack::<K, MR>(m, k, a, big, pa);
+    pack::<K, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
+    let (pa, pb) = (&pa[..], &pb[..]);
     // Rows per task: enough tasks for every thread when m allows, a multiple of MR.
     let threads = if big { rayon::current_num_threads() } else { 1 };
     let rows = (m.div_ceil(2 * threads).div_ceil(MR) * MR).clamp(MR, MC);
@@ -322,19 +357,31 @@ fn run<E: Precision, K: Kernel>(
     }
 }
 
-/// Packs `rows × k` of `x` into panels of `W` rows: panel i, step s, row r at
-/// `[(i * steps + s) * W + r]`. Rows past `rows` and the pad of a last odd pair are zero.
-fn pack<K: Kernel, const W: usize>(rows: usize, k: usize, x: Operand<'_, K::In>, parallel: bool) -> Vec<K::Packed> {
+/// Packs `rows × k` of `x` into `out` (resized; every element written, so stale contents do
+/// not matter) as panels of `W` rows: panel i, step s, row r at `[(i * steps + s) * W + r]`.
+/// Rows past `rows` and the pad of a last odd pair are zero.
+fn pack<K: Kernel, const W: usize>(
+    rows: usize,
+    k: usize,
+    x: Operand<'_, K::In>,
+    parallel: bool,
+    out: &mut Vec<K::Packed>,
+) {
     let steps = k.div_ceil(K::K_STEP);
-    let mut out = vec![K::ZERO; rows.div_ceil(W) * W * steps];
+    out.resize(rows.div_ceil(W) * W * steps, K::ZERO);
     if steps == 0 {
-        return out;
+        return;
     }
     let last = x.offset + (rows - 1) * x.rs + (k - 1) * x.cs;
     assert!(last < x.data.len(), "native GEMM operand out of bounds");
     let fill = |i: usize, panel: &mut [K::Packed]| {
         let live = W.min(rows - i * W);
         let first = x.offset + i * W * x.rs;
+        if live < W {
+            for dst in panel.chunks_exact_mut(W) {
+                dst[live..].fill(K::ZERO);
+            }
+        }
         if x.rs == 1 && live == W {
             // The panel's rows are adjacent: each k is one contiguous run of W elements.
             let run = |j: usize| &x.data[first + j * x.cs..][..W];
@@ -363,7 +410,6 @@ fn pack<K: Kernel, const W: usize>(rows: usize, k: usize, x: Operand<'_, K::In>,
     } else {
         out.chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
     }
-    out
 }
 
 /// The bf16 register-blocked kernel: 2·MR zmm accumulators, two B vectors per pair, A pairs

@@ -10,6 +10,7 @@
 //!   walks the output in row-major order and tracks each input's offset with an odometer.
 
 pub(crate) mod dropout;
+pub(crate) mod fastmath;
 pub(crate) mod gemm_half;
 pub(crate) mod index;
 pub(crate) mod loss;

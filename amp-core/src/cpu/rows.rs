@@ -6,11 +6,9 @@
 //!   on the shape, never on the thread count, so per-task partial sums (weight gradients,
 //!   losses) are added in task order and identical runs give bit-identical results.
 //! - Sums use eight independent lanes so the compiler vectorises them.
-//! - `exp` on f32 buffers is a Cephes-style polynomial the compiler vectorises (libm's `expf`
-//!   is a call per element); it is accurate to about 1 ulp over the range these kernels use it
-//!   for (softmax arguments are <= 0).
+//! - `exp` on f32 buffers is the branch-free polynomial in [`super::fastmath`], which the
+//!   compiler vectorises (libm's `expf` is a call per element).
 
-use std::any::TypeId;
 use std::ops::Range;
 
 use rayon::prelude::*;
@@ -117,80 +115,17 @@ pub(crate) fn max_buf<A: Accum>(x: &[A]) -> A {
     lanes.iter().fold(m, |m, v| combine(Reduce::Max, m, *v))
 }
 
-/// `x[i] = exp(x[i])` over a buffer: the vectorised polynomial for f32, `f64::exp` for f64.
+/// `x[i] = exp(x[i])` over a buffer, through [`Accum::vexp`] (vectorised for f32).
 #[inline]
 pub(crate) fn exp_in_place<A: Accum>(x: &mut [A]) {
-    if TypeId::of::<A>() == TypeId::of::<f32>() {
-        // SAFETY: A is f32 (checked just above), so the slice has f32's layout and length.
-        let x = unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut f32, x.len()) };
-        for v in x.iter_mut() {
-            *v = exp_f32(*v);
-        }
-    } else {
-        for v in x.iter_mut() {
-            *v = v.exp();
-        }
-    }
-}
-
-/// `exp(x)` for f32 without a libm call, so loops over it vectorise.
-///
-/// Range reduction `x = n ln2 + r` with `|r| <= ln2/2` (ln2 split in two for exactness), a
-/// degree-6 polynomial for `e^r` (Cephes `expf`), and `2^n` built from its exponent bits.
-/// `n` is rounded by adding 1.5·2^23, which leaves it in the low mantissa bits: no float-to-int
-/// conversion, whose saturating semantics would keep the loop scalar. Results below f32's
-/// normal range flush to 0 (below 1.2e-38, far under what a softmax sum can resolve); above
-/// 88.37 gives inf; NaN stays NaN.
-#[inline(always)]
-pub(crate) fn exp_f32(x: f32) -> f32 {
-    const LO: f32 = -87.336_55;
-    const HI: f32 = 88.376_26;
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
-    let xc = x.clamp(LO, HI);
-    let t = xc * std::f32::consts::LOG2_E + MAGIC;
-    let n = t - MAGIC;
-    let r = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_2e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 0.166_666_65;
-    p = p * r + 0.5;
-    let er = p * r * r + r + 1.0;
-    // n + 127 is in 1..=254 for the clamped range: a valid biased exponent.
-    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23);
-    let y = er * scale;
-    if x > HI {
-        f32::INFINITY
-    } else if x < LO {
-        0.0
-    } else {
-        y
+    for v in x.iter_mut() {
+        *v = v.vexp();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_f32_is_within_two_ulps_and_handles_specials() {
-        let mut worst = 0f64;
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let want = (x as f64).exp();
-            let got = exp_f32(x) as f64;
-            let ulp = (want as f32).abs() as f64 * f32::EPSILON as f64;
-            worst = worst.max((got - want).abs() / ulp);
-            x += 0.0137;
-        }
-        assert!(worst <= 2.0, "worst error {worst} ulp");
-        assert_eq!(exp_f32(0.0), 1.0);
-        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_f32(f32::INFINITY), f32::INFINITY);
-        assert_eq!(exp_f32(100.0), f32::INFINITY);
-        assert!(exp_f32(f32::NAN).is_nan());
-    }
 
     #[test]
     fn lane_sums_and_max() {

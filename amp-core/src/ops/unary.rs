@@ -75,7 +75,7 @@ unary_op!(
     |x| A::c(0.5) * x * (A::one() + (x * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf()),
     |x, y| {
         let cdf = A::c(0.5) * (A::one() + (x * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf());
-        let pdf = (-(x * x) * A::c(0.5)).exp() * A::c(0.398_942_280_401_432_7);
+        let pdf = (-(x * x) * A::c(0.5)).vexp() * A::c(0.398_942_280_401_432_7);
         cdf + x * pdf
     }
 );
@@ -96,20 +96,20 @@ unary_op!(
 );
 unary_op!(
     /// `1 / (1 + e^-x)`; derivative `y (1 - y)`.
-    Sigmoid, sigmoid, "sigmoid", |x| A::one() / (A::one() + (-x).exp()), |x, y| y * (A::one() - y)
+    Sigmoid, sigmoid, "sigmoid", |x| A::one() / (A::one() + (-x).vexp()), |x, y| y * (A::one() - y)
 );
 unary_op!(
     /// SiLU (swish), `x σ(x)`; derivative `σ(x) (1 + x (1 - σ(x)))`.
     Silu, silu, "silu",
-    |x| x / (A::one() + (-x).exp()),
+    |x| x / (A::one() + (-x).vexp()),
     |x, y| {
-        let s = A::one() / (A::one() + (-x).exp());
+        let s = A::one() / (A::one() + (-x).vexp());
         s * (A::one() + x * (A::one() - s))
     }
 );
 unary_op!(
     /// `e^x`; derivative `y`.
-    Exp, exp, "exp", |x| x.exp(), |x, y| y
+    Exp, exp, "exp", |x| x.vexp(), |x, y| y
 );
 unary_op!(
     /// Natural log; derivative `1/x`.

@@ -90,6 +90,14 @@ fn gelu_16m<E: amp_core::Precision>(b: Bencher<'_, '_>) {
     b.counter(ItemsCount::new(N)).bench_local(|| divan::black_box(x.gelu()));
 }
 
+/// GELU forward and backward over 16M elements (`gelu(x).sum_all().backward()`): the GELU
+/// derivative pass is what a training step adds on top of `gelu_16m`.
+#[divan::bench(types = [f32, f16, bf16], sample_count = 10)]
+fn gelu_fwd_bwd_16m<E: amp_core::Precision>(b: Bencher<'_, '_>) {
+    let x = input().cast::<E>().requires_grad_();
+    b.counter(ItemsCount::new(N)).bench_local(|| divan::black_box(x.gelu().sum_all().backward()));
+}
+
 /// 1024³ matmul; the items counter is FLOPs (2·n³), so items/s is FLOP/s.
 #[divan::bench(types = [f32, f16, bf16], sample_count = 10)]
 fn matmul_1024<E: amp_core::Precision>(b: Bencher<'_, '_>) {

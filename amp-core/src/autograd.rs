@@ -12,6 +12,12 @@
 //!   accumulation over micro-batches is an explicit [`Grads::accumulate`].
 //! - Backward runs with recording off (no double backward) in a deterministic order (reverse
 //!   of a depth-first topological order), so identical runs give bit-identical gradients.
+//! - A tensor used several times gets its gradients summed in one buffer: a contribution is
+//!   added in place when the running sum owns its buffer alone (nothing else can see it), and
+//!   a narrow's gradient is added into its window of that buffer ([`Backward::Window`]), so
+//!   `q`, `k` and `v` cut from one `qkv` tensor share one gradient buffer instead of three
+//!   zero-padded full-size copies (PyTorch's `split` backward). Same sums in the same order as
+//!   adding separate tensors: the values are unchanged.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -97,19 +103,6 @@ impl AnyTensor {
     pub fn to_f64_vec(&self) -> Vec<f64> {
         with_any!(self, t => t.to_vec().into_iter().map(|v| v.to_f64()).collect())
     }
-    fn add_same(self, other: AnyTensor) -> AnyTensor {
-        match (self, other) {
-            (AnyTensor::F16(a), AnyTensor::F16(b)) => AnyTensor::F16(a.add(&b)),
-            (AnyTensor::BF16(a), AnyTensor::BF16(b)) => AnyTensor::BF16(a.add(&b)),
-            (AnyTensor::F32(a), AnyTensor::F32(b)) => AnyTensor::F32(a.add(&b)),
-            (AnyTensor::F64(a), AnyTensor::F64(b)) => AnyTensor::F64(a.add(&b)),
-            (a, b) => panic!(
-                "autograd invariant: gradients of one tensor in two precisions ({} and {})",
-                a.dtype(),
-                b.dtype()
-            ),
-        }
-    }
 }
 
 impl<E: Precision> From<Tensor<E>> for AnyTensor {
@@ -121,6 +114,16 @@ impl<E: Precision> From<Tensor<E>> for AnyTensor {
 /// A backward function: the output's gradient in, one optional gradient per parent out.
 pub(crate) type BackwardFn = Box<dyn Fn(AnyTensor) -> Vec<Option<AnyTensor>> + Send + Sync>;
 
+/// How a node hands its gradient on to its parents.
+pub(crate) enum Backward {
+    /// The general case: a closure from the output's gradient to one gradient per parent.
+    Fn(BackwardFn),
+    /// The output is entries `start..` of `dim` of its one parent (a narrow): the gradient is
+    /// zero outside that window, so the engine adds it into the window of the parent's
+    /// gradient buffer instead of materialising a zero-padded copy of the parent's shape.
+    Window { dim: usize, start: usize },
+}
+
 /// One recorded operation (or a leaf when `backward` is `None`).
 pub(crate) struct Node {
     pub(crate) id: TensorId,
@@ -128,7 +131,8 @@ pub(crate) struct Node {
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<usize>,
     pub(crate) parents: Vec<Option<Arc<Node>>>,
-    pub(crate) backward: Option<BackwardFn>,
+    /// `None` for a leaf.
+    pub(crate) backward: Option<Backward>,
 }
 
 impl Node {
@@ -252,7 +256,7 @@ impl Grads {
     pub fn accumulate(&mut self, other: Grads) {
         for (id, g) in other.map {
             let merged = match self.map.remove(&id) {
-                Some(mine) => mine.add_same(g),
+                Some(mine) => accumulate(mine, g),
                 None => g,
             };
             self.map.insert(id, merged);
@@ -291,6 +295,16 @@ pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
             out.map.insert(node.id, grad);
             continue;
         };
+        let backward = match backward {
+            Backward::Fn(f) => f,
+            Backward::Window { dim, start } => {
+                let Some(parent) = &node.parents[0] else { continue };
+                assert_eq!(grad.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
+                let acc = pending.remove(&parent.id);
+                pending.insert(parent.id, add_window(acc, grad, &parent.shape, *dim, *start));
+                continue;
+            }
+        };
         let parent_grads = backward(grad);
         debug_assert_eq!(parent_grads.len(), node.parents.len(), "{} backward arity", node.op);
         for (parent, g) in node.parents.iter().zip(parent_grads) {
@@ -305,11 +319,118 @@ pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
             );
             assert_eq!(g.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
             let merged = match pending.remove(&parent.id) {
-                Some(acc) => acc.add_same(g),
+                Some(acc) => accumulate(acc, g),
                 None => g,
             };
             pending.insert(parent.id, merged);
         }
     }
     out
+}
+
+// ---- gradient accumulation ------------------------------------------------------------------
+
+/// `a + b` for two gradients of one tensor, written into whichever buffer is owned alone
+/// (a fresh tensor only when neither is). Each element is `a + b` in `E::Acc` rounded once,
+/// exactly what the `add` op computes, so the sums do not depend on which path ran.
+fn accumulate(a: AnyTensor, b: AnyTensor) -> AnyTensor {
+    match (a, b) {
+        (AnyTensor::F16(a), AnyTensor::F16(b)) => accumulate_typed(a, b).into(),
+        (AnyTensor::BF16(a), AnyTensor::BF16(b)) => accumulate_typed(a, b).into(),
+        (AnyTensor::F32(a), AnyTensor::F32(b)) => accumulate_typed(a, b).into(),
+        (AnyTensor::F64(a), AnyTensor::F64(b)) => accumulate_typed(a, b).into(),
+        (a, b) => {
+            panic!("autograd invariant: gradients of one tensor in two precisions ({} and {})", a.dtype(), b.dtype())
+        }
+    }
+}
+
+fn accumulate_typed<E: Precision>(mut a: Tensor<E>, mut b: Tensor<E>) -> Tensor<E> {
+    debug_assert_eq!(a.shape(), b.shape(), "accumulated gradients differ in shape");
+    if let Some(dst) = owned_whole(&mut a) {
+        add_assign(dst, &b.contiguous_data());
+        a
+    } else if let Some(dst) = owned_whole(&mut b) {
+        // Addition commutes exactly (one rounding of the same exact sum).
+        add_assign(dst, &a.contiguous_data());
+        b
+    } else {
+        a.add(&b)
+    }
+}
+
+/// Whether `t` views all of its buffer in order and is the buffer's only holder (so writing
+/// into it changes nothing anyone else can see).
+fn owns_whole<E: Precision>(t: &Tensor<E>) -> bool {
+    t.layout.is_contiguous()
+        && t.layout.offset == 0
+        && t.storage.len() == t.numel()
+        && Arc::strong_count(&t.storage) == 1
+        && Arc::weak_count(&t.storage) == 0
+}
+
+/// The buffer of `t` as a mutable slice, when [`owns_whole`] holds.
+fn owned_whole<E: Precision>(t: &mut Tensor<E>) -> Option<&mut [E]> {
+    if owns_whole(t) { Arc::get_mut(&mut t.storage).map(|v| v.as_mut_slice()) } else { None }
+}
+
+/// `dst += src` element-wise in `E::Acc`, rounded once per element, in parallel chunks.
+fn add_assign<E: Precision>(dst: &mut [E], src: &[E]) {
+    assert_eq!(dst.len(), src.len(), "add_assign: length mismatch");
+    crate::cpu::par_chunks_mut(dst, |ci, chunk| {
+        let start = ci * crate::cpu::CHUNK;
+        let src = &src[start..start + chunk.len()];
+        let mut ba = [E::Acc::default(); crate::cpu::BUF];
+        let mut bb = [E::Acc::default(); crate::cpu::BUF];
+        for (d, s) in chunk.chunks_mut(crate::cpu::BUF).zip(src.chunks(crate::cpu::BUF)) {
+            let (xa, xb) = (&mut ba[..d.len()], &mut bb[..d.len()]);
+            E::load(d, xa);
+            E::load(s, xb);
+            for (x, y) in xa.iter_mut().zip(xb.iter()) {
+                *x += *y;
+            }
+            E::store(xa, d);
+        }
+    });
+}
+
+/// Adds `g`, the gradient of the window `start..start + len` of `dim` of a tensor of `shape`,
+/// into that tensor's running gradient `acc` (in place when `acc` owns its buffer alone; a
+/// zero buffer with `g` copied into the window when there is none yet).
+fn add_window(acc: Option<AnyTensor>, g: AnyTensor, shape: &[usize], dim: usize, start: usize) -> AnyTensor {
+    fn typed<E: Precision>(
+        acc: Option<AnyTensor>,
+        g: Tensor<E>,
+        shape: &[usize],
+        dim: usize,
+        start: usize,
+    ) -> AnyTensor {
+        let acc = acc.map(|a| a.downcast::<E>().unwrap_or_else(|e| panic!("narrow backward: {e}")));
+        let (outer, size, inner) = crate::layout::outer_dim_inner(shape, dim);
+        let run = g.shape()[dim] * inner;
+        let gd = g.contiguous_data();
+        // Where the window's `o`-th run lies in the parent's buffer, and in `gd`.
+        let at = |o: usize| (o * size * inner + start * inner, o * run);
+        let mut acc = match acc {
+            Some(a) if owns_whole(&a) => a,
+            // Shared (or a view): a private copy to add into, still one pass cheaper than
+            // padding `g` and adding two full tensors.
+            Some(a) => Tensor::from_parts(a.to_vec(), shape),
+            None => {
+                let mut full = crate::precision::zeroed::<E>(shape.iter().product());
+                for o in 0..outer {
+                    let (dst, src) = at(o);
+                    full[dst..dst + run].copy_from_slice(&gd[src..src + run]);
+                }
+                return Tensor::from_parts(full, shape).into();
+            }
+        };
+        let buf = owned_whole(&mut acc).expect("owned above");
+        for o in 0..outer {
+            let (dst, src) = at(o);
+            add_assign(&mut buf[dst..dst + run], &gd[src..src + run]);
+        }
+        acc.into()
+    }
+    with_any!(g, g => typed(acc, g, shape, dim, start))
 }

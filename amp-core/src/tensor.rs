@@ -11,7 +11,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::autograd::{AnyTensor, Grads, Node, TensorId, is_grad_enabled, run_backward};
+use crate::autograd::{AnyTensor, Backward, Grads, Node, TensorId, is_grad_enabled, run_backward};
 use crate::cpu;
 use crate::device::{Cpu, Device};
 use crate::error::{Error, Result, or_panic};
@@ -227,30 +227,50 @@ impl<E: Precision> Tensor<E> {
     }
 }
 
+/// Whether an op with these parents records a node: recording is on and a parent takes part.
+fn records(parents: &[Option<Arc<Node>>]) -> bool {
+    is_grad_enabled() && parents.iter().any(Option::is_some)
+}
+
 // ---- autograd entry points --------------------------------------------------------------------
 
 impl<E: Precision> Tensor<E> {
     /// Records `self` as the output of `op` with `parents`; `backward` maps the output's
     /// gradient to one gradient per parent (same order, `None` where not needed).
     pub(crate) fn record(
-        mut self,
+        self,
         op: &'static str,
         parents: Vec<Option<Arc<Node>>>,
         backward: impl Fn(Tensor<E>) -> Vec<Option<AnyTensor>> + Send + Sync + 'static,
     ) -> Self {
-        if !is_grad_enabled() || parents.iter().all(Option::is_none) {
+        if !records(&parents) {
             return self;
         }
+        let backward = Backward::Fn(Box::new(move |g: AnyTensor| {
+            let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
+            backward(g)
+        }));
+        self.record_node(op, parents, backward)
+    }
+
+    /// Records `self` as entries `start..` of `dim` of `parent` (a narrow): the engine adds
+    /// its gradient into that window of the parent's gradient buffer.
+    fn record_window(self, parent: Option<Arc<Node>>, dim: usize, start: usize) -> Self {
+        let parents = vec![parent];
+        if !records(&parents) {
+            return self;
+        }
+        self.record_node("narrow", parents, Backward::Window { dim, start })
+    }
+
+    fn record_node(mut self, op: &'static str, parents: Vec<Option<Arc<Node>>>, backward: Backward) -> Self {
         let node = Node {
             id: TensorId::fresh(),
             op,
             dtype: E::DTYPE,
             shape: self.shape().to_vec(),
             parents,
-            backward: Some(Box::new(move |g: AnyTensor| {
-                let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
-                backward(g)
-            })),
+            backward: Some(backward),
         };
         self.node = Some(Arc::new(node));
         self
@@ -405,18 +425,9 @@ impl<E: Precision> Tensor<E> {
         let mut layout = self.layout.clone();
         layout.offset += start * layout.strides[dim];
         layout.shape[dim] = len;
-        let in_shape = self.shape().to_vec();
-        Ok(self.view(layout).record("narrow", vec![self.node.clone()], move |g| {
-            // The gradient is zero outside the window: pad it back to the input's shape.
-            let (outer, _, inner) = crate::layout::outer_dim_inner(&in_shape, dim);
-            let gd = g.contiguous_data();
-            let mut full = crate::precision::zeroed::<E>(in_shape.iter().product());
-            for o in 0..outer {
-                let dst = o * size * inner + start * inner;
-                full[dst..dst + len * inner].copy_from_slice(&gd[o * len * inner..(o + 1) * len * inner]);
-            }
-            vec![Some(Tensor::from_parts(full, &in_shape).into())]
-        }))
+        // The gradient is zero outside the window: autograd adds it into the window of the
+        // input's gradient buffer (one buffer for every narrow of one tensor, as `split`).
+        Ok(self.view(layout).record_window(self.node.clone(), dim, start))
     }
     /// `len` entries of `dim` starting at `start` (a view).
     #[track_caller]

@@ -245,3 +245,76 @@ fn linear_with_and_without_bias() {
     // A strided (transposed) weight view.
     gradcheck(&[randn(&[3, 4], 43), randn(&[4, 5], 44)], |t| t[0].linear(&t[1].t(), None).square().sum_all());
 }
+
+/// Narrows of one tensor share one gradient buffer (each window added in place): splits into
+/// chunks, overlapping windows, windows of a middle dim, narrows mixed with dense uses of the
+/// same tensor in either order, and a running gradient that another tensor still shares (it
+/// must be copied, not written into).
+#[test]
+fn narrow_windows_accumulate_into_one_buffer() {
+    let x = randn(&[6, 4], 80);
+    // Three chunks (a `split`), weighted differently so a misplaced window shows.
+    gradcheck(std::slice::from_ref(&x), |t| {
+        (0..3).map(|i| weighted(&t[0].narrow(0, 2 * i, 2), 81 + i as u64)).fold(Tensor::scalar(0.0), |a, b| a.add(&b))
+    });
+    // Overlapping windows, and windows of the inner dim (many runs per window).
+    gradcheck(std::slice::from_ref(&x), |t| {
+        weighted(&t[0].narrow(0, 1, 4), 84)
+            .add(&weighted(&t[0].narrow(0, 3, 3), 85))
+            .add(&weighted(&t[0].narrow(1, 1, 2), 86))
+    });
+    let y = randn(&[2, 3, 4], 87);
+    gradcheck(std::slice::from_ref(&y), |t| {
+        weighted(&t[0].narrow(1, 0, 1), 88).add(&weighted(&t[0].narrow(1, 1, 2).exp(), 89))
+    });
+    // Dense uses before and after the narrows in the graph.
+    gradcheck(std::slice::from_ref(&x), |t| {
+        let p = t[0].mul_scalar(1.5);
+        weighted(&p.square(), 90).add(&weighted(&p.narrow(0, 2, 3), 91)).add(&weighted(&p.tanh(), 92))
+    });
+    // `p + w` hands one gradient to both `p` and the leaf `w`, which keeps it: the windows
+    // and dense gradients added into `p`'s gradient must not leak into `w`'s.
+    let w = randn(&[6, 4], 93);
+    // Each in both orders: the engine meets `p`'s uses in the reverse of the order its
+    // depth-first walk first reached them.
+    for add_first in [false, true] {
+        gradcheck(&[x.clone(), w.clone()], |t| {
+            let p = t[0].mul_scalar(2.0);
+            let a = weighted(&p.add(&t[1]), 94);
+            let n = weighted(&p.narrow(1, 0, 3), 95).add(&weighted(&p.narrow(0, 4, 2), 96));
+            if add_first { n.add(&a) } else { a.add(&n) }
+        });
+        gradcheck(&[x.clone(), w.clone()], |t| {
+            let p = t[0].mul_scalar(2.0);
+            let (a, s) = (weighted(&p.add(&t[1]), 97), weighted(&p.square(), 98));
+            if add_first { s.add(&a) } else { a.add(&s) }
+        });
+    }
+    // Chunks of a permuted view, as attention cuts q, k and v out of one qkv tensor.
+    let z = randn(&[2, 3, 6], 96);
+    gradcheck(std::slice::from_ref(&z), |t| {
+        let v = t[0].reshape(&[2, 3, 3, 2]).permute(&[2, 0, 1, 3]);
+        let part = |i: usize| v.narrow(0, i, 1).reshape(&[2, 3, 2]);
+        weighted(&part(0).matmul(&part(1).t()).matmul(&part(2)), 97)
+    });
+}
+
+#[test]
+fn split_gradients_are_exact_and_leave_shared_gradients_alone() {
+    use amp_core::Grads;
+    // Each element's gradient comes from exactly one window: exact values, no rounding.
+    let x = Tensor::<f32>::from_vec((0..12).map(|v| v as f32).collect(), &[3, 4]).requires_grad_();
+    let loss = (0..3)
+        .map(|i| x.narrow(0, i, 1).mul_scalar((i + 1) as f64).sum_all())
+        .fold(Tensor::scalar(0.0), |a, b| a.add(&b));
+    let g = loss.backward();
+    let want: Vec<f32> = (0..12).map(|j| (j / 4 + 1) as f32).collect();
+    assert_eq!(g.get(&x).unwrap().to_vec(), want);
+    // Accumulating into a copy of a `Grads` leaves the original untouched (shared buffers are
+    // never written in place).
+    let mut acc: Grads = g.clone();
+    acc.accumulate(x.square().sum_all().backward());
+    assert_eq!(g.get(&x).unwrap().to_vec(), want);
+    let doubled: Vec<f32> = (0..12).map(|j| (j / 4 + 1) as f32 + 2.0 * j as f32).collect();
+    assert_eq!(acc.get(&x).unwrap().to_vec(), doubled);
+}

@@ -1,8 +1,10 @@
 //! nn modules: PyTorch names, train/eval reaching every dropout, precisions per the policy
 //! table, and gradients arriving in f32 for every parameter.
 
-use amp_core::nn::{Gpt, GptConfig, Linear};
-use amp_core::{DType, Indices, Params, Precision, Rng, Tensor, bf16, f16};
+mod common;
+
+use amp_core::nn::{CausalSelfAttention, Gpt, GptConfig, Linear};
+use amp_core::{DType, Indices, Mask, Params, Precision, Rng, Tensor, bf16, f16};
 
 fn tiny() -> GptConfig {
     GptConfig { vocab_size: 11, block_size: 8, d_model: 16, n_layers: 2, n_heads: 2, dropout: 0.1 }
@@ -122,5 +124,68 @@ fn linear_matches_manual_formula_and_checks_input_width() {
             "linear: the input's last dim must equal the weight's in_features 3 (shapes [[4, 5], [2, 3], [2]])"
         ),
         "{msg}"
+    );
+}
+
+/// Causal attention written out with separate q, k and v weights: `[x, wq, wk, wv, bq, bk, bv,
+/// wp, bp]` to `[B, T, d]`, all f64.
+fn attention_reference(a: &[Tensor<f64>], h: usize) -> Tensor<f64> {
+    let (b, t, d) = (a[0].shape()[0], a[0].shape()[1], a[0].shape()[2]);
+    let hd = d / h;
+    let heads = |w: &Tensor<f64>, bias: &Tensor<f64>| {
+        a[0].matmul(&w.t()).add(bias).reshape(&[b, t, h, hd]).permute(&[0, 2, 1, 3])
+    };
+    let (q, k, v) = (heads(&a[1], &a[4]), heads(&a[2], &a[5]), heads(&a[3], &a[6]));
+    let scores = q.matmul(&k.t()).mul_scalar(1.0 / (hd as f64).sqrt()).masked_fill(&Mask::causal(t), f64::NEG_INFINITY);
+    let y = scores.softmax(3).matmul(&v).permute(&[0, 2, 1, 3]).reshape(&[b, t, d]);
+    y.matmul(&a[7].t()).add(&a[8])
+}
+
+/// The fused `qkv` projection (one GEMM, q, k and v cut out of its output) gives the outputs
+/// and gradients of separate projections: checked in f64 against [`attention_reference`],
+/// which is itself checked against finite differences.
+#[test]
+fn attention_matches_separate_qkv_projections_with_gradients() {
+    let (b, t, d, h) = (2, 5, 8, 2);
+    let mut attn = CausalSelfAttention::new(d, h, 0.0, &mut Rng::seed(40));
+    // Random biases too (GPT-2's init zeroes them); f32 values, so f64 sees them exactly.
+    let mut rng = Rng::seed(41);
+    for (_, p) in attn.named_params_mut() {
+        p.set(&Tensor::<f32>::randn(p.shape(), &mut rng).mul_scalar(0.5));
+    }
+    let f64_of = |p: &Tensor<f32>| p.cast::<f64>();
+    let (w, bias) = (f64_of(&attn.qkv.weight), f64_of(attn.qkv.bias.as_ref().unwrap()));
+    let x = Tensor::<f32>::randn(&[b, t, d], &mut rng).cast::<f64>();
+    let mut inputs = vec![x.clone()];
+    inputs.extend((0..3).map(|i| w.narrow(0, i * d, d).contiguous()));
+    inputs.extend((0..3).map(|i| bias.narrow(0, i * d, d).contiguous()));
+    inputs.push(f64_of(&attn.proj.weight));
+    inputs.push(f64_of(attn.proj.bias.as_ref().unwrap()));
+    let weights = Tensor::<f64>::randn(&[b, t, d], &mut rng);
+    let loss = |y: &Tensor<f64>| y.mul(&weights).sum_all();
+    common::gradcheck(&inputs, |a| loss(&attention_reference(a, h)));
+
+    let leaves: Vec<Tensor<f64>> = inputs.iter().map(|t| t.detach().requires_grad_()).collect();
+    let want = attention_reference(&leaves, h);
+    let want_g = loss(&want).backward();
+    let xl = x.detach().requires_grad_();
+    let got = attn.forward::<f64, f64>(&xl, &mut Rng::seed(0));
+    // The masked softmax runs in f32 (the policy's fp32 category) whatever the compute
+    // precision, so f64 results agree to f32's tolerance.
+    common::assert_close(&got.cast::<f32>(), &want, "output");
+    let got_g = loss(&got).backward();
+    common::assert_close(&got_g.get(&xl).unwrap().cast::<f32>(), want_g.get(&leaves[0]).unwrap(), "x gradient");
+    let cat = |r: std::ops::Range<usize>| {
+        let parts: Vec<&Tensor<f64>> = r.map(|i| want_g.get(&leaves[i]).unwrap()).collect();
+        Tensor::cat(&parts, 0)
+    };
+    let param_grad = |p: &amp_core::Param| got_g.get(p).unwrap().clone();
+    common::assert_close(&param_grad(&attn.qkv.weight), &cat(1..4), "qkv.weight gradient");
+    common::assert_close(&param_grad(attn.qkv.bias.as_ref().unwrap()), &cat(4..7), "qkv.bias gradient");
+    common::assert_close(&param_grad(&attn.proj.weight), want_g.get(&leaves[7]).unwrap(), "proj.weight gradient");
+    common::assert_close(
+        &param_grad(attn.proj.bias.as_ref().unwrap()),
+        want_g.get(&leaves[8]).unwrap(),
+        "proj.bias gradient",
     );
 }

@@ -125,6 +125,13 @@ trait Kernel {
     fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<Self::Packed>; 2]>>;
     /// `tile[r * ldc + j] += Σ_s a[s·MR + r] · b[s·NR + j]` over `kc` steps.
     fn micro(kc: usize, a: &[Self::Packed], b: &[Self::Packed], tile: &mut [f32], ldc: usize);
+    /// Whether [`Kernel::micro_rows`] exists: a step of a row can be read in place when the
+    /// row's k values are contiguous (a bf16 pair is two adjacent elements; an f16 must be
+    /// widened, so f16 always packs A).
+    const READS_A_ROWS: bool;
+    /// [`Kernel::micro`] reading A in place: step s of row r is at `a[first + r * rs + s * K_STEP]`.
+    /// Only called when [`Kernel::READS_A_ROWS`] is true.
+    fn micro_rows(kc: usize, a: &[Self::In], first: usize, rs: usize, b: &[Self::Packed], tile: &mut [f32], ldc: usize);
 }
 
 /// bf16 pairs for `vdpbf16ps`: element (r, 2s) in the low half of the lane, (r, 2s + 1) in
@@ -188,9 +195,23 @@ impl Kernel for Bf16Pairs {
         assert!(a.len() >= kc * MR && b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm` only runs this kernel after `available()` saw avx512f and avx512bf16
-        // on this CPU, and the assert above covers every index the kernel reads and writes.
+        // on this CPU, and the assert above covers every index the kernel reads and writes:
+        // step s of row r at byte 4·(s·MR + r).
         unsafe {
-            micro_bf16(kc, a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), ldc)
+            micro_bf16(kc, a.as_ptr().cast(), 4, 4 * MR, b.as_ptr(), tile.as_mut_ptr(), ldc)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("the native GEMM runs only where available() is true")
+    }
+    const READS_A_ROWS: bool = true;
+    fn micro_rows(kc: usize, a: &[bf16], first: usize, rs: usize, b: &[u32], tile: &mut [f32], ldc: usize) {
+        assert!(kc > 0 && first + (MR - 1) * rs + 2 * kc <= a.len());
+        assert!(b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `micro`; the assert above covers the last pair the kernel reads, the
+        // two bf16 at `first + (MR - 1)·rs + 2(kc - 1)`, read as one unaligned u32.
+        unsafe {
+            micro_bf16(kc, a.as_ptr().add(first).cast(), 2 * rs, 4, b.as_ptr(), tile.as_mut_ptr(), ldc)
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("the native GEMM runs only where available() is true")
@@ -251,6 +272,10 @@ impl Kernel for F16Widened {
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("the native GEMM runs only where available() is true")
+    }
+    const READS_A_ROWS: bool = false;
+    fn micro_rows(_: usize, _: &[f16], _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize) {
+        unreachable!("f16 always packs A (READS_A_ROWS is false)")
     }
 }
 
@@ -314,7 +339,12 @@ fn multiply<E: Precision, K: Kernel>(
     }
     let steps = k.div_ceil(K::K_STEP);
     let big = parallel && 2 * m * n * k >= PAR_FLOPS;
-    pack::<K, MR>(m, k, a, big, pa);
+    // A's full panels are read in place when the kernel can and A's rows hold whole steps
+    // contiguously (row-major activations, the usual case); `pa` then holds only the panel of
+    // the last m % MR rows, zero-padded.
+    let in_place = K::READS_A_ROWS && a.cs == 1 && k.is_multiple_of(K::K_STEP);
+    let full = if in_place { m / MR * MR } else { 0 };
+    pack::<K, MR>(m - full, k, Operand { offset: a.offset + full * a.rs, ..a }, big, pa);
     pack::<K, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
     let (pa, pb) = (&pa[..], &pb[..]);
     // Rows per task: enough tasks for every thread when m allows, a multiple of MR.
@@ -339,8 +369,14 @@ fn multiply<E: Precision, K: Kernel>(
                     for jr in 0..nc_pad / NR {
                         let bp = &pb[((jc / NR + jr) * steps + pc) * NR..][..kc * NR];
                         for ir in 0..mc_pad / MR {
-                            let ap = &pa[((r0 / MR + ir) * steps + pc) * MR..][..kc * MR];
-                            K::micro(kc, ap, bp, &mut c[ir * MR * nc_pad + jr * NR..], nc_pad);
+                            let (row, tile) = (r0 + ir * MR, &mut c[ir * MR * nc_pad + jr * NR..]);
+                            if row < full {
+                                let first = a.offset + row * a.rs + pc * K::K_STEP;
+                                K::micro_rows(kc, a.data, first, a.rs, bp, tile, nc_pad);
+                            } else {
+                                let ap = &pa[(((row - full) / MR) * steps + pc) * MR..][..kc * MR];
+                                K::micro(kc, ap, bp, tile, nc_pad);
+                            }
                         }
                     }
                 }
@@ -369,7 +405,7 @@ fn pack<K: Kernel, const W: usize>(
 ) {
     let steps = k.div_ceil(K::K_STEP);
     out.resize(rows.div_ceil(W) * W * steps, K::ZERO);
-    if steps == 0 {
+    if rows == 0 || steps == 0 {
         return;
     }
     let last = x.offset + (rows - 1) * x.rs + (k - 1) * x.cs;
@@ -413,14 +449,16 @@ fn pack<K: Kernel, const W: usize>(
 }
 
 /// The bf16 register-blocked kernel: 2·MR zmm accumulators, two B vectors per pair, A pairs
-/// broadcast from memory.
+/// broadcast from memory. The pair of step p, row r is the (possibly unaligned) u32 at byte
+/// `r * a_row + p * a_step` of `a`: packed panels and rows read in place use the same code.
 ///
 /// # Safety
-/// The CPU must support avx512f and avx512bf16; `a` must be readable for `kc * MR` u32, `b`
-/// for `kc * NR`, and `c` readable and writable at `r * ldc + j` for r < MR, j < NR.
+/// The CPU must support avx512f and avx512bf16; `a` must be readable for 4 bytes at
+/// `r * a_row + p * a_step` for r < MR, p < kc; `b` for `kc * NR` u32; and `c` readable and
+/// writable at `r * ldc + j` for r < MR, j < NR.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn micro_bf16(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize) {
+unsafe fn micro_bf16(kc: usize, a: *const u8, a_row: usize, a_step: usize, b: *const u32, c: *mut f32, ldc: usize) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     for (r, acc) in acc.iter_mut().enumerate() {
@@ -431,13 +469,15 @@ unsafe fn micro_bf16(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: 
         }
     }
     for p in 0..kc {
-        // SAFETY: p < kc, so p·NR + 32 ≤ kc·NR and p·MR + MR ≤ kc·MR stay inside `b` and `a`;
-        // __m512i and __m512bh are both 64-byte vectors for which every bit pattern is valid.
+        // SAFETY: p < kc, so p·NR + 32 ≤ kc·NR stays inside `b`, and each A pair is inside `a`
+        // per the contract; __m512i and __m512bh are both 64-byte vectors for which every bit
+        // pattern is valid.
         unsafe {
             let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
             let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
             for (r, acc) in acc.iter_mut().enumerate() {
-                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + r) as i32));
+                let pair = a.add(r * a_row + p * a_step).cast::<i32>().read_unaligned();
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
                 acc[0] = _mm512_dpbf16_ps(acc[0], av, b0);
                 acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
             }
@@ -590,6 +630,8 @@ mod tests {
             (8, 2, 32),
             (17, 1, 65),
             (64, 5, 96),
+            (64, 6, 96),
+            (17, 40, 33),
             (257, 129, 67),
             (1, 300, 600),
             (100, 257, 1),
@@ -603,8 +645,9 @@ mod tests {
         }
     }
 
-    /// Small and ragged shapes, every operand layout (including the contiguous-run pack of a
-    /// transposed operand), with and without bias.
+    /// Small and ragged shapes, every operand layout (the contiguous-run pack of a transposed
+    /// operand; bf16's in-place rows of a row-major A with even k, with and without a ragged
+    /// last panel), with and without bias.
     #[test]
     fn shapes_layouts_and_bias_match_reference() {
         shapes_layouts_and_bias::<bf16>();

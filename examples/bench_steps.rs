@@ -86,6 +86,46 @@ fn arg_value(flag: &str) -> Option<String> {
     std::env::args().skip_while(|a| a != flag).nth(1)
 }
 
+/// The GEMMs of one W2 step, alone: every forward product `y = a b` of the model (batch, m,
+/// k, n) with its two backward products `dy bᵀ` and `aᵀ dy`, on transposed views as autograd
+/// runs them. Their time is a floor under the step; returns (median seconds, GFLOP).
+fn w2_gemms<L: Precision>(steps: usize) -> (f64, f64) {
+    let (tokens, d, heads, t, hd, vocab) = (16 * 128, 256, 4, 128, 64, 128);
+    let bh = 16 * heads;
+    let mut shapes = Vec::new();
+    for _ in 0..4 {
+        shapes.extend([
+            (1, tokens, d, 3 * d), // qkv
+            (bh, t, hd, t),        // q kᵀ
+            (bh, t, t, hd),        // p v
+            (1, tokens, d, d),     // proj
+            (1, tokens, d, 4 * d), // fc
+            (1, tokens, 4 * d, d), // fc2
+        ]);
+    }
+    shapes.push((1, tokens, d, vocab)); // head
+    let mut rng = Rng::seed(2);
+    let operands: Vec<_> = shapes
+        .iter()
+        .map(|&(b, m, k, n)| {
+            let randn = |s: &[usize], rng: &mut Rng| Tensor::<f32>::randn(s, rng).cast::<L>();
+            (randn(&[b, m, k], &mut rng), randn(&[b, k, n], &mut rng), randn(&[b, m, n], &mut rng))
+        })
+        .collect();
+    let flops: usize = shapes.iter().map(|&(b, m, k, n)| 3 * 2 * b * m * k * n).sum();
+    let mut times = Vec::new();
+    for i in 0..=steps {
+        let start = Instant::now();
+        for (a, b, dy) in &operands {
+            std::hint::black_box((a.matmul(b), dy.matmul(&b.transpose(1, 2)), a.transpose(1, 2).matmul(dy)));
+        }
+        if i > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    (median(times), flops as f64 / 1e9)
+}
+
 fn main() {
     let steps: usize = arg_value("--steps").map(|s| s.parse().expect("--steps takes a positive integer")).unwrap_or(5);
     let only = arg_value("--only");
@@ -145,5 +185,19 @@ fn main() {
             ratio(ours[1] / torch[1], 2),
             ratio(torch[2] / ours[2], 0)
         );
+    }
+    if run("w2") {
+        println!();
+        println!("W2's GEMMs alone (forward and backward, no other op): a floor under the step");
+        for (name, p, gemms) in [
+            ("f32", "f32", &(|| w2_gemms::<f32>(steps)) as &dyn Fn() -> (f64, f64)),
+            ("bf16", "bf16", &|| w2_gemms::<bf16>(steps)),
+            ("f16", "f16", &|| w2_gemms::<f16>(steps)),
+        ] {
+            if want(p) {
+                let (secs, gflop) = gemms();
+                println!("  {name}: {secs:.3} s for {gflop:.1} GFLOP ({:.0} GFLOP/s)", gflop / secs);
+            }
+        }
     }
 }

@@ -90,6 +90,9 @@ pub trait Accum:
     /// within 1 ulp), libm for f64. Use it instead of `Float::exp`, which is a libm call per
     /// element for f32.
     fn vexp(self) -> Self;
+    /// `(erf(self), e^(-self²))`: for f32 the erf computes that exponential anyway, so a
+    /// caller needing both (GELU's derivative: `Φ` and the density `φ`) pays for one.
+    fn erf_gauss(self) -> (Self, Self);
 }
 
 impl Accum for f32 {
@@ -109,6 +112,10 @@ impl Accum for f32 {
     fn vexp(self) -> Self {
         crate::cpu::fastmath::exp_f32(self)
     }
+    #[inline(always)]
+    fn erf_gauss(self) -> (Self, Self) {
+        crate::cpu::fastmath::erf_exp_f32(self)
+    }
 }
 
 impl Accum for f64 {
@@ -127,6 +134,10 @@ impl Accum for f64 {
     #[inline(always)]
     fn vexp(self) -> Self {
         self.exp()
+    }
+    #[inline(always)]
+    fn erf_gauss(self) -> (Self, Self) {
+        (libm::erf(self), (-(self * self)).exp())
     }
 }
 

@@ -74,8 +74,10 @@ unary_op!(
     Gelu, gelu, "gelu",
     |x| A::c(0.5) * x * (A::one() + (x * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf()),
     |x, y| {
-        let cdf = A::c(0.5) * (A::one() + (x * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf());
-        let pdf = (-(x * x) * A::c(0.5)).vexp() * A::c(0.398_942_280_401_432_7);
+        // One exponential for both: erf(x/√2) needs e^(-x²/2), which is √(2π) φ(x).
+        let (erf, gauss) = (x * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf_gauss();
+        let cdf = A::c(0.5) * (A::one() + erf);
+        let pdf = gauss * A::c(0.398_942_280_401_432_7);
         cdf + x * pdf
     }
 );

@@ -45,6 +45,9 @@ impl CausalSelfAttention {
         let (h, hd) = (self.n_heads, d / self.n_heads);
         // [B, T, 3, H, hd] -> [3, B, H, T, hd]
         let qkv = self.qkv.forward::<L, X>(x).reshape(&[b, t, 3, h, hd]).permute(&[2, 0, 3, 1, 4]);
+        // q, k and v are narrows of one tensor: autograd adds their gradients into the windows
+        // of one [3, B, H, T, hd] buffer (PyTorch's `split` backward), never three zero-padded
+        // full-size copies, so the fused projection's backward is one GEMM on one gradient.
         let part = |i: usize| qkv.narrow(0, i, 1).reshape(&[b, h, t, hd]);
         let (q, k, v) = (part(0), part(1), part(2));
         let scores = q.matmul(&k.t()).mul_scalar(1.0 / (hd as f64).sqrt());

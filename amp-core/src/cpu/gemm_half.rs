@@ -394,8 +394,8 @@ fn multiply<E: Precision, K: Kernel>(
     }
 }
 
-/// Packs `rows × k` of `x` into `out` (resized; every element written, so stale contents do
-/// not matter) as panels of `W` rows: panel i, step s, row r at `[(i * steps + s) * W + r]`.
+/// Packs `rows × k` of `x` into the front of `out` (grown if short; every element of the
+/// front written, so stale contents do not matter) as panels of `W` rows: panel i, step s, row r at `[(i * steps + s) * W + r]`.
 /// Rows past `rows` and the pad of a last odd pair are zero.
 fn pack<K: Kernel, const W: usize>(
     rows: usize,
@@ -405,7 +405,13 @@ fn pack<K: Kernel, const W: usize>(
     out: &mut Vec<K::Packed>,
 ) {
     let steps = k.div_ceil(K::K_STEP);
-    out.resize(rows.div_ceil(W) * W * steps, K::ZERO);
+    // Grow only: shrinking and regrowing would zero-fill the regrown part on every product
+    // whose shapes alternate (training steps do).
+    let len = rows.div_ceil(W) * W * steps;
+    if out.len() < len {
+        out.resize(len, K::ZERO);
+    }
+    let out = &mut out[..len];
     if rows == 0 || steps == 0 {
         return;
     }

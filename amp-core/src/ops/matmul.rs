@@ -1,6 +1,7 @@
 //! Matrix multiply: 2-D, batched, with batch dims broadcast (and 1-D operands as in PyTorch).
 //! Every precision accumulates in f32 (f64 for f64) and rounds each output once: bf16 on an
-//! AVX-512 BF16 kernel where the CPU has one, f16 (and bf16 elsewhere) widened to f32 for gemm.
+//! AVX-512 BF16 kernel and f16 on an AVX-512 f32-FMA kernel that widens inside its pack, where
+//! the CPU has them (`cpu::gemm_half`); elsewhere f16 and bf16 widen to f32 for gemm.
 //! Derivatives: `dA = dC Bᵀ`, `dB = Aᵀ dC`, summed over broadcast batch dims.
 
 use crate::cpu;

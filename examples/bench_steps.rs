@@ -51,8 +51,7 @@ fn time_steps<M: Params, K: LossScaler>(
     for i in 0..=steps {
         let t = Instant::now();
         let l = loss(model);
-        let scaled = scaler.scale(&l);
-        drop(l); // free the graph before the step, so parameters update in place
+        let scaled = scaler.scale(l);
         let mut grads = scaled.backward().unscale();
         grads.clip_grad_norm(1.0);
         grads.step(&mut opt, model).update().expect("scaler update");

@@ -119,8 +119,7 @@ fn train_one_epoch_amp<P: Precision, K: LossScaler>(
         }
         let loss = model.forward::<P>(&x).cross_entropy(&y);
         let value = loss.item() as f64;
-        let mut grads = scaler.scale(&loss).backward().unscale();
-        drop(loss); // frees the graph, so the step updates the weights in place
+        let mut grads = scaler.scale(loss).backward().unscale();
         let norm = grads.clip_grad_norm(max_norm);
         let report = grads.step(optimizer, model).update()?;
         if report.skipped {

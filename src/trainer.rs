@@ -414,9 +414,9 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         }
         let lr = opt.lr_at(opt.steps());
         let loss_value = loss.item() as f64;
-        let scaled = scaler.scale(&loss);
-        drop(loss); // the graph must be gone by `step` so parameters update in place, not copy on write
-        let mut grads = scaled.backward().unscale();
+        // The loss moves into the step: its graph is freed by `backward`, so `step` updates the
+        // parameters in place instead of copying them.
+        let mut grads = scaler.scale(loss).backward().unscale();
         let grad_norm = grads.clip_grad_norm(cfg.clip_norm);
         let report = grads.step(&mut opt, &mut model).update().map_err(|e| Error::State {
             context: format!("training stopped at step {step}"),

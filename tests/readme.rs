@@ -22,7 +22,7 @@ impl Mlp {
 
 fn train_step(model: &mut Mlp, opt: &mut Optim<AdamW>, scaler: &mut GradScaler, x: &Tensor<f32>, y: &Indices) {
     let loss = model.loss(x, y);
-    let mut grads = scaler.scale(&loss).backward().unscale(); // one fused pass: ×(1/S) and inf check
+    let mut grads = scaler.scale(loss).backward().unscale(); // one fused pass: ×(1/S) and inf check
     grads.clip_grad_norm(1.0); // only exists on unscaled gradients
     let report = grads.step(opt, model).update().unwrap(); // skipped on overflow; S adapts
     let _ = report.skipped;

@@ -202,15 +202,34 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
 
 /// Gradients from one backward pass, keyed by the leaf they belong to, each in its leaf's
 /// precision.
-#[derive(Clone, Debug, Default)]
+///
+/// A `Grads` is always unscaled: a scaled loss's gradients stay inside the training step
+/// ([`crate::scaler::TrainStep`]), so whatever holds a `Grads` may clip it or step an optimizer
+/// with it. Each set (and its clones) carries the id of the backward pass that made it, so an
+/// optimizer applies it once ([`crate::optim::Optimizer::step`]).
+#[derive(Clone, Debug)]
 pub struct Grads {
     map: HashMap<TensorId, AnyTensor>,
+    /// The backward pass (or `Grads::new`) that made this set; kept by clones.
+    generation: u64,
+}
+
+impl Default for Grads {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Grads {
-    /// An empty set.
+    /// An empty set (a new generation: an optimizer may apply it once).
     pub fn new() -> Self {
-        Self::default()
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Grads { map: HashMap::new(), generation: NEXT.fetch_add(1, Ordering::Relaxed) }
+    }
+    /// Which backward pass made this set (clones share it): optimizers refuse to apply the
+    /// same generation twice.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
     }
     /// The gradient of `t` (a parameter or a leaf that requires gradients), in `t`'s precision.
     pub fn get<E: Precision>(&self, t: &Tensor<E>) -> Option<&Tensor<E>> {
@@ -262,6 +281,22 @@ impl Grads {
             self.map.insert(id, merged);
         }
     }
+}
+
+/// The op of the first node (depth first from `t`) whose output is `dtype`, if any.
+pub(crate) fn first_node_of<E: Precision>(t: &Tensor<E>, dtype: DType) -> Option<&'static str> {
+    let mut stack: Vec<&Arc<Node>> = t.node.iter().collect();
+    let mut seen: HashSet<TensorId> = HashSet::new();
+    while let Some(n) = stack.pop() {
+        if !seen.insert(n.id) {
+            continue;
+        }
+        if n.dtype == dtype {
+            return Some(n.op);
+        }
+        stack.extend(n.parents.iter().flatten());
+    }
+    None
 }
 
 /// Runs backward from `root` seeded with `seed` (same shape and precision as the root).

@@ -11,9 +11,19 @@ use crate::precision::Precision;
 use crate::tensor::Tensor;
 
 /// A trainable tensor (master weights are `Param<f32>`, the default).
-#[derive(Clone, Debug)]
+///
+/// Cloning a `Param` makes a new parameter: the same values (shared until either is updated,
+/// then copied on write) under a new id, so gradients and optimizer state of the copy are its
+/// own (a frozen target network never feeds gradients back into the online one).
+#[derive(Debug)]
 pub struct Param<E: Precision = f32> {
     tensor: Tensor<E>,
+}
+
+impl<E: Precision> Clone for Param<E> {
+    fn clone(&self) -> Self {
+        Param { tensor: self.tensor.detach().requires_grad_() }
+    }
 }
 
 impl<E: Precision> Param<E> {

@@ -282,8 +282,9 @@ impl<E: Precision> Tensor<E> {
         self.try_backward_with_seed(1.0)
     }
     /// Like [`Tensor::try_backward`], with the seed gradient `seed` instead of 1 (this is how a
-    /// scaled loss's backward multiplies every gradient by the scale).
-    pub fn try_backward_with_seed(&self, seed: f64) -> Result<Grads> {
+    /// scaled loss's backward multiplies every gradient by the scale). Crate-private: scaled
+    /// gradients exist only inside a training step, never as a [`Grads`].
+    pub(crate) fn try_backward_with_seed(&self, seed: f64) -> Result<Grads> {
         if self.numel() != 1 {
             return Err(Error::Backward {
                 detail: format!("needs a one-element (scalar) tensor, got shape {:?}", self.shape()),

@@ -33,7 +33,7 @@ const INF: [f32; 3] = [1.0, f32::INFINITY, 0.25];
 /// One full iteration with a clean (`true`) or overflowing (`false`) gradient.
 fn iteration<K: LossScaler>(scaler: &mut K, model: &mut Probe, opt: &mut impl Optimizer, ok: bool) -> StepReport {
     let loss = loss_of(&model.p, if ok { OK } else { INF });
-    scaler.scale(&loss).backward().unscale().step(opt, model).update().unwrap()
+    scaler.scale(loss).backward().unscale().step(opt, model).update().unwrap()
 }
 
 fn scaler_with(growth_interval: i32, init_scale: f32) -> GradScaler {
@@ -103,10 +103,10 @@ fn seventeen_overflows_take_65536_to_one_half_with_no_floor() {
 #[test]
 fn micro_batches_advance_the_tracker_once() {
     let (mut s, mut m, mut opt) = (scaler_with(3, 1024.0), probe(), Sgd::new(0.1).build().unwrap());
-    let losses: Vec<Tensor<f32>> = (0..4).map(|_| loss_of(&m.p, OK)).collect();
-    let mut grads = s.scale(&losses[0]).backward();
-    grads.accumulate(&losses[1]).accumulate(&losses[2]);
-    grads.accumulate(&losses[3]);
+    let mut losses = (0..4).map(|_| loss_of(&m.p, OK));
+    let mut grads = s.scale(losses.next().unwrap()).backward();
+    grads.accumulate(losses.next().unwrap()).accumulate(losses.next().unwrap());
+    grads.accumulate(losses.next().unwrap());
     assert_eq!(grads.micro_batches(), 4);
     // Accumulated before unscale: the sum of four scaled gradients, then one unscale.
     assert_eq!(grads.scaled_grads().get(&m.p).unwrap().to_vec(), vec![4096.0, -2048.0, 1024.0]);
@@ -121,8 +121,8 @@ fn micro_batches_advance_the_tracker_once() {
 fn an_overflow_in_any_micro_batch_skips_the_step() {
     let (mut s, mut m, mut opt) = (GradScaler::new(), probe(), Sgd::new(0.1).build().unwrap());
     let (a, b) = (loss_of(&m.p, OK), loss_of(&m.p, INF));
-    let mut grads = s.scale(&a).backward();
-    grads.accumulate(&b);
+    let mut grads = s.scale(a).backward();
+    grads.accumulate(b);
     let r = grads.unscale().step(&mut opt, &mut m).update().unwrap();
     assert!(r.skipped);
     assert_eq!((r.scale, opt.steps()), (32768.0, 0));
@@ -137,7 +137,7 @@ fn several_optimizers_skip_on_their_own_overflow_and_back_off_once() {
     // Only the decoder's gradient overflows.
     let loss = loss_of(&enc.p, OK).add(&loss_of(&dec.p, INF));
     let stepped =
-        s.scale(&loss).backward().unscale().step_many(&mut [(&mut opt_enc, &mut enc), (&mut opt_dec, &mut dec)]);
+        s.scale(loss).backward().unscale().step_many(&mut [(&mut opt_enc, &mut enc), (&mut opt_dec, &mut dec)]);
     assert!(stepped.skipped());
     let r = stepped.update().unwrap();
     assert_eq!((opt_enc.steps(), opt_dec.steps()), (1, 0));
@@ -148,7 +148,7 @@ fn several_optimizers_skip_on_their_own_overflow_and_back_off_once() {
     // Both overflow: still a single backoff.
     let loss = loss_of(&enc.p, INF).add(&loss_of(&dec.p, INF));
     let r = s
-        .scale(&loss)
+        .scale(loss)
         .backward()
         .unscale()
         .step_many(&mut [(&mut opt_enc, &mut enc), (&mut opt_dec, &mut dec)])
@@ -164,10 +164,10 @@ fn update_to_sets_the_scale_and_leaves_the_tracker() {
     iteration(&mut s, &mut m, &mut opt, true);
     iteration(&mut s, &mut m, &mut opt, true);
     let loss = loss_of(&m.p, OK);
-    let r = s.scale(&loss).backward().unscale().step(&mut opt, &mut m).update_to(8.0).unwrap();
+    let r = s.scale(loss).backward().unscale().step(&mut opt, &mut m).update_to(8.0).unwrap();
     assert_eq!((r.scale, r.growth_tracker), (8.0, 2));
     let loss = loss_of(&m.p, OK);
-    let bad = s.scale(&loss).backward().unscale().step(&mut opt, &mut m).update_to(f32::NAN);
+    let bad = s.scale(loss).backward().unscale().step(&mut opt, &mut m).update_to(f32::NAN);
     assert!(matches!(bad, Err(Error::State { .. })));
 }
 
@@ -256,7 +256,7 @@ fn error_at_min_scale_stops_a_collapsed_run() {
     }
     assert_eq!(s.get_scale(), 1.0);
     let loss = loss_of(&m.p, INF);
-    let err = s.scale(&loss).backward().unscale().step(&mut opt, &mut m).update().unwrap_err();
+    let err = s.scale(loss).backward().unscale().step(&mut opt, &mut m).update().unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("collapsed") && msg.contains("min_scale = 1") && msg.contains("3 overflowing steps"), "{msg}");
 }
@@ -283,8 +283,9 @@ fn disabled_scaler_is_a_plain_step() {
     let (mut s, mut m, mut opt) = (GradScaler::disabled(), probe(), Sgd::new(0.1).build().unwrap());
     assert_eq!(s.get_scale(), 1.0);
     let loss = loss_of(&m.p, OK);
-    let step = s.scale(&loss);
-    assert_eq!(step.scaled_value().item(), loss.item());
+    let value = loss.item();
+    let step = s.scale(loss);
+    assert_eq!(step.scaled_value().item(), value);
     let r = step.backward().unscale().step(&mut opt, &mut m).update().unwrap();
     assert!(!r.skipped);
     assert_eq!(m.p.to_vec(), vec![0.9, -1.95, 0.475]);
@@ -297,7 +298,7 @@ fn disabled_scaler_is_a_plain_step() {
 fn no_scale_does_no_arithmetic_but_skips_non_finite_steps() {
     let (mut s, mut m, mut opt) = (NoScale, probe(), Sgd::new(0.1).build().unwrap());
     let loss = loss_of(&m.p, OK);
-    let grads = s.scale(&loss).backward();
+    let grads = s.scale(loss).backward();
     assert_eq!(grads.scale_used(), 1.0);
     assert_eq!(grads.scaled_grads().get(&m.p).unwrap().to_vec(), vec![1.0, -0.5, 0.25]);
     let r = grads.unscale().step(&mut opt, &mut m).update().unwrap();
@@ -326,12 +327,41 @@ fn f16_gradients_are_refused_like_pytorch() {
     let mut s = GradScaler::new();
     let leaf = Tensor::<f16>::from_f32s(&[1.0, 2.0], &[2]).requires_grad_();
     let loss = leaf.cast::<f32>().sum_all();
-    let err = s.scale(&loss).backward().try_unscale().err().expect("refused");
+    let err = s.scale(loss).backward().try_unscale().err().expect("refused");
     assert!(err.to_string().contains("f16"), "{err}");
-    // The no-op scaler (bf16 training) only checks them.
-    let mut n = NoScale;
-    let unscaled = n.scale(&loss).backward().unscale();
-    assert!(!unscaled.found_inf());
+}
+
+#[test]
+fn a_loss_computed_in_f16_needs_a_scaler_that_scales() {
+    let (mut m, x) = (probe(), Tensor::<f32>::from_f32s(&[1.0, 2.0, 3.0], &[3]));
+    let f16_loss = |m: &Probe| x.cast::<f16>().mul(&m.p.cast::<f16>()).cast::<f32>().sum_all();
+    // NoScale (bf16/f32 training) and a disabled GradScaler refuse it at `scale`, naming the fix.
+    let mut none = NoScale;
+    let err = none.try_scale(f16_loss(&m)).err().expect("NoScale refuses an f16 graph");
+    let msg = err.to_string();
+    assert!(msg.contains("`mul`") || msg.contains("`cast`"), "{msg}");
+    assert!(msg.contains("GradScaler::new()"), "{msg}");
+    let mut off = GradScaler::disabled();
+    assert!(off.try_scale(f16_loss(&m)).is_err(), "a disabled GradScaler refuses it too");
+    // An enabled GradScaler takes it (f32 master gradients), and so does NoScale in bf16.
+    let mut opt = Sgd::new(0.1).build().unwrap();
+    let r = scaler_with(2000, 1024.0).scale(f16_loss(&m)).backward().unscale().step(&mut opt, &mut m).update().unwrap();
+    assert!(!r.skipped);
+    let bf16_loss = x.cast::<bf16>().mul(&m.p.cast::<bf16>()).cast::<f32>().sum_all();
+    let r = none.scale(bf16_loss).backward().unscale().step(&mut opt, &mut m).update().unwrap();
+    assert!(!r.skipped);
+}
+
+#[test]
+fn bf16_with_a_grad_scaler_works() {
+    let (mut m, mut s, mut opt) = (probe(), GradScaler::new(), Sgd::new(0.1).build().unwrap());
+    let x = Tensor::<f32>::from_f32s(&[1.0, 2.0, 3.0], &[3]);
+    let loss = x.cast::<bf16>().mul(&m.p.cast::<bf16>()).cast::<f32>().sum_all();
+    let r = s.scale(loss).backward().unscale().step(&mut opt, &mut m).update().unwrap();
+    assert!(!r.skipped);
+    for (got, want) in m.p.to_vec().iter().zip([0.9, -2.2, 0.2]) {
+        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    }
 }
 
 #[test]
@@ -340,16 +370,17 @@ fn bf16_and_f64_gradients_are_unscaled_in_their_precision() {
     let b = Tensor::<bf16>::from_f32s(&[0.5, -3.0], &[2]).requires_grad_();
     let d = Tensor::<f64>::from_vec(vec![0.25, 7.0], &[2]).requires_grad_();
     let loss = b.cast::<f32>().sum_all().add(&d.cast::<f32>().square().sum_all());
-    let u = s.scale(&loss).backward().unscale();
+    let u = s.scale(loss).backward().unscale();
     assert_eq!(u.grads().get(&b).unwrap().to_f64_vec(), vec![1.0, 1.0]);
     assert_eq!(u.grads().get(&d).unwrap().to_vec(), vec![0.5, 14.0]);
+    u.abandon();
 }
 
 #[test]
 fn clipping_unscaled_gradients_follows_pytorch() {
     let (mut s, mut m) = (GradScaler::new(), probe());
     let loss = loss_of(&m.p, [3.0, 4.0, 0.0]);
-    let mut u = s.scale(&loss).backward().unscale();
+    let mut u = s.scale(loss).backward().unscale();
     assert_eq!(u.grad_norm(), 5.0);
     let norm = u.clip_grad_norm(1.0);
     assert_eq!(norm, 5.0);
@@ -370,8 +401,8 @@ fn clipping_unscaled_gradients_follows_pytorch() {
 fn a_loss_that_cannot_backpropagate_is_an_error() {
     let mut s = GradScaler::new();
     let constant = Tensor::<f32>::scalar(1.0);
-    assert!(s.scale(&constant).try_backward().is_err());
+    assert!(s.scale(constant).try_backward().is_err());
     let vector = probe().p.tensor().clone();
-    assert!(s.scale(&vector).try_backward().is_err());
+    assert!(s.scale(vector).try_backward().is_err());
     assert_eq!(s.get_scale(), 65536.0, "an abandoned iteration leaves the scaler alone");
 }

@@ -126,9 +126,8 @@ where
         let before = snapshot(&model, &opt);
         assert_eq!(scaler.get_scale(), expected.scale, "iteration {i}: scale");
         let l = loss(&model, &x, &y, &zw, &zb);
-        let unscaled = scaler.scale(&l).backward().unscale();
+        let unscaled = scaler.scale(l).backward().unscale();
         assert_eq!(unscaled.found_inf(), bad, "iteration {i}: overflow detection");
-        drop(l);
         let report = unscaled.step(&mut opt, &mut model).update().unwrap();
         assert_eq!(report.skipped, bad, "iteration {i}");
         let after = snapshot(&model, &opt);

@@ -76,7 +76,7 @@ fn replay(trace: &Trace) {
         let c = Tensor::from_vec(coef, &[3]);
         let loss = param.tensor().mul(&c).sum_all();
 
-        let step = scaler.scale(&loss);
+        let step = scaler.scale(loss);
         assert_eq!(step.scale_used(), f32_of(row.scale_used), "step {i}: scale used");
         let report = step.backward().unscale().step(&mut opt, &mut param).update().unwrap();
 

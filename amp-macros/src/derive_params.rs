@@ -175,6 +175,18 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
         if opts.skip.is_some() {
             continue;
         }
+        if let Some(low) = low_precision_param(&field.ty) {
+            errors.push(syn::Error::new(
+                field.ty.span(),
+                format!(
+                    "`Param<{low}>` cannot be trained here: master weights are f32 (`Param`, i.e. `Param<f32>`), and \
+                     `#[autocast]` (or `.cast::<{low}>()` in the forward pass) makes the {low} copy at each use, with \
+                     f32 gradients for the optimizer. Do not mark it `#[param(skip)]`: that would freeze the weight \
+                     and leave it out of checkpoints"
+                ),
+            ));
+            continue;
+        }
         let (name, name_span) = match &opts.rename {
             Some(lit) => (lit.value(), lit.span()),
             None => (name, field.span()),
@@ -297,4 +309,33 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
             }
         };
     })
+}
+
+/// `Param<f16>` / `Param<bf16>` anywhere in a field's type (`Option<Param<bf16>>`, `Vec<..>`):
+/// the low precision's name.
+fn low_precision_param(ty: &syn::Type) -> Option<&'static str> {
+    struct Find(Option<&'static str>);
+    impl<'ast> syn::visit::Visit<'ast> for Find {
+        fn visit_path_segment(&mut self, seg: &'ast syn::PathSegment) {
+            if seg.ident == "Param"
+                && let syn::PathArguments::AngleBracketed(args) = &seg.arguments
+            {
+                for arg in &args.args {
+                    if let syn::GenericArgument::Type(syn::Type::Path(tp)) = arg
+                        && let Some(last) = tp.path.segments.last()
+                    {
+                        if last.ident == "f16" {
+                            self.0 = Some("f16");
+                        } else if last.ident == "bf16" {
+                            self.0 = Some("bf16");
+                        }
+                    }
+                }
+            }
+            syn::visit::visit_path_segment(self, seg);
+        }
+    }
+    let mut f = Find(None);
+    syn::visit::Visit::visit_type(&mut f, ty);
+    f.0
 }

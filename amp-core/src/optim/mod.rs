@@ -16,6 +16,10 @@
 //!   and therefore the learning-rate schedule stay exactly where they were.
 //! - Parameters without a gradient are left alone and their state does not advance (PyTorch
 //!   skips parameters whose `.grad` is `None`).
+//! - An optimizer is bound to the parameters (by [`crate::TensorId`]) of its first step, or of
+//!   [`Optim::bind`]: stepping it on another model (a copy with the same names included) is an
+//!   error naming the parameter, so two models never share moments or step counts. A
+//!   [`Grads`] is applied once: stepping twice with one set (or a clone of it) is an error.
 
 mod adam;
 mod schedule;
@@ -33,7 +37,7 @@ pub use adam::{Adam, AdamState, AdamW};
 pub use schedule::{Constant, LrSchedule, WarmupCosine};
 pub use sgd::{Sgd, SgdState};
 
-use crate::autograd::Grads;
+use crate::autograd::{Grads, TensorId};
 use crate::cpu::{CHUNK, PAR_MIN};
 use crate::error::{Error, Result};
 use crate::param::Params;
@@ -44,7 +48,11 @@ pub trait Optimizer {
     /// Updates every parameter of `params` that has a gradient in `grads`.
     ///
     /// In a training step this is called by `.step(..)` on unscaled, finite gradients; call it
-    /// directly only for training without a loss scaler.
+    /// directly only for training without a loss scaler (`loss.backward()` on an unscaled
+    /// loss gives a `Grads`; a scaled loss's gradients never leave the training step). Errs,
+    /// changing nothing, if `params` are not the parameters this optimizer is bound to, if
+    /// none of them has a gradient in a non-empty `grads`, or if this `grads` (or a clone of
+    /// it) was already applied.
     fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()>;
     /// The learning rate of the default group that the next step will use (after the schedule).
     fn lr(&self) -> f64;
@@ -179,6 +187,10 @@ pub struct Optim<R: Rule> {
     schedule: Option<Arc<dyn LrSchedule>>,
     steps: u64,
     state: BTreeMap<String, R::State>,
+    /// The parameters this optimizer steps, by name (set at the first step or by `bind`).
+    bound: Option<BTreeMap<String, TensorId>>,
+    /// The generation of the last `Grads` applied (each set is applied once).
+    last_grads: Option<u64>,
 }
 
 impl<R: Rule> fmt::Debug for Optim<R> {
@@ -197,7 +209,15 @@ impl<R: Rule> Optim<R> {
     /// of range (a negative learning rate, a beta outside `[0, 1)`, Nesterov without momentum).
     pub fn new(rule: R) -> Result<Self> {
         rule.validate()?;
-        Ok(Optim { rule, groups: Vec::new(), schedule: None, steps: 0, state: BTreeMap::new() })
+        Ok(Optim {
+            rule,
+            groups: Vec::new(),
+            schedule: None,
+            steps: 0,
+            state: BTreeMap::new(),
+            bound: None,
+            last_grads: None,
+        })
     }
     /// Adds a parameter group (checked before the groups added after it).
     pub fn with_group(mut self, group: ParamGroup) -> Self {
@@ -253,6 +273,46 @@ impl<R: Rule> Optim<R> {
         }
         self.steps = state.steps;
         self.state = state.params;
+        // State is keyed by name: the next step (or `bind`) binds the loaded model's parameters.
+        self.bound = None;
+        self.last_grads = None;
+        Ok(())
+    }
+    /// Binds this optimizer to `params` (replacing any binding): from now on it steps exactly
+    /// these parameters. Without a call, the first step binds. Use it to move an optimizer to
+    /// a model on purpose (its state follows the parameter names).
+    pub fn bind(&mut self, params: &dyn Params) {
+        self.bound = Some(params.named_params().into_iter().map(|(n, p)| (n, p.id())).collect());
+    }
+    /// Checks that `params` are the bound parameters (or binds them, on the first step).
+    fn check_bound(&self, params: &[(String, &mut crate::Param)]) -> Result<()> {
+        let Some(bound) = &self.bound else { return Ok(()) };
+        let bad = |detail: String| Err(Error::State { context: "optimizer step".into(), detail });
+        for (name, p) in params {
+            match bound.get(name) {
+                Some(id) if *id == p.id() => {}
+                Some(_) => {
+                    return bad(format!(
+                        "`{name}` is not the parameter this optimizer is bound to (it has the same name but is \
+                         another tensor: a clone of the model, or another model). One optimizer steps one set \
+                         of parameters: build one optimizer per model, or `bind` it to this one on purpose"
+                    ));
+                }
+                None => {
+                    return bad(format!(
+                        "`{name}` is not one of the {} parameters this optimizer is bound to (bound at its \
+                         first step or by `bind`)",
+                        bound.len()
+                    ));
+                }
+            }
+        }
+        if let Some(missing) = bound.keys().find(|n| !params.iter().any(|(m, _)| m == *n)) {
+            return bad(format!(
+                "this optimizer is bound to a parameter `{missing}` that the model passed to it does not have \
+                 (another model?)"
+            ));
+        }
         Ok(())
     }
     /// Checks that every stored state belongs to a parameter of `params` and fits its size, so a
@@ -282,7 +342,28 @@ impl<R: Rule> Optimizer for Optim<R> {
         let t = self.steps;
         let mut work = Vec::new();
         // Check everything first, so an error leaves parameters and state untouched.
-        for (name, param) in params.named_params_mut() {
+        if self.last_grads == Some(grads.generation()) {
+            return Err(Error::State {
+                context: "optimizer step".into(),
+                detail: "these gradients (or a clone of them) were already applied by this optimizer: one \
+                         backward pass, one step"
+                    .into(),
+            });
+        }
+        let named = params.named_params_mut();
+        self.check_bound(&named)?;
+        if !grads.is_empty() && !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
+            return Err(Error::State {
+                context: "optimizer step".into(),
+                detail: format!(
+                    "none of the {} parameters passed to the optimizer has a gradient in these gradients: they \
+                     belong to other parameters (a copy of the model, or another model)",
+                    named.len()
+                ),
+            });
+        }
+        let ids: BTreeMap<String, TensorId> = named.iter().map(|(n, p)| (n.clone(), p.id())).collect();
+        for (name, param) in named {
             let Some(any) = grads.get_by_id(param.id()) else { continue };
             let Some(grad) = any.as_tensor::<f32>() else {
                 return Err(Error::GradPrecision {
@@ -316,6 +397,8 @@ impl<R: Rule> Optimizer for Optim<R> {
             self.rule.update(hyper, param.data_mut(), &g, state);
         }
         self.steps += 1;
+        self.bound.get_or_insert(ids);
+        self.last_grads = Some(grads.generation());
         Ok(())
     }
     fn lr(&self) -> f64 {

@@ -31,14 +31,28 @@ pub enum UnscaleMode {
 pub trait LossScaler: sealed::Sealed {
     /// The scale the next `scale(&loss)` multiplies the loss by.
     fn get_scale(&self) -> f32;
-    /// Starts an iteration: the loss times the current scale. The returned step borrows the
-    /// scaler until `.update()` ends the iteration.
-    fn scale<'s>(&'s mut self, loss: &Tensor<f32>) -> ScaledLoss<'s, Self>
+    /// Starts an iteration: the loss times the current scale. The loss is taken by value, so
+    /// its forward graph is freed by `.backward()` and the step updates parameters in place.
+    /// The returned step borrows the scaler until `.update()` ends the iteration. Errs if the
+    /// loss was computed through f16 ops and this scaler does not scale ([`NoScale`], a
+    /// disabled [`GradScaler`]): f16 gradients underflow without loss scaling.
+    fn try_scale<'s>(&'s mut self, loss: Tensor<f32>) -> Result<ScaledLoss<'s, Self>>
     where
         Self: Sized,
     {
         TrainStep::start(self, loss)
     }
+    /// [`LossScaler::try_scale`], panicking with its error.
+    #[track_caller]
+    fn scale<'s>(&'s mut self, loss: Tensor<f32>) -> ScaledLoss<'s, Self>
+    where
+        Self: Sized,
+    {
+        crate::error::or_panic(TrainStep::start(self, loss))
+    }
+    /// Whether this scaler multiplies the loss (an enabled [`GradScaler`]).
+    #[doc(hidden)]
+    fn scales_loss(&self) -> bool;
     #[doc(hidden)]
     fn unscale_mode(&self) -> UnscaleMode;
     #[doc(hidden)]
@@ -247,9 +261,12 @@ impl GradScaler {
     pub fn growth_tracker(&self) -> i32 {
         self.growth_tracker
     }
-    /// Starts an iteration: the loss times the current scale (see [`TrainStep`]).
-    pub fn scale<'s>(&'s mut self, loss: &Tensor<f32>) -> ScaledLoss<'s, GradScaler> {
-        TrainStep::start(self, loss)
+    /// Starts an iteration: the loss (taken by value, so its graph is freed by `.backward()`)
+    /// times the current scale (see [`TrainStep`]). A disabled scaler refuses a loss computed
+    /// through f16 ops; see [`LossScaler::try_scale`].
+    #[track_caller]
+    pub fn scale(&mut self, loss: Tensor<f32>) -> ScaledLoss<'_, GradScaler> {
+        LossScaler::scale(self, loss)
     }
     /// The checkpoint (PyTorch's keys).
     pub fn state_dict(&self) -> GradScalerState {
@@ -359,6 +376,9 @@ impl LossScaler for GradScaler {
     fn refuses_f16_grads(&self) -> bool {
         self.opts.enabled
     }
+    fn scales_loss(&self) -> bool {
+        self.opts.enabled
+    }
     fn finish(&mut self, found_inf: bool, new_scale: Option<f32>) -> Result<()> {
         if !self.opts.enabled {
             return Ok(());
@@ -401,9 +421,11 @@ impl NoScale {
     pub fn get_scale(&self) -> f32 {
         1.0
     }
-    /// Starts an iteration (the loss is used as is; see [`TrainStep`]).
-    pub fn scale<'s>(&'s mut self, loss: &Tensor<f32>) -> ScaledLoss<'s, NoScale> {
-        TrainStep::start(self, loss)
+    /// Starts an iteration (the loss, taken by value, is used as is; see [`TrainStep`]).
+    /// Panics if the loss was computed through f16 ops: f16 needs a [`GradScaler`].
+    #[track_caller]
+    pub fn scale(&mut self, loss: Tensor<f32>) -> ScaledLoss<'_, NoScale> {
+        LossScaler::scale(self, loss)
     }
 }
 
@@ -415,6 +437,9 @@ impl LossScaler for NoScale {
         UnscaleMode::CheckOnly
     }
     fn refuses_f16_grads(&self) -> bool {
+        false
+    }
+    fn scales_loss(&self) -> bool {
         false
     }
     fn finish(&mut self, _found_inf: bool, _new_scale: Option<f32>) -> Result<()> {

@@ -13,7 +13,7 @@
 //!
 //! for _ in 0..10 {
 //!     let loss = x.cast::<f16>().matmul(&w.cast::<f16>()).cast::<f32>().square().mean_all();
-//!     let mut grads = scaler.scale(&loss).backward().unscale(); // one fused pass: ÷S, inf check
+//!     let mut grads = scaler.scale(loss).backward().unscale(); // one fused pass: ÷S, inf check
 //!     let norm = grads.clip_grad_norm(1.0); // only possible on unscaled gradients
 //!     let report = grads.step(&mut opt, &mut w).update().unwrap();
 //!     // At 65536 this model's f16 weight gradients overflow: such a step is skipped (nothing
@@ -24,8 +24,8 @@
 //! ```
 //!
 //! # Design notes
-//! - The chain is `scaler.scale(&loss)` → [`ScaledLoss`] → `.backward()` → [`ScaledGrads`]
-//!   (`.accumulate(&loss)` per extra micro-batch) → `.unscale()` → [`UnscaledGrads`]
+//! - The chain is `scaler.scale(loss)` → [`ScaledLoss`] → `.backward()` → [`ScaledGrads`]
+//!   (`.accumulate(loss)` per extra micro-batch) → `.unscale()` → [`UnscaledGrads`]
 //!   (`.clip_grad_norm(..)` / `.clip_grad_value(..)`) → `.step(&mut opt, &mut model)` →
 //!   [`Stepped`] → `.update()` → [`StepReport`]. These are one type, [`TrainStep`], at four
 //!   [`stage`]s (zero-sized types). Each call consumes the step and exists only at the stage
@@ -62,4 +62,4 @@ pub use grad_scaler::UnscaleMode;
 pub use grad_scaler::{GradScaler, GradScalerOptions, GradScalerState, LossScaler, NoScale, ScalerFor, SelectScaler};
 pub use kernel::{any_non_finite, inv_scale, unscale_all, unscale_in_place};
 pub use step::stage;
-pub use step::{MicroBatchLoss, ScaledGrads, ScaledLoss, StepReport, Stepped, TrainStep, UnscaledGrads};
+pub use step::{GradsView, MicroBatchLoss, ScaledGrads, ScaledLoss, StepReport, Stepped, TrainStep, UnscaledGrads};

@@ -9,10 +9,11 @@ fn main() {
     let batches: Vec<Tensor<f32>> = (0..4).map(|_| Tensor::<f32>::randn(&[2, 4], &mut rng)).collect();
     let mut opt = Sgd::new(0.01).build().unwrap();
     let mut scaler = GradScaler::new();
-    let losses: Vec<Tensor<f32>> = batches.iter().map(|x| x.matmul(&w).square().mean_all().div_scalar(4.0)).collect();
-    let mut grads = scaler.scale(&losses[0]).backward();
-    for loss in &losses[1..] {
-        grads.accumulate(loss);
+    // PyTorch's accumulation loop, one step kept across the micro-batches.
+    let loss_of = |x: &Tensor<f32>| x.matmul(&w).square().mean_all().div_scalar(4.0);
+    let mut grads = scaler.scale(loss_of(&batches[0])).backward();
+    for x in &batches[1..] {
+        grads.accumulate(loss_of(x));
     }
     assert_eq!(grads.micro_batches(), 4);
     let report = grads.unscale().step(&mut opt, &mut w).update().unwrap();

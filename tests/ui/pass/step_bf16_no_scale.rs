@@ -16,7 +16,7 @@ where
     for _ in 0..steps {
         let loss = x.cast::<P>().matmul(&w.cast::<P>()).cast::<f32>().square().mean_all();
         last = loss.item();
-        let report = amp::scaler::LossScaler::scale(&mut scaler, &loss)
+        let report = amp::scaler::LossScaler::scale(&mut scaler, loss)
             .backward()
             .unscale()
             .step(&mut opt, &mut w)
@@ -32,9 +32,9 @@ fn main() {
     let mut scaler: NoScale = ScalerFor::<bf16>::default();
     let w = Param::new(Tensor::<f32>::ones(&[2]));
     let loss = w.cast::<bf16>().cast::<f32>().sum_all();
-    let grads = scaler.scale(&loss).backward();
+    let grads = scaler.scale(loss).backward();
     assert_eq!(grads.scale_used(), 1.0);
-    drop(grads);
+    grads.abandon(); // a step is ended on purpose, never just dropped
     assert!(train::<bf16>(5).is_finite());
     assert!(train::<f16>(5).is_finite());
 }

@@ -12,7 +12,7 @@ fn main() {
     let mut skipped = 0;
     for _ in 0..10 {
         let loss = x.cast::<f16>().matmul(&w.cast::<f16>()).cast::<f32>().square().mean_all();
-        let mut grads = scaler.scale(&loss).backward().unscale();
+        let mut grads = scaler.scale(loss).backward().unscale();
         let norm: f32 = grads.clip_grad_norm(1.0);
         let stepped = grads.step(&mut opt, &mut w);
         let report = stepped.update().unwrap();

@@ -8,7 +8,7 @@ fn main() {
     let mut opt = Sgd::new(0.1).build().unwrap();
     let mut scaler = GradScaler::new();
     let loss = w.square().sum_all();
-    let mut grads = scaler.scale(&loss).backward();
+    let mut grads = scaler.scale(loss).backward();
     grads.clip_grad_norm(1.0);
     let _ = grads.unscale().step(&mut opt, &mut w).update();
 }

@@ -9,5 +9,5 @@ fn main() {
     let mut opt = Sgd::new(0.1).build().unwrap();
     let mut scaler = GradScaler::new();
     let loss = w.square().sum_all();
-    scaler.scale(&loss).backward().unscale().step(&mut opt, &mut w);
+    scaler.scale(loss).backward().unscale().step(&mut opt, &mut w);
 }

@@ -8,7 +8,7 @@ fn main() {
     let mut scaler = GradScaler::new();
     let first = w.square().sum_all();
     let second = w.sum_all();
-    let mut grads = scaler.scale(&first).backward();
-    let other = scaler.scale(&second).backward();
-    grads.accumulate(&other);
+    let mut grads = scaler.scale(first).backward();
+    let other = scaler.scale(second).backward();
+    grads.accumulate(other);
 }

@@ -9,9 +9,9 @@ fn main() {
     let mut opt = Sgd::new(0.1).build().unwrap();
     let mut scaler = GradScaler::new();
     let loss = w.square().sum_all();
-    let old = scaler.scale(&loss).backward();
+    let old = scaler.scale(loss).backward();
     let loss2 = w.sum_all();
-    let new = scaler.scale(&loss2).backward();
+    let new = scaler.scale(loss2).backward();
     let _ = old.unscale().step(&mut opt, &mut w).update();
     let _ = new.unscale().step(&mut opt, &mut w).update();
 }

@@ -8,6 +8,6 @@ fn main() {
     let mut opt = Sgd::new(0.1).build().unwrap();
     let mut scaler = GradScaler::new();
     let loss = w.square().sum_all();
-    let stepped = scaler.scale(&loss).backward().unscale().step(&mut opt, &mut w);
+    let stepped = scaler.scale(loss).backward().unscale().step(&mut opt, &mut w);
     let _ = stepped.step(&mut opt, &mut w).update();
 }

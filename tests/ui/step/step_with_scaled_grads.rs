@@ -8,5 +8,5 @@ fn main() {
     let mut opt = Sgd::new(0.1).build().unwrap();
     let mut scaler = GradScaler::new();
     let loss = w.square().sum_all();
-    let _ = scaler.scale(&loss).backward().step(&mut opt, &mut w).update();
+    let _ = scaler.scale(loss).backward().step(&mut opt, &mut w).update();
 }

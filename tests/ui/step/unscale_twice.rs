@@ -8,6 +8,6 @@ fn main() {
     let mut opt = Sgd::new(0.1).build().unwrap();
     let mut scaler = GradScaler::new();
     let loss = w.square().sum_all();
-    let grads = scaler.scale(&loss).backward().unscale();
+    let grads = scaler.scale(loss).backward().unscale();
     let _ = grads.unscale().step(&mut opt, &mut w).update();
 }

@@ -6,5 +6,5 @@ fn main() {
     let w = Param::new(Tensor::<f32>::ones(&[3]));
     let mut scaler = GradScaler::new();
     let loss = w.square().sum_all();
-    let _ = scaler.scale(&loss).backward().unscale().update();
+    let _ = scaler.scale(loss).backward().unscale().update();
 }

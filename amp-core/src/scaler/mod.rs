@@ -32,7 +32,18 @@
 //!   where it is allowed, through a capability bound whose `#[diagnostic::on_unimplemented]`
 //!   message names the call that is missing. So clipping scaled gradients, stepping with scaled
 //!   gradients, unscaling twice, stepping twice and updating without a step do not compile.
-//! - The step borrows its scaler mutably from `scale(&loss)` to `.update()`. Two iterations
+//! - A step must end: dropping it before `.update()` panics, naming the stage and the missing
+//!   call ([`TrainStep::abandon`] discards one on purpose). `#[must_use]` alone only catches an
+//!   unbound temporary; a bound step whose `.update()` is forgotten, or a PyTorch accumulation
+//!   loop ported line by line (one step per micro-batch), would otherwise lose gradients or
+//!   leave the scale un-updated without a sign.
+//! - Scaled gradients never leave the step as a [`crate::Grads`]: [`ScaledGrads::scaled_grads`]
+//!   and [`UnscaledGrads::grads`] are read-only [`GradsView`]s, and the seeded backward is
+//!   private. So a `Grads` is always unscaled, and clipping it or stepping an optimizer with it
+//!   (outside the chain) is sound.
+//! - `scale(loss)` takes the loss by value and `.backward()` drops it, freeing the forward
+//!   graph, so the step updates parameters in place rather than copying them.
+//! - The step borrows its scaler mutably from `scale(loss)` to `.update()`. Two iterations
 //!   cannot be in flight at once, a step cannot outlive the scale it was made with, and
 //!   `accumulate` only takes a loss (it is backpropagated at this step's scale), so gradients of
 //!   two iterations cannot be mixed.

@@ -212,7 +212,10 @@ fn nn_forward_follows_the_region() {
     let x = Tensor::<f32>::randn(&[2, 4], &mut rng);
     let (h, mm, explicit) = m.in_bf16(&x, &mut rng);
     assert_eq!((h, mm, explicit.dtype()), (DType::BF16, DType::BF16, DType::F32));
-    assert_eq!((m.generic::<f16>(&x), m.generic::<bf16>(&x), m.generic::<f32>(&x)), (DType::F16, DType::BF16, DType::F32));
+    assert_eq!(
+        (m.generic::<f16>(&x), m.generic::<bf16>(&x), m.generic::<f32>(&x)),
+        (DType::F16, DType::BF16, DType::F32)
+    );
     // Outside autocast the explicit API is unchanged.
     assert_eq!(m.fc1.forward::<bf16, f32>(&x).dtype(), DType::BF16);
 }

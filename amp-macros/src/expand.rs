@@ -913,9 +913,23 @@ mod tests {
         // `Vec<Tensor<f32>>`: each element conformed.
         assert!(got.contains("::amp_core::__private::conform_vec::<f32, _>(vec![r, self.pair(x).0])"), "{got}");
         // Without promotions, no bounds: a generic caller needs only `P: Precision`.
-        let got = expanded(quote!(P), quote!(fn g<P: Precision>(x: &Tensor<f32>) -> Tensor<f32> { x.exp() }));
+        let got = expanded(
+            quote!(P),
+            quote!(
+                fn g<P: Precision>(x: &Tensor<f32>) -> Tensor<f32> {
+                    x.exp()
+                }
+            ),
+        );
         assert!(!got.contains("where"), "{got}");
-        let got = expanded(quote!(f32), quote!(fn h(x: &Tensor<f32>) -> (Tensor<f32>, usize) { pair(x) }));
+        let got = expanded(
+            quote!(f32),
+            quote!(
+                fn h(x: &Tensor<f32>) -> (Tensor<f32>, usize) {
+                    pair(x)
+                }
+            ),
+        );
         assert!(got.contains("::core::primitive::f32,\n    >(true, true, \"h\")"), "{got}");
         assert!(got.contains("match pair(x) {"), "{got}");
     }

@@ -309,7 +309,9 @@ mod tests {
         let o = options(quote!(f32)).unwrap();
         assert_eq!((o.low, o.chosen), (LowType::F32, true));
         assert!(!options(quote!()).unwrap().chosen);
-        let f = quote!(fn f<P: Precision>(x: &Tensor<f32>) {});
+        let f = quote!(
+            fn f<P: Precision>(x: &Tensor<f32>) {}
+        );
         let o = resolved(quote!(P), f.clone()).unwrap();
         assert!(matches!(o.low, LowType::Param(ref p) if p == "P"));
         let e = resolved(quote!(Q), f).err().unwrap();
@@ -318,7 +320,14 @@ mod tests {
             "unknown precision `Q`: expected `f16`, `bf16`, `f32` (autocast off), or a type parameter of this function \
              bound by `Precision`"
         );
-        let e = resolved(quote!(fp16), quote!(fn f() {})).err().unwrap();
+        let e = resolved(
+            quote!(fp16),
+            quote!(
+                fn f() {}
+            ),
+        )
+        .err()
+        .unwrap();
         assert!(e.ends_with("; did you mean `f16`?"), "{e}");
         assert!(err(quote!(f64)).contains("cannot be the autocast type"));
     }

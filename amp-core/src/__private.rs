@@ -872,4 +872,46 @@ mod tests {
         let _: Tensor<bf16> = cast(w.tensor());
         assert_eq!(cast_stats().casts, 4, "the cache is cleared when the outermost region exits");
     }
+
+    #[test]
+    fn stale_entries_are_evicted() {
+        let mut w = Param::new(Tensor::<f32>::ones(&[4]));
+        let v = Param::new(Tensor::<f32>::ones(&[2]));
+        let _outer = Region::enter::<f16>(true, true, "test");
+        for step in 0..10 {
+            {
+                let _inner = Region::enter::<f16>(true, false, "test");
+                let _: Tensor<f16> = cast(w.tensor());
+                let _: Tensor<f16> = cast(v.tensor());
+            }
+            // The inner region's exit swept nothing live: one entry per parameter.
+            assert_eq!(cache_entries(), 2, "step {step}");
+            // An update copies on write: w's entry is stale from here on, and goes at the next
+            // insert or region exit.
+            w.data_mut()[0] += 1.0;
+        }
+        let t = Tensor::<f32>::ones(&[3]).requires_grad_();
+        let _: Tensor<f16> = cast(&t);
+        assert_eq!(cache_entries(), 2, "w's stale entry went at the insert");
+        drop(t);
+        {
+            let _inner = Region::enter::<f16>(true, true, "test");
+        }
+        assert_eq!(cache_entries(), 1, "a dropped tensor's entry goes at a region exit");
+    }
+
+    #[test]
+    fn regions_record_their_type() {
+        let outer = Region::enter::<bf16>(true, true, "outer");
+        // Chosen types are kept under any region; the default is refused under another type.
+        drop(Region::enter::<f16>(true, true, "chosen"));
+        drop(Region::enter::<bf16>(true, false, "same"));
+        let err = std::panic::catch_unwind(|| drop(Region::enter::<f16>(true, false, "helper"))).unwrap_err();
+        let msg = err.downcast_ref::<String>().unwrap();
+        assert!(msg.starts_with("`helper` is `#[autocast]` (f16) but was called from a bf16 autocast region"), "{msg}");
+        assert!(msg.ends_with("or give it `#[autocast(bf16)]`"), "{msg}");
+        drop(outer);
+        assert!(!in_region());
+        drop(Region::enter::<f16>(true, false, "top level"));
+    }
 }

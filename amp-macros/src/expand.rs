@@ -144,6 +144,8 @@ pub(crate) fn expand(opts: &Options, mut f: syn::ItemFn, p: &TokenStream) -> Tok
         let preds = &mut f.sig.generics.make_where_clause().predicates;
         preds.push(syn::parse_quote!(#id: #p::Promote<#f32_, Output = #f32_> + #p::Promote<#id, Output = #id>));
         preds.push(syn::parse_quote!(#f32_: #p::Promote<#id, Output = #f32_>));
+        // The user's `P: Precision` and these are in two places by construction.
+        f.attrs.push(syn::parse_quote!(#[allow(clippy::multiple_bound_locations)]));
     }
     let region = syn::Ident::new("__amp_region", Span::mixed_site());
     let (cache, chosen, name) = (opts.cache, opts.chosen, f.sig.ident.to_string());

@@ -37,9 +37,10 @@
 //!   the region copies on write and can never be served a stale cast (the storage pointer no
 //!   longer matches). An entry whose source storage nothing but the cache holds any more (the
 //!   parameter moved on to its copy, or the tensor was dropped) can never be hit again: such
-//!   entries are evicted at every insert and every region exit, so the cache never holds more
-//!   than one entry per live source storage, target type and extent, however long a loop
-//!   inside one region runs ([`cache_entries`] counts them).
+//!   entries are evicted at every insert and every region exit, so the cache holds at most one
+//!   entry per live source storage, target type and extent, plus those gone stale since the
+//!   last insert or exit (at most one per parameter updated since), however long a loop inside
+//!   one region runs ([`cache_entries`] counts them).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;

@@ -3,26 +3,44 @@
 //!
 //! Design notes:
 //! - The macro sees names, not types, so the type decides: the generated code wraps each
-//!   operand as `(&W::new(x)).__amp_to::<T>()`. Method lookup tries the receiver type `&W<X>`
-//!   by value first, where only [`CastSpec`] (on `W<X>` with `X:` [`AsTensor`]) is found; when
-//!   `X` is not tensor-like it goes on to `&&W<X>` and finds [`CastPass`], which hands the
-//!   value back untouched ("autoref specialisation"). The value sits in a `Cell<Option<_>>`
-//!   so both impls can move it out from behind `&self`. Everything inlines to the cast (or to
-//!   nothing).
+//!   operand as `(&W::new(x)).__amp_to::<T>()`. Method lookup tries three receiver types in
+//!   turn (autoref specialisation), and the first level whose impl applies wins:
+//!   1. `&W<X>` (impls on `W<X>`): [`KeepF64`], for f64 operands (`Tensor<f64>`, `Param<f64>`,
+//!      references to them), handed back untouched: autocast only changes f32/f16/bf16, as
+//!      PyTorch's only touches those, so f64 code runs as written.
+//!   2. `&&W<X>` (impls on `&W<X>`, `&self`): [`CastSpec`], for other tensor-like operands
+//!      (`X:` [`AsTensor`]), cast to `T`. A generic `Tensor<E>` with `E: Precision` lands here
+//!      (the compiler cannot prove `E = f64`), so generic code keeps its declared `Tensor<T>`.
+//!   3. `&mut &W<X>` (impls on `&W<X>`, `&mut self`): [`CastPass`], for anything else (an
+//!      iterator, an `f32`, a user type), handed back untouched.
+//!
+//!   The value sits in a `Cell<Option<_>>` so every impl can move it out from behind a
+//!   reference. Everything inlines to the cast (or to nothing).
 //! - Arguments keep their form: a `&Tensor` comes back as a reference to the cast temporary
 //!   ([`Borrowed`], read with `&self`), an owned tensor as an owned one ([`Owned`]), anything
 //!   else as itself ([`Same`]); `__amp_get` picks the right one by plain method lookup, as the
 //!   three are distinct types.
-//! - A region ([`Region`]) is entered by every `#[autocast]` function; the weight cast cache
-//!   lives until the outermost one exits. It serves casts of f32 leaves (parameters, tensors
-//!   marked `requires_grad_()`) and of views of them (`w.t()`, `w.narrow(..)`) to a 16-bit
-//!   type: the parameter's storage is converted once and every view of it reads the converted
-//!   values (a small slice of a large parameter is converted on its own instead). Each use
-//!   still records its own `cast` node, so gradients are exactly those of casts written at
-//!   each use (cast back to f32 and summed in f32 at the parameter).
+//! - `recv.forward(..)` (an `amp::nn` module's, whose precision `L` is a type parameter) is
+//!   wrapped in [`Hint`]: when the call's value is a `Tensor<?L>` whose `L` is still open, the
+//!   casting level unifies it with the region's low type; any other value passes through.
+//! - A region ([`Region`]) is entered by every `#[autocast]` function and records its low
+//!   type: a bare `#[autocast]` (f16 by default, not chosen) entered from a region of another
+//!   type panics with the fix, instead of silently running its ops in f16.
+//! - The weight cast cache serves casts of f32 leaves (parameters, tensors marked
+//!   `requires_grad_()`) and of views of them (`w.t()`, `w.narrow(..)`) to a 16-bit type: the
+//!   parameter's storage is converted once and every view of it reads the converted values (a
+//!   small slice of a large parameter is converted on its own instead). Each use still records
+//!   its own `cast` node, so gradients are exactly those of casts written at each use (cast
+//!   back to f32 and summed in f32 at the parameter). Entries are shared by nested regions and
+//!   dropped when the outermost one exits, or earlier, as soon as they are stale (below).
 //! - Each entry keeps the source storage alive, so an in-place update of the parameter inside
 //!   the region copies on write and can never be served a stale cast (the storage pointer no
-//!   longer matches).
+//!   longer matches). An entry whose source storage nothing but the cache holds any more (the
+//!   parameter moved on to its copy, or the tensor was dropped) can never be hit again: such
+//!   entries are evicted at every insert and every region exit, so the cache holds at most one
+//!   entry per live source storage, target type and extent, plus those gone stale since the
+//!   last insert or exit (at most one per parameter updated since), however long a loop inside
+//!   one region runs ([`cache_entries`] counts them).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -30,16 +48,18 @@ use std::sync::Arc;
 
 use crate::autograd::{AnyTensor, Node};
 use crate::param::Param;
-use crate::precision::{DType, Precision, Promote, Promoted};
+use crate::precision::{DType, Promoted};
 use crate::tensor::Tensor;
 
+pub use crate::precision::{Precision, Promote};
 pub use half::{bf16, f16};
 
 /// The helper traits, imported (anonymously) by generated code.
 pub mod autocast_traits {
     pub use super::{
-        BorrowHeld as _, BorrowOpt as _, CastPass as _, CastSpec as _, ManyPass as _, ManySpec as _, OptPass as _,
-        OptSpec as _, PromoteOpPass as _, PromoteOpSpec as _, PromotePass as _, PromoteSpec as _, TakeHeld as _,
+        BorrowHeld as _, BorrowOpt as _, CastPass as _, CastSpec as _, HintPass as _, HintSpec as _, KeepF64 as _,
+        KeepF64Opt as _, ManyPass as _, ManySpec as _, OptPass as _, OptSpec as _, PromoteOpPass as _,
+        PromoteOpSpec as _, PromotePass as _, PromoteSpec as _, TakeHeld as _,
     };
 }
 
@@ -162,7 +182,28 @@ impl<T> W<T> {
     }
 }
 
-/// Tensor-like operands: cast.
+/// f64 operands: untouched (level 1; autocast changes only f32, f16 and bf16).
+pub trait KeepF64 {
+    /// The operand's type.
+    type Value;
+    /// The receiver, untouched.
+    fn __amp_to<L>(&self) -> Self::Value;
+    /// The argument, untouched.
+    fn __amp_arg<L>(&self) -> Same<Self::Value>;
+}
+impl<T: AsTensor<Elem = f64>> KeepF64 for W<T> {
+    type Value = T;
+    #[inline(always)]
+    fn __amp_to<L>(&self) -> T {
+        self.take()
+    }
+    #[inline(always)]
+    fn __amp_arg<L>(&self) -> Same<T> {
+        Same(self.take())
+    }
+}
+
+/// Tensor-like operands: cast (level 2).
 pub trait CastSpec {
     /// The held form of a cast argument.
     type Held<L: Precision>;
@@ -171,7 +212,7 @@ pub trait CastSpec {
     /// An argument, cast to `L`, in its original form.
     fn __amp_arg<L: Precision>(&self) -> Self::Held<L>;
 }
-impl<T: AsTensor> CastSpec for W<T> {
+impl<T: AsTensor> CastSpec for &W<T> {
     type Held<L: Precision> = T::Held<L>;
     #[inline]
     fn __amp_to<L: Precision>(&self) -> Tensor<L> {
@@ -183,23 +224,23 @@ impl<T: AsTensor> CastSpec for W<T> {
     }
 }
 
-/// Everything else: passed through.
+/// Everything else: passed through (level 3, reached by a mutable autoref).
 pub trait CastPass {
     /// The operand's type.
     type Value;
     /// The receiver, untouched.
-    fn __amp_to<L>(&self) -> Self::Value;
+    fn __amp_to<L>(&mut self) -> Self::Value;
     /// The argument, untouched.
-    fn __amp_arg<L>(&self) -> Same<Self::Value>;
+    fn __amp_arg<L>(&mut self) -> Same<Self::Value>;
 }
 impl<T> CastPass for &W<T> {
     type Value = T;
     #[inline(always)]
-    fn __amp_to<L>(&self) -> T {
+    fn __amp_to<L>(&mut self) -> T {
         self.take()
     }
     #[inline(always)]
-    fn __amp_arg<L>(&self) -> Same<T> {
+    fn __amp_arg<L>(&mut self) -> Same<T> {
         Same(self.take())
     }
 }
@@ -222,30 +263,93 @@ impl<P: Precision> BorrowOpt for OptHeld<P> {
     }
 }
 
-/// `Option<&tensor>` arguments: cast when present.
+/// `Option<&f64 tensor>` arguments: untouched (level 1).
+pub trait KeepF64Opt {
+    /// The operand's type.
+    type Value;
+    /// The argument, untouched.
+    fn __amp_opt<L>(&self) -> Same<Self::Value>;
+}
+impl<'a, T: AsTensor<Elem = f64> + ?Sized> KeepF64Opt for W<Option<&'a T>> {
+    type Value = Option<&'a T>;
+    #[inline(always)]
+    fn __amp_opt<L>(&self) -> Same<Option<&'a T>> {
+        Same(self.take())
+    }
+}
+
+/// `Option<&tensor>` arguments: cast when present (level 2).
 pub trait OptSpec {
     /// An optional argument, cast to `L`.
     fn __amp_opt<L: Precision>(&self) -> OptHeld<L>;
 }
-impl<T: AsTensor + ?Sized> OptSpec for W<Option<&T>> {
+impl<T: AsTensor + ?Sized> OptSpec for &W<Option<&T>> {
     #[inline]
     fn __amp_opt<L: Precision>(&self) -> OptHeld<L> {
         OptHeld(self.take().map(|t| cast(t.as_tensor())))
     }
 }
 
-/// Anything else in an optional-tensor position: untouched.
+/// Anything else in an optional-tensor position: untouched (level 3).
 pub trait OptPass {
     /// The operand's type.
     type Value;
     /// The argument, untouched.
-    fn __amp_opt<L>(&self) -> Same<Self::Value>;
+    fn __amp_opt<L>(&mut self) -> Same<Self::Value>;
 }
 impl<T> OptPass for &W<T> {
     type Value = T;
     #[inline(always)]
-    fn __amp_opt<L>(&self) -> Same<T> {
+    fn __amp_opt<L>(&mut self) -> Same<T> {
         Same(self.take())
+    }
+}
+
+// ---- a module's forward (`self.fc1.forward(&x)`) -----------------------------------------
+
+/// The value of a `forward` call, waiting for its type: a `Tensor<L>` whose precision the
+/// call left open (an `amp::nn` module's `forward::<L, _>`) is fixed to the region's `L`.
+pub struct Hint<L, T>(Cell<Option<T>>, std::marker::PhantomData<L>);
+
+impl<L, T> Hint<L, T> {
+    /// Wraps the value of a call.
+    #[inline(always)]
+    pub fn new(value: T) -> Self {
+        Hint(Cell::new(Some(value)), std::marker::PhantomData)
+    }
+    #[inline(always)]
+    fn take(&self) -> T {
+        self.0.take().expect("autocast value used once")
+    }
+}
+
+/// A tensor in the region's low type (or one whose precision is still open: it becomes that).
+pub trait HintSpec {
+    /// The tensor.
+    type Out;
+    /// Hands it on.
+    fn __amp_low(&self) -> Self::Out;
+}
+impl<L: Precision> HintSpec for Hint<L, Tensor<L>> {
+    type Out = Tensor<L>;
+    #[inline(always)]
+    fn __amp_low(&self) -> Tensor<L> {
+        self.take()
+    }
+}
+
+/// Anything else: untouched.
+pub trait HintPass {
+    /// The value.
+    type Out;
+    /// Hands it on.
+    fn __amp_low(&self) -> Self::Out;
+}
+impl<L, T> HintPass for &Hint<L, T> {
+    type Out = T;
+    #[inline(always)]
+    fn __amp_low(&self) -> T {
+        self.take()
     }
 }
 
@@ -443,6 +547,11 @@ pub fn conform_result<T: Precision, E: Precision, Er>(r: Result<Tensor<E>, Er>) 
     r.map(conform)
 }
 
+/// [`conform`] on each element of a `Vec`.
+pub fn conform_vec<T: Precision, E: Precision>(v: Vec<Tensor<E>>) -> Vec<Tensor<T>> {
+    v.into_iter().map(conform).collect()
+}
+
 /// [`conform`] inside an `Option`.
 pub fn conform_option<T: Precision, E: Precision>(o: Option<Tensor<E>>) -> Option<Tensor<T>> {
     o.map(conform)
@@ -473,13 +582,30 @@ struct CacheEntry {
     cast: AnyTensor,
 }
 
+/// One open region: its cache switch and low type.
+#[derive(Clone, Copy)]
+struct RegionInfo {
+    cache: bool,
+    low: DType,
+}
+
 #[derive(Default)]
 struct State {
-    /// Cache switch of each open region, innermost last.
-    regions: Vec<bool>,
+    /// Open regions, innermost last.
+    regions: Vec<RegionInfo>,
     cache: HashMap<CacheKey, CacheEntry>,
     casts: u64,
     hits: u64,
+}
+
+impl State {
+    /// Takes out the entries nothing but the cache holds the source of (see the notes at the
+    /// top); the caller drops them outside the borrow.
+    fn take_stale(&mut self) -> Vec<CacheEntry> {
+        let stale: Vec<CacheKey> =
+            self.cache.iter().filter(|(_, e)| Arc::strong_count(&e.source) == 1).map(|(k, _)| k.clone()).collect();
+        stale.into_iter().filter_map(|k| self.cache.remove(&k)).collect()
+    }
 }
 
 thread_local! {
@@ -487,7 +613,8 @@ thread_local! {
 }
 
 /// An autocast region, entered by each `#[autocast]` function for the length of its body.
-/// The weight cast cache is cleared when the outermost region on the thread exits.
+/// The weight cast cache is cleared when the outermost region on the thread exits (stale
+/// entries go earlier: see the notes at the top).
 #[must_use]
 pub struct Region {
     // A region belongs to the thread whose state it pushed.
@@ -495,10 +622,30 @@ pub struct Region {
 }
 
 impl Region {
-    /// Enters a region; `cache` switches the weight cast cache on or off inside it.
+    /// Enters a region of low type `L`; `cache` switches the weight cast cache on or off
+    /// inside it. `chosen` says whether the function chose `L` (`#[autocast(bf16)]`, `(f16)`,
+    /// `(f32)`, a type parameter) or took the default of a bare `#[autocast]`; `name` is the
+    /// function's, for the message.
+    ///
+    /// # Panics
+    /// When the default was taken and the innermost open region has another low type: the
+    /// caller asked for (say) bf16, and this function would silently run its ops in f16.
     #[inline]
-    pub fn enter(cache: bool) -> Region {
-        STATE.with(|s| s.borrow_mut().regions.push(cache));
+    #[track_caller]
+    pub fn enter<L: Precision>(cache: bool, chosen: bool, name: &'static str) -> Region {
+        let outer = STATE.with(|s| s.borrow().regions.last().map(|r| r.low));
+        if let Some(outer) = outer
+            && !chosen
+            && outer != L::DTYPE
+        {
+            let (low, outer) = (L::DTYPE.name(), outer.name());
+            panic!(
+                "`{name}` is `#[autocast]` ({low}) but was called from a {outer} autocast region: make it generic, \
+                 `#[autocast(P)] fn {name}<P: Precision>(..)`, and call it as `{name}::<P>(..)`, or give it \
+                 `#[autocast({outer})]`"
+            );
+        }
+        STATE.with(|s| s.borrow_mut().regions.push(RegionInfo { cache, low: L::DTYPE }));
         Region { _not_send: std::marker::PhantomData }
     }
 }
@@ -509,10 +656,15 @@ impl Drop for Region {
         let cleared = STATE.with(|s| {
             let mut s = s.borrow_mut();
             s.regions.pop();
-            if s.regions.is_empty() { std::mem::take(&mut s.cache) } else { HashMap::new() }
+            if s.regions.is_empty() { std::mem::take(&mut s.cache).into_values().collect() } else { s.take_stale() }
         });
         drop(cleared);
     }
+}
+
+/// The number of entries in this thread's weight cast cache (bounded: see the notes at the top).
+pub fn cache_entries() -> usize {
+    STATE.with(|s| s.borrow().cache.len())
 }
 
 /// Counts of the casts `#[autocast]` code ran on this thread.
@@ -585,7 +737,7 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
     let cacheable = E::DTYPE == DType::F32
         && matches!(T::DTYPE, DType::F16 | DType::BF16)
         && t.node.as_ref().is_some_and(is_leaf_view)
-        && STATE.with(|s| s.borrow().regions.last().copied().unwrap_or(false));
+        && STATE.with(|s| s.borrow().regions.last().is_some_and(|r| r.cache));
     // `t` as a Tensor<f32> (E is f32 when cacheable).
     let Some(source) = cacheable.then(|| f32::from_any(E::into_any(t.clone())).ok()).flatten() else {
         count_cast();
@@ -627,7 +779,13 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
             source.detach().cast::<T>()
         };
         let entry = CacheEntry { source: source.storage.clone(), cast: T::into_any(converted.clone()) };
-        STATE.with(|s| s.borrow_mut().cache.insert(key, entry));
+        let stale = STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            let stale = s.take_stale();
+            s.cache.insert(key, entry);
+            stale
+        });
+        drop(stale);
         converted
     });
     let layout = if whole { source.layout.clone() } else { values.layout.clone() };
@@ -644,7 +802,7 @@ mod tests {
         reset_cast_stats();
         let mut w = Param::new(Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]));
         {
-            let _r = Region::enter(true);
+            let _r = Region::enter::<f16>(true, true, "test");
             let a: Tensor<f16> = cast(w.tensor());
             let b: Tensor<f16> = cast(w.tensor());
             assert_eq!(cast_stats(), CastStats { casts: 1, cache_hits: 1 });
@@ -685,7 +843,7 @@ mod tests {
         let w = Param::new(Tensor::<f32>::from_vec(vec![0.5, -1.0, 2.0, 0.25], &[2, 2]));
         let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, -3.0, 0.5], &[2, 2]).cast::<f16>();
         let by_hand = x.matmul(&w.cast::<f16>()).add(&x.matmul(&w.t().cast::<f16>())).cast::<f32>().sum_all();
-        let _r = Region::enter(true);
+        let _r = Region::enter::<f16>(true, true, "test");
         let cached = x.matmul(&cast(w.tensor())).add(&x.matmul(&cast(&w.t()))).cast::<f32>().sum_all();
         assert_eq!(cached.to_vec(), by_hand.to_vec());
         let (g1, g2) = (by_hand.backward(), cached.backward());
@@ -697,22 +855,64 @@ mod tests {
     fn cache_switch_and_nesting() {
         reset_cast_stats();
         let w = Param::new(Tensor::<f32>::ones(&[3]));
-        let outer = Region::enter(true);
+        let outer = Region::enter::<f16>(true, true, "test");
         let _: Tensor<bf16> = cast(w.tensor());
         {
-            let _inner = Region::enter(false);
+            let _inner = Region::enter::<f16>(false, true, "test");
             let _: Tensor<bf16> = cast(w.tensor());
         }
         {
-            let _inner = Region::enter(true);
+            let _inner = Region::enter::<f16>(true, true, "test");
             let _: Tensor<bf16> = cast(w.tensor());
             // Another target type is another entry.
             let _: Tensor<f16> = cast(w.tensor());
         }
         assert_eq!(cast_stats(), CastStats { casts: 3, cache_hits: 1 });
         drop(outer);
-        let _r = Region::enter(true);
+        let _r = Region::enter::<f16>(true, true, "test");
         let _: Tensor<bf16> = cast(w.tensor());
         assert_eq!(cast_stats().casts, 4, "the cache is cleared when the outermost region exits");
+    }
+
+    #[test]
+    fn stale_entries_are_evicted() {
+        let mut w = Param::new(Tensor::<f32>::ones(&[4]));
+        let v = Param::new(Tensor::<f32>::ones(&[2]));
+        let _outer = Region::enter::<f16>(true, true, "test");
+        for step in 0..10 {
+            {
+                let _inner = Region::enter::<f16>(true, false, "test");
+                let _: Tensor<f16> = cast(w.tensor());
+                let _: Tensor<f16> = cast(v.tensor());
+            }
+            // The inner region's exit swept nothing live: one entry per parameter.
+            assert_eq!(cache_entries(), 2, "step {step}");
+            // An update copies on write: w's entry is stale from here on, and goes at the next
+            // insert or region exit.
+            w.data_mut()[0] += 1.0;
+        }
+        let t = Tensor::<f32>::ones(&[3]).requires_grad_();
+        let _: Tensor<f16> = cast(&t);
+        assert_eq!(cache_entries(), 2, "w's stale entry went at the insert");
+        drop(t);
+        {
+            let _inner = Region::enter::<f16>(true, true, "test");
+        }
+        assert_eq!(cache_entries(), 1, "a dropped tensor's entry goes at a region exit");
+    }
+
+    #[test]
+    fn regions_record_their_type() {
+        let outer = Region::enter::<bf16>(true, true, "outer");
+        // Chosen types are kept under any region; the default is refused under another type.
+        drop(Region::enter::<f16>(true, true, "chosen"));
+        drop(Region::enter::<bf16>(true, false, "same"));
+        let err = std::panic::catch_unwind(|| drop(Region::enter::<f16>(true, false, "helper"))).unwrap_err();
+        let msg = err.downcast_ref::<String>().unwrap();
+        assert!(msg.starts_with("`helper` is `#[autocast]` (f16) but was called from a bf16 autocast region"), "{msg}");
+        assert!(msg.ends_with("or give it `#[autocast(bf16)]`"), "{msg}");
+        drop(outer);
+        assert!(!in_region());
+        drop(Region::enter::<f16>(true, false, "top level"));
     }
 }

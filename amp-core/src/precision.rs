@@ -479,6 +479,15 @@ fn as_f32_mut<A: Precision>(s: &mut [A]) -> &mut [f32] {
 
 /// The type two precisions promote to: the one that covers the other in both exponent and
 /// mantissa bits, or f32 when neither does (f16 with bf16), as PyTorch promotes.
+#[diagnostic::on_unimplemented(
+    message = "no promotion of `{Self}` with `{R}` is known here",
+    label = "generic code has to state the promotions it uses",
+    note = "state the bound `{Self}: Promote<{R}>` (with the `Output` the callee asks for): every pair of \
+            concrete precisions has one, a bare type parameter does not",
+    note = "a function generic over its autocast type `P` that promotes gets `P: Promote<f32, Output = f32> + \
+            Promote<P, Output = P>, f32: Promote<P, Output = f32>` from `#[autocast(P)]`; a generic caller \
+            passing its own `P` states the same bounds"
+)]
 pub trait Promote<R: Precision>: Precision {
     /// The promoted precision.
     type Output: Precision;
@@ -526,24 +535,20 @@ impl<L, R> PickWider<L, R> for (B0, B0) {
     type Output = f32;
 }
 
-impl<L: Precision, R: Precision> Promote<R> for L
-where
-    L::ExponentBits: IsGreaterOrEqual<R::ExponentBits>,
-    L::MantissaBits: IsGreaterOrEqual<R::MantissaBits>,
-    R::ExponentBits: IsGreaterOrEqual<L::ExponentBits>,
-    R::MantissaBits: IsGreaterOrEqual<L::MantissaBits>,
-    (
-        <L::ExponentBits as IsGreaterOrEqual<R::ExponentBits>>::Output,
-        <L::MantissaBits as IsGreaterOrEqual<R::MantissaBits>>::Output,
-    ): BothBits,
-    (
-        <R::ExponentBits as IsGreaterOrEqual<L::ExponentBits>>::Output,
-        <R::MantissaBits as IsGreaterOrEqual<L::MantissaBits>>::Output,
-    ): BothBits,
-    (Covers<L, R>, Covers<R, L>): PickWider<L, R>,
-{
-    type Output = <(Covers<L, R>, Covers<R, L>) as PickWider<L, R>>::Output;
+/// One impl per pair of precisions (not a blanket impl over the format bits, which a bare type
+/// parameter cannot satisfy), each `Output` computed from the bits: so generic code missing a
+/// `Promote` bound gets the message above, not the unmet `typenum` comparisons.
+macro_rules! promote_with {
+    ($l:ty => $($r:ty),+) => {$(
+        impl Promote<$r> for $l {
+            type Output = <(Covers<$l, $r>, Covers<$r, $l>) as PickWider<$l, $r>>::Output;
+        }
+    )+};
 }
+promote_with!(f16 => f16, bf16, f32, f64);
+promote_with!(bf16 => f16, bf16, f32, f64);
+promote_with!(f32 => f16, bf16, f32, f64);
+promote_with!(f64 => f16, bf16, f32, f64);
 
 #[cfg(test)]
 mod tests {

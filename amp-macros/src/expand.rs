@@ -4,11 +4,22 @@
 //! - A call is a candidate when its method name is a table row (or a user's name) and its
 //!   argument count matches; the decision whether the receiver and the tensor arguments are
 //!   tensors is left to the compiler. Each is wrapped in a hidden helper,
-//!   `(&W::new(x)).__amp_to::<T>()`, resolved by autoref specialisation: a tensor-like value
-//!   (`Tensor<E>`, `Param<E>`, references to them) finds the impl on `W<X>` and is cast;
-//!   anything else (an iterator, an `f32`, a user type) only finds the impl on `&W<X>` and comes
-//!   back untouched. Generic forward functions work the same way, the bound `E: Precision`
-//!   being enough for `Tensor<E>` to find the casting impl.
+//!   `(&W::new(x)).__amp_to::<T>()`, resolved by autoref specialisation (three levels, see
+//!   `amp_core::__private`): an f64 tensor comes back untouched, another tensor-like value
+//!   (`Tensor<E>`, `Param<E>`, references to them) is cast, and anything else (an iterator,
+//!   an `f32`, a user type) comes back untouched. Generic forward functions work the same way,
+//!   the bound `E: Precision` being enough for `Tensor<E>` to find the casting impl.
+//! - The autocast type `T` of lower-precision ops is `f16`, `bf16`, `f32` or the function's
+//!   own type parameter (`#[autocast(P)]`); with `P`, promotions of `P` need bounds the
+//!   compiler cannot derive from `P: Precision`, so they are added to the signature when the
+//!   body has a promote op or an operator (only then: a generic caller of a forward without
+//!   promotions needs no more than `P: Precision`).
+//! - `m.forward(..)` without a turbofish keeps its call as written and hands its value to
+//!   `Hint::<T, _>`, which fixes an open `Tensor<?L>` (an `amp::nn` module's `forward::<L, _>`)
+//!   to `T` by unification during method lookup and passes anything else through: no receiver
+//!   wrapper, so a user type's `forward` by `&mut self` or `self` is found as before.
+//! - The region entered at the top records `T` and whether the attribute chose it, so a bare
+//!   `#[autocast]` called from a region of another type can panic with the fix.
 //! - Receivers that are places (`x`, `self.w`, `v[i]`) are borrowed, never moved (a tensor
 //!   method takes `&self`); other receivers are moved into the helper, so a by-value method
 //!   on a temporary still works. Arguments are passed as written and come back in the same
@@ -18,7 +29,8 @@
 //! - Nothing inside macro calls, nested items, const contexts, types or patterns is touched,
 //!   so `vec![..]`, `println!(..)`, array lengths and `autocast_off! { .. }` keep their meaning.
 //! - The declared return type is honoured by walking the tail (and each `return`) along the
-//!   declared type: a `Tensor<X>` position gets a final cast to `X`.
+//!   declared type: a `Tensor<X>` position gets a final cast to `X`, each element of a
+//!   `Vec<Tensor<X>>` too, and a tuple that is not written out is taken apart and rebuilt.
 
 use std::collections::{HashMap, HashSet};
 
@@ -28,7 +40,7 @@ use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
 use syn::{Expr, ExprClosure, Pat, Stmt, Type};
 
-use crate::parse::Options;
+use crate::parse::{LowType, Options};
 use crate::policy::{self, Arg, Category};
 use crate::validate::path_key;
 
@@ -72,20 +84,30 @@ struct Rewriter<'a> {
     untyped: Vec<HashSet<String>>,
     /// Whether any call was rewritten (the helper traits are imported only then).
     rewrote: bool,
+    /// Whether a promote op or operator was rewritten (a generic low type then needs the
+    /// bounds that compute its promotions).
+    promoted: bool,
 }
 
 /// Runs the rewrite on `f` and wraps its body in an autocast region.
 pub(crate) fn expand(opts: &Options, mut f: syn::ItemFn, p: &TokenStream) -> TokenStream {
-    let low_ident = syn::Ident::new(opts.low.ident(), Span::call_site());
+    let low = match &opts.low {
+        LowType::F16 => quote!(#p::f16),
+        LowType::Bf16 => quote!(#p::bf16),
+        LowType::F32 => quote!(::core::primitive::f32),
+        LowType::Param(id) => quote!(#id),
+        LowType::Unresolved(_) => unreachable!("resolved before expanding"),
+    };
     let mut rw = Rewriter {
         p,
-        low: quote!(#p::#low_ident),
+        low: low.clone(),
         user_methods: HashMap::new(),
         user_fns: Vec::new(),
         off: HashSet::new(),
         returns: Vec::new(),
         untyped: Vec::new(),
         rewrote: false,
+        promoted: false,
     };
     for list in &opts.lists {
         for path in &list.names {
@@ -112,9 +134,23 @@ pub(crate) fn expand(opts: &Options, mut f: syn::ItemFn, p: &TokenStream) -> Tok
     if let (Some(ty), Some(Stmt::Expr(tail, None))) = (&ret, f.block.stmts.last_mut()) {
         rw.conform(tail, ty);
     }
+    // A generic low type `P`: promotions of `P` with f32 and with itself are computed for
+    // f16, bf16 and f32 by the blanket `Promote` impl, but not for a bare type parameter, so
+    // the bounds that state them (true of every low type) are added when the body promotes.
+    if let LowType::Param(id) = &opts.low
+        && rw.promoted
+    {
+        let f32_ = quote!(::core::primitive::f32);
+        let preds = &mut f.sig.generics.make_where_clause().predicates;
+        preds.push(syn::parse_quote!(#id: #p::Promote<#f32_, Output = #f32_> + #p::Promote<#id, Output = #id>));
+        preds.push(syn::parse_quote!(#f32_: #p::Promote<#id, Output = #f32_>));
+        // The user's `P: Precision` and these are in two places by construction.
+        f.attrs.push(syn::parse_quote!(#[allow(clippy::multiple_bound_locations)]));
+    }
     let region = syn::Ident::new("__amp_region", Span::mixed_site());
-    let cache = opts.cache;
-    let mut prelude: Vec<Stmt> = vec![syn::parse_quote!(let #region = #p::Region::enter(#cache);)];
+    let (cache, chosen, name) = (opts.cache, opts.chosen, f.sig.ident.to_string());
+    let mut prelude: Vec<Stmt> =
+        vec![syn::parse_quote!(let #region = #p::Region::enter::<#low>(#cache, #chosen, #name);)];
     if rw.rewrote {
         prelude.push(syn::parse_quote!(
             #[allow(unused_imports)]
@@ -227,6 +263,31 @@ fn tensor_elem(ty: &Type) -> Option<&Type> {
     }
 }
 
+/// `Vec<T>` (by last segment): `T`.
+fn vec_elem(ty: &Type) -> Option<&Type> {
+    let Type::Path(tp) = ty else { return None };
+    let seg = tp.path.segments.last()?;
+    if seg.ident != "Vec" {
+        return None;
+    }
+    match &seg.arguments {
+        syn::PathArguments::AngleBracketed(a) => match a.args.first()? {
+            syn::GenericArgument::Type(t) => Some(t),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// Whether `ty` has a `Tensor<X>` position `conform` would cast.
+fn has_tensor(ty: &Type) -> bool {
+    tensor_elem(ty).is_some()
+        || vec_elem(ty).is_some_and(|t| tensor_elem(t).is_some())
+        || wrapper_inner(ty).is_some_and(|(_, t)| tensor_elem(t).is_some())
+        || matches!(ty, Type::Tuple(tt) if tt.elems.iter().any(has_tensor))
+        || matches!(ty, Type::Paren(p) if has_tensor(&p.elem))
+}
+
 /// `Result<T, ..>` / `Option<T>` (by last segment): the wrapper's name and `T`.
 fn wrapper_inner(ty: &Type) -> Option<(&'static str, &Type)> {
     let Type::Path(tp) = ty else { return None };
@@ -323,6 +384,20 @@ impl Rewriter<'_> {
         Some(quote_spanned!(mc.method.span()=> #recv.#method(#(#args),*)))
     }
 
+    /// `m.forward(..)` without a turbofish: an `amp::nn` module's `forward::<L, _>` leaves its
+    /// precision open (it is in the return type only), so the call's value goes through
+    /// `Hint`, which fixes an open `Tensor<_>` to the region's low type and hands anything
+    /// else on untouched. The call itself is as written (a user type's `forward`, by `&self`,
+    /// `&mut self` or `self`, inherent or from a trait, is found by the usual lookup).
+    fn rewrite_forward(&mut self, mc: &syn::ExprMethodCall) -> Option<TokenStream> {
+        if mc.method != "forward" || mc.turbofish.is_some() || self.user_methods.contains_key("forward") {
+            return None;
+        }
+        self.rewrote = true;
+        let (p, low) = (self.p, &self.low);
+        Some(quote_spanned!(mc.span()=> (&#p::Hint::<#low, _>::new(#mc)).__amp_low()))
+    }
+
     /// `a.add(&b)`: both operands to their promoted type.
     fn rewrite_promote_call(&mut self, mc: &syn::ExprMethodCall, kinds: &[Arg]) -> Option<TokenStream> {
         let ti = kinds.iter().position(|k| *k == Arg::T)?;
@@ -331,6 +406,7 @@ impl Rewriter<'_> {
             return None;
         }
         self.rewrote = true;
+        self.promoted = true;
         let p = self.p;
         let recv = &mc.receiver;
         let span = mc.span();
@@ -382,6 +458,7 @@ impl Rewriter<'_> {
             return None;
         }
         self.rewrote = true;
+        self.promoted = true;
         let p = self.p;
         let vars: Vec<syn::Ident> = operands
             .iter()
@@ -458,6 +535,7 @@ impl Rewriter<'_> {
             return None;
         }
         self.rewrote = true;
+        self.promoted = true;
         let (p, l, r, op) = (self.p, &b.left, &b.right, &b.op);
         let x = syn::Ident::new("__amp_l", Span::mixed_site().located_at(l.span()));
         let y = syn::Ident::new("__amp_r", Span::mixed_site().located_at(r.span()));
@@ -528,8 +606,10 @@ impl Rewriter<'_> {
                 }
                 return;
             }
-            // A diverging tail needs nothing; a macro's value is left as it is.
-            Expr::Return(_) | Expr::Macro(_) => return,
+            // A diverging tail needs nothing; a macro's value is left as it is (but `vec![..]`
+            // is a `Vec`, conformed below).
+            Expr::Return(_) => return,
+            Expr::Macro(m) if !(m.mac.path.is_ident("vec") && vec_elem(ty).is_some()) => return,
             // `Tensor::zeros(..)` and the like take their precision from the declared type.
             Expr::Call(c) if is_tensor_constructor(&c.func) => return,
             _ => {}
@@ -561,12 +641,30 @@ impl Rewriter<'_> {
                 });
                 self.rewrote = true;
             }
+        } else if let Some(x) = vec_elem(ty).and_then(tensor_elem) {
+            let span = e.span();
+            *e = Expr::Verbatim(quote_spanned!(span=> #p::conform_vec::<#x, _>(#e)));
+            self.rewrote = true;
         } else if let (Type::Tuple(tt), Expr::Tuple(te)) = (ty, &mut *e) {
             if tt.elems.len() == te.elems.len() {
                 for (t, x) in tt.elems.iter().zip(te.elems.iter_mut()) {
                     self.conform(x, t);
                 }
             }
+        } else if let Type::Tuple(tt) = ty
+            && tt.elems.iter().any(has_tensor)
+        {
+            // A tuple that is not written out (a call's value): taken apart and rebuilt, each
+            // element conformed to its declared type.
+            let span = e.span();
+            let names: Vec<syn::Ident> = (0..tt.elems.len())
+                .map(|k| syn::Ident::new(&format!("__amp_t{k}"), Span::mixed_site().located_at(span)))
+                .collect();
+            let mut rebuilt: syn::ExprTuple = syn::parse_quote!((#(#names,)*));
+            for (t, x) in tt.elems.iter().zip(rebuilt.elems.iter_mut()) {
+                self.conform(x, t);
+            }
+            *e = Expr::Verbatim(quote_spanned!(span=> match #e { (#(#names,)*) => #rebuilt }));
         } else if let Type::Paren(inner) = ty {
             self.conform(e, &inner.elem);
         }
@@ -592,6 +690,8 @@ impl VisitMut for Rewriter<'_> {
                 self.visit_expr_mut(&mut mc.receiver);
                 self.visit_args(&mut mc.args);
                 if let Some(t) = self.rewrite_method_call(mc) {
+                    *e = Expr::Verbatim(t);
+                } else if let Some(t) = self.rewrite_forward(mc) {
                     *e = Expr::Verbatim(t);
                 }
             }
@@ -683,7 +783,9 @@ mod tests {
             },
         );
         let want = r#"fn mlp(x: &Tensor<f32>, w1: &Param, b1: &Param, w2: &Param) -> Tensor<f32> {
-    let __amp_region = ::amp_core::__private::Region::enter(true);
+    let __amp_region = ::amp_core::__private::Region::enter::<
+        ::amp_core::__private::f16,
+    >(true, false, "mlp");
     #[allow(unused_imports)]
     use ::amp_core::__private::autocast_traits::*;
     let h = (match (&::amp_core::__private::Pair::new(
@@ -790,5 +892,47 @@ mod tests {
         assert!(got.contains("return Ok((\n            ::amp_core::__private::conform::<"), "{got}");
         assert!(got.contains("Ok((::amp_core::__private::conform::<f32, _>(y), 2))"), "{got}");
         assert!(got.contains(".try_matmul("), "{got}");
+    }
+
+    #[test]
+    fn generic_low_type_forward_and_region() {
+        let got = expanded(
+            quote!(P),
+            quote! {
+                fn f<P: Precision>(&self, x: &Tensor<f32>) -> Vec<Tensor<f32>> {
+                    let h = self.fc1.forward(x);
+                    let r = x + &h;
+                    vec![r, self.pair(x).0]
+                }
+            },
+        );
+        // The low type is `P`; the region records it as chosen; promotions get their bounds.
+        assert!(got.contains("Region::enter::<P>(true, true, \"f\")"), "{got}");
+        assert!(got.contains("P: ::amp_core::__private::Promote<"), "{got}");
+        assert!(got.contains("::core::primitive::f32: ::amp_core::__private::Promote<"), "{got}");
+        // `forward` without a turbofish: its value through `Hint`, the call as written.
+        assert!(got.contains("(&::amp_core::__private::Hint::<P, _>::new(self.fc1.forward(x))).__amp_low()"), "{got}");
+        // `Vec<Tensor<f32>>`: each element conformed.
+        assert!(got.contains("::amp_core::__private::conform_vec::<f32, _>(vec![r, self.pair(x).0])"), "{got}");
+        // Without promotions, no bounds: a generic caller needs only `P: Precision`.
+        let got = expanded(
+            quote!(P),
+            quote!(
+                fn g<P: Precision>(x: &Tensor<f32>) -> Tensor<f32> {
+                    x.exp()
+                }
+            ),
+        );
+        assert!(!got.contains("where"), "{got}");
+        let got = expanded(
+            quote!(f32),
+            quote!(
+                fn h(x: &Tensor<f32>) -> (Tensor<f32>, usize) {
+                    pair(x)
+                }
+            ),
+        );
+        assert!(got.contains("::core::primitive::f32,\n    >(true, true, \"h\")"), "{got}");
+        assert!(got.contains("match pair(x) {"), "{got}");
     }
 }

@@ -35,11 +35,35 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 ///     let h = x.matmul(&self.w1).relu();        // f16 matmul (f32 accumulation)
 ///     h.matmul(&self.w2).log_softmax(1)         // f16 matmul, f32 log_softmax
 /// }
+///
+/// #[autocast(P)]                   // written once, run at any precision: `model.loss::<bf16>(..)`
+/// fn loss<P: Precision>(&self, x: &Tensor<f32>, y: &Indices) -> Tensor<f32> {
+///     let h = self.fc1.forward(x).gelu();       // an `amp::nn::Linear`, in P
+///     h.linear(&self.fc2.weight, self.fc2.bias.as_ref()).cross_entropy(y)
+/// }
 /// ```
 ///
+/// - The autocast type: `f16` (the default), `bf16`, `f32` (autocast off in effect: every op
+///   gets f32 inputs, so with f32 inputs the function computes what it would without the
+///   attribute, bit for bit), or a type parameter of the function, `#[autocast(P)]` with
+///   `P: Precision`, so the caller picks it (`P = f32` is the same as `#[autocast(f32)]`: a
+///   `.cast::<f16>()` written in the body is widened again by the next op the table puts in a
+///   precision). When the body promotes (`x + &h`), `#[autocast(P)]` adds the bounds that
+///   compute `P`'s promotions, `P: Promote<f32, Output = f32> + Promote<P, Output = P>,
+///   f32: Promote<P, Output = f32>` (true of f16, bf16 and f32).
+/// - f64 tensors are left as they are (as PyTorch's autocast leaves them): an op on f64
+///   operands runs in f64 whatever its category. (A generic `Tensor<E>` is cast like the other
+///   precisions: the compiler cannot see that `E` is f64.)
+/// - `m.forward(..)` without a turbofish on an `amp::nn` module (`Linear`, `Mlp`,
+///   `CausalSelfAttention`, `Gpt`) runs in the autocast type: the open precision of the
+///   `Tensor<L>` it returns is fixed to it. A `forward` of your own is called as written
+///   (`&self`, `&mut self` or `self`, inherent or from a trait); if it returns a tensor whose
+///   precision is left open, that follows the autocast type too.
 /// - The declared return type is honoured: a `Tensor<X>` in it gets a final cast to `X`.
 /// - Each f32 parameter is cast once per call to the outermost `#[autocast]` function, however
-///   often it is used (the weight cast cache; `cache = false` turns it off).
+///   often it is used, in nested `#[autocast]` calls too (the weight cast cache; `cache = false`
+///   turns it off). An entry goes as soon as its parameter has moved on (an in-place update
+///   copies on write), so a training loop inside one region keeps the cache bounded.
 /// - Options: `lower = [my_proj]`, `fp32 = [my_norm, Self::rescale]` put functions or methods
 ///   of your own in a category (their tensor arguments are cast); `passthrough = [softmax]`
 ///   turns a table op off in this function.
@@ -48,13 +72,21 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 ///   float, macro calls) behaves as without the attribute: whether a value is a tensor is
 ///   decided by the compiler, through the types, at each call.
 /// - Declared types are honoured: a `Tensor<X>` in the return type (also inside `Result`,
-///   `Option` and tuples, at the tail and at each `return`), in a closure's `-> T` and in
+///   `Option`, `Vec` and tuples, at the tail and at each `return`), in a closure's `-> T` and in
 ///   `let h: Tensor<X> = ..` gets a final cast to `X`.
 ///
 /// Limits (each with its way out):
 /// - The region is lexical: calls to functions without the attribute run as written, and
 ///   nothing inside macro calls or nested items is rewritten (put `#[autocast]` on the callee,
 ///   or list it in `lower`/`fp32`).
+/// - A bare `#[autocast]` (f16 by default) called from a region of another type panics, naming
+///   the fix (make it `#[autocast(P)]` and call it with `::<P>`, or give it the caller's type);
+///   a chosen type (`#[autocast(f16)]`) is kept under any caller.
+/// - `#[autocast(P)]` sees only the function's own generics, not the `impl` block's. A generic
+///   caller of an `#[autocast(P)]` function that promotes states the same `Promote` bounds;
+///   so does a trait's declaration of such a method.
+/// - `amp::nn::Block::forward` returns the f32 residual stream, so its precision cannot be
+///   inferred from its value: write `block.forward::<P>(..)`.
 /// - In a generic function, promoting `Tensor<E>` with another precision needs the bound that
 ///   computes it, `E: Promote<f32>`; without it the operands are left as they are.
 /// - A receiver that is a variable is borrowed: a by-value method of a non-`Copy`, non-tensor
@@ -74,6 +106,12 @@ pub fn autocast(attr: proc_macro::TokenStream, item: proc_macro::TokenStream) ->
 fn autocast_impl(attr: TokenStream2, item: TokenStream2, private: TokenStream2) -> TokenStream2 {
     let opts = parse::options(attr).and_then(|o| validate::options(&o).map(|()| o));
     let func = validate::item(item.clone());
+    // A precision word that is not a type is a type parameter of the function, or an error.
+    let opts = match (opts, &func) {
+        (Ok(mut o), Ok(f)) => parse::resolve_low(&mut o, f).map(|()| o),
+        (Ok(o), Err(_)) => parse::unresolved_error(&o).map_or(Ok(o), Err),
+        (Err(e), _) => Err(e),
+    };
     match (opts, func) {
         (Ok(opts), Ok(func)) => expand::expand(&opts, func, &private),
         (opts, func) => {

@@ -1,7 +1,9 @@
 //! Parsing `#[autocast(...)]`'s options.
 //!
 //! Grammar: a comma-separated list of
-//! - a precision, `f16` (the default) or `bf16`;
+//! - a precision: `f16` (the default), `bf16`, `f32` (autocast off in effect: every op gets
+//!   f32 inputs), or a type parameter of the function (`#[autocast(P)] fn f<P: Precision>`),
+//!   checked against the function's generics once the item is parsed ([`resolve_low`]);
 //! - a category list, `lower = [..]`, `fp32 = [..]`, `promote = [..]` (a user's own functions
 //!   or methods, by name or path) or `passthrough = [..]` (table ops left alone here);
 //! - `cache = true | false` (the weight cast cache; on by default).
@@ -18,19 +20,17 @@ use syn::{Ident, LitBool, Path, Token, bracketed};
 use crate::policy::Category;
 
 /// The low type an autocast region uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum LowType {
     F16,
     Bf16,
-}
-
-impl LowType {
-    pub(crate) fn ident(self) -> &'static str {
-        match self {
-            LowType::F16 => "f16",
-            LowType::Bf16 => "bf16",
-        }
-    }
+    /// Autocast off in effect: lower-precision ops run in f32 too.
+    F32,
+    /// A type parameter of the function (its caller picks the precision).
+    Param(Ident),
+    /// A word that is none of the above by itself: a type parameter if the function has one
+    /// of that name ([`resolve_low`]), an error otherwise.
+    Unresolved(Ident),
 }
 
 /// A user's names put in one category (`fp32 = [my_norm, Self::rescale]`).
@@ -43,12 +43,14 @@ pub(crate) struct CategoryList {
 /// Everything `#[autocast(...)]` said.
 pub(crate) struct Options {
     pub(crate) low: LowType,
+    /// Whether the attribute named the precision (a bare `#[autocast]` takes f16 by default).
+    pub(crate) chosen: bool,
     pub(crate) lists: Vec<CategoryList>,
     pub(crate) cache: bool,
 }
 
-/// Known precisions: the ones that can be the low type, and the ones that cannot (with why).
-const PRECISIONS: &[&str] = &["f16", "bf16"];
+/// Known precisions that can be the low type.
+const PRECISIONS: &[&str] = &["f16", "bf16", "f32"];
 const KEYS: &[&str] = &["lower", "fp32", "promote", "passthrough", "cache"];
 
 fn key_category(key: &str) -> Option<Category> {
@@ -153,13 +155,12 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
                 let ty = match word.as_str() {
                     "f16" => LowType::F16,
                     "bf16" => LowType::Bf16,
-                    "f32" | "f64" => {
+                    "f32" => LowType::F32,
+                    "f64" => {
                         errors.push(syn::Error::new(
                             id.span(),
-                            format!(
-                                "`{word}` cannot be the autocast type: autocast runs ops in a 16-bit type \
-                                 (`f16` or `bf16`); ops that need f32 already get it"
-                            ),
+                            "`f64` cannot be the autocast type: autocast runs ops in `f16`, `bf16` or `f32` \
+                             (`f32`: autocast off); f64 tensors are always left as they are",
                         ));
                         continue;
                     }
@@ -168,12 +169,7 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
                         errors.push(syn::Error::new(id.span(), format!("`{word}` needs a value: `{example}`")));
                         continue;
                     }
-                    _ => {
-                        let all: Vec<&str> = PRECISIONS.iter().chain(KEYS).copied().collect();
-                        let msg = format!("unknown precision `{word}`: expected `f16` or `bf16`");
-                        errors.push(syn::Error::new(id.span(), with_suggestion(msg, &word, &all)));
-                        continue;
-                    }
+                    _ => LowType::Unresolved(id.clone()),
                 };
                 if let Some((_, first)) = &low {
                     errors.push(syn::Error::new(
@@ -236,7 +232,38 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
     }) {
         return Err(e);
     }
-    Ok(Options { low: low.map_or(LowType::F16, |(t, _)| t), lists, cache: cache.is_none_or(|(c, _)| c) })
+    let chosen = low.is_some();
+    Ok(Options { low: low.map_or(LowType::F16, |(t, _)| t), chosen, lists, cache: cache.is_none_or(|(c, _)| c) })
+}
+
+/// Settles a precision word that is not a known type: a type parameter of `func`, or an error
+/// on the word (with a suggestion when it looks like a misspelt type or option).
+pub(crate) fn resolve_low(opts: &mut Options, func: &syn::ItemFn) -> Result<(), syn::Error> {
+    let LowType::Unresolved(id) = &opts.low else { return Ok(()) };
+    if func.sig.generics.type_params().any(|p| p.ident == *id) {
+        opts.low = LowType::Param(id.clone());
+        return Ok(());
+    }
+    Err(unknown_precision(id, func.sig.generics.type_params().map(|p| p.ident.to_string()).collect()))
+}
+
+fn unknown_precision(id: &Ident, generics: Vec<String>) -> syn::Error {
+    let word = id.to_string();
+    let msg = format!(
+        "unknown precision `{word}`: expected `f16`, `bf16`, `f32` (autocast off), or a type parameter of this \
+         function bound by `Precision`"
+    );
+    let mut all: Vec<&str> = PRECISIONS.iter().chain(KEYS).copied().collect();
+    all.extend(generics.iter().map(String::as_str));
+    syn::Error::new(id.span(), with_suggestion(msg, &word, &all))
+}
+
+/// The error for an unresolved precision when there is no function to resolve it against.
+pub(crate) fn unresolved_error(opts: &Options) -> Option<syn::Error> {
+    match &opts.low {
+        LowType::Unresolved(id) => Some(unknown_precision(id, Vec::new())),
+        _ => None,
+    }
 }
 
 fn unknown_key(key: &Ident) -> syn::Error {
@@ -270,11 +297,43 @@ mod tests {
         assert_eq!(o.lists[0].names.len(), 2);
     }
 
+    /// Options resolved against `func` (the item `#[autocast]` is on).
+    fn resolved(tokens: proc_macro2::TokenStream, func: proc_macro2::TokenStream) -> Result<Options, String> {
+        let mut o = options(tokens).map_err(|e| e.to_string())?;
+        resolve_low(&mut o, &syn::parse2(func).unwrap()).map_err(|e| e.to_string())?;
+        Ok(o)
+    }
+
+    #[test]
+    fn precisions_f32_and_type_parameters() {
+        let o = options(quote!(f32)).unwrap();
+        assert_eq!((o.low, o.chosen), (LowType::F32, true));
+        assert!(!options(quote!()).unwrap().chosen);
+        let f = quote!(
+            fn f<P: Precision>(x: &Tensor<f32>) {}
+        );
+        let o = resolved(quote!(P), f.clone()).unwrap();
+        assert!(matches!(o.low, LowType::Param(ref p) if p == "P"));
+        let e = resolved(quote!(Q), f).err().unwrap();
+        assert_eq!(
+            e,
+            "unknown precision `Q`: expected `f16`, `bf16`, `f32` (autocast off), or a type parameter of this function \
+             bound by `Precision`"
+        );
+        let e = resolved(
+            quote!(fp16),
+            quote!(
+                fn f() {}
+            ),
+        )
+        .err()
+        .unwrap();
+        assert!(e.ends_with("; did you mean `f16`?"), "{e}");
+        assert!(err(quote!(f64)).contains("cannot be the autocast type"));
+    }
+
     #[test]
     fn mistakes_get_suggestions() {
-        assert_eq!(err(quote!(fp16)), "unknown precision `fp16`: expected `f16` or `bf16`; did you mean `f16`?");
-        assert!(err(quote!(bfloat16)).contains("did you mean `bf16`?"));
-        assert!(err(quote!(f32)).contains("cannot be the autocast type"));
         assert!(err(quote!(f16, bf16)).contains("given twice"));
         assert!(err(quote!(fp23 = [a])).contains("did you mean `fp32`?"));
         assert!(err(quote!(fp32 = my_norm)).contains("expected a list in brackets"));
@@ -282,6 +341,6 @@ mod tests {
         assert!(err(quote!(cache = 1)).contains("expected `true` or `false`"));
         assert!(err(quote!(cache)).contains("needs a value"));
         // Every error at once.
-        assert_eq!(err(quote!(fp16, lowr = [x])).matches(" | ").count(), 1);
+        assert_eq!(err(quote!(f64, lowr = [x])).matches(" | ").count(), 1);
     }
 }

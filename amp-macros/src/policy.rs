@@ -286,25 +286,29 @@ mod tests {
         }
     }
 
-    fn is_tensor_ty(ty: &syn::Type) -> bool {
+    /// `Tensor`, `Self`, or a type parameter in `like` (one bounded by `LinearOperand`, which
+    /// takes a tensor or a parameter), behind any references.
+    fn is_tensor_ty(ty: &syn::Type, like: &[String]) -> bool {
         match ty {
-            syn::Type::Reference(r) => is_tensor_ty(&r.elem),
-            syn::Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Self" || s.ident == "Tensor"),
+            syn::Type::Reference(r) => is_tensor_ty(&r.elem, like),
+            syn::Type::Path(p) => p.path.segments.last().is_some_and(|s| {
+                s.ident == "Self" || s.ident == "Tensor" || like.iter().any(|l| s.ident == l.as_str())
+            }),
             _ => false,
         }
     }
 
-    fn opt_tensor(ty: &syn::Type) -> bool {
+    fn opt_tensor(ty: &syn::Type, like: &[String]) -> bool {
         let syn::Type::Path(p) = ty else { return false };
         let Some(seg) = p.path.segments.last() else { return false };
         let syn::PathArguments::AngleBracketed(a) = &seg.arguments else { return false };
-        seg.ident == "Option" && matches!(a.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_ty(t))
+        seg.ident == "Option" && matches!(a.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_ty(t, like))
     }
 
-    fn list_of_tensors(ty: &syn::Type) -> bool {
+    fn list_of_tensors(ty: &syn::Type, like: &[String]) -> bool {
         match ty {
-            syn::Type::Reference(r) => list_of_tensors(&r.elem),
-            syn::Type::Slice(s) => is_tensor_ty(&s.elem),
+            syn::Type::Reference(r) => list_of_tensors(&r.elem, like),
+            syn::Type::Slice(s) => is_tensor_ty(&s.elem, like),
             _ => false,
         }
     }
@@ -333,15 +337,27 @@ mod tests {
                                 continue;
                             }
                             let has_self = f.sig.receiver().is_some();
+                            let like: Vec<String> = f
+                                .sig
+                                .generics
+                                .type_params()
+                                .filter(|tp| {
+                                    tp.bounds.iter().any(|b| {
+                                        matches!(b, syn::TypeParamBound::Trait(t)
+                                            if t.path.segments.last().is_some_and(|s| s.ident == "LinearOperand"))
+                                    })
+                                })
+                                .map(|tp| tp.ident.to_string())
+                                .collect();
                             let mut args = Vec::new();
                             let mut takes_tensor = false;
                             for input in &f.sig.inputs {
                                 let syn::FnArg::Typed(pt) = input else { continue };
-                                let kind = if list_of_tensors(&pt.ty) {
+                                let kind = if list_of_tensors(&pt.ty, &like) {
                                     Arg::L
-                                } else if opt_tensor(&pt.ty) {
+                                } else if opt_tensor(&pt.ty, &like) {
                                     Arg::OptT
-                                } else if is_tensor_ty(&pt.ty) {
+                                } else if is_tensor_ty(&pt.ty, &like) {
                                     Arg::T
                                 } else {
                                     Arg::O

@@ -9,6 +9,9 @@
 //!   values) run in `L` with f32 accumulation; layer norm, softmax and the loss run in f32; the
 //!   residual stream stays f32 (an f32 + `L` add promotes to f32). With `L = f32` this is plain
 //!   f32 training. Weight casts are differentiable, so gradients arrive in f32.
+//! - Inside `#[autocast]`, `self.fc.forward(&x)` needs no turbofish: `L` appears in the
+//!   returned `Tensor<L>`, and the macro fixes it to the region's type. [`Block::forward`]
+//!   returns the f32 residual stream, so its `L` has to be written (`block.forward::<P>(..)`).
 //! - `train()` / `eval()` (from [`crate::Params`]) reach every submodule; only dropout reads it.
 
 mod attention;

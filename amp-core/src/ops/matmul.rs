@@ -7,8 +7,36 @@
 use crate::cpu;
 use crate::error::{Error, Result, or_panic};
 use crate::layout::broadcast_shapes;
+use crate::param::Param;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
+
+/// The weight and bias of [`Tensor::linear`]: tensors, or parameters (so a module's fields go
+/// in as they are, `x.linear(&self.fc.weight, self.fc.bias.as_ref())`). Both are one type,
+/// which is what lets a bare `None` bias take its type from the weight.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `Tensor<{E}>` or a `Param<{E}>`",
+    label = "the weight and the bias of `linear` are tensors (or parameters) of the input's precision",
+    note = "the weight and the bias must be the same kind: both `Tensor`s or both `Param`s (`&*param` is its tensor)"
+)]
+pub trait LinearOperand<E: Precision> {
+    /// The tensor.
+    fn tensor_ref(&self) -> &Tensor<E>;
+}
+
+impl<E: Precision> LinearOperand<E> for Tensor<E> {
+    #[inline(always)]
+    fn tensor_ref(&self) -> &Tensor<E> {
+        self
+    }
+}
+
+impl<E: Precision> LinearOperand<E> for Param<E> {
+    #[inline(always)]
+    fn tensor_ref(&self) -> &Tensor<E> {
+        self
+    }
+}
 
 impl<E: Precision> Tensor<E> {
     /// `self @ rhs` for `[..., m, k] @ [..., k, n] -> [..., m, n]`.
@@ -72,7 +100,10 @@ impl<E: Precision> Tensor<E> {
     /// `x Wᵀ + b` (PyTorch's `F.linear`) for `x: [..., in]`, `weight: [out, in]`,
     /// `bias: [out]`: one GEMM with the bias in the accumulator (one rounding). Derivatives:
     /// `dx = dy W`, `dW = dyᵀ x` (computed directly in `W`'s layout), `db = Σ dy`.
-    pub fn try_linear(&self, weight: &Self, bias: Option<&Self>) -> Result<Self> {
+    ///
+    /// The weight and the bias are both tensors or both parameters ([`LinearOperand`]).
+    pub fn try_linear<W: LinearOperand<E> + ?Sized>(&self, weight: &W, bias: Option<&W>) -> Result<Self> {
+        let (weight, bias) = (weight.tensor_ref(), bias.map(|b| b.tensor_ref()));
         let shapes = || {
             let mut v = vec![self.shape().to_vec(), weight.shape().to_vec()];
             v.extend(bias.map(|b| b.shape().to_vec()));
@@ -123,7 +154,7 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(x.linear(&w, Some(&b)).to_vec(), vec![1.5, 2.5, 3.5]);
     /// ```
     #[track_caller]
-    pub fn linear(&self, weight: &Self, bias: Option<&Self>) -> Self {
+    pub fn linear<W: LinearOperand<E> + ?Sized>(&self, weight: &W, bias: Option<&W>) -> Self {
         or_panic(self.try_linear(weight, bias))
     }
 }

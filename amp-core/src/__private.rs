@@ -587,12 +587,19 @@ struct CacheEntry {
 struct RegionInfo {
     cache: bool,
     low: DType,
+    /// The [`OffGuard`] count outside this region: an `#[autocast]` function's own body is
+    /// checked again, wherever it is called from.
+    outer_off: u32,
 }
 
 #[derive(Default)]
 struct State {
     /// Open regions, innermost last.
     regions: Vec<RegionInfo>,
+    /// Open [`OffGuard`]s: code that runs as written inside a region (`autocast_off!`,
+    /// `#[autocast(off)]`, `passthrough`, a user's own categorised function, the backward
+    /// pass), where the reach check does not apply.
+    off: u32,
     cache: HashMap<CacheKey, CacheEntry>,
     casts: u64,
     hits: u64,
@@ -645,7 +652,11 @@ impl Region {
                  `#[autocast({outer})]`"
             );
         }
-        STATE.with(|s| s.borrow_mut().regions.push(RegionInfo { cache, low: L::DTYPE }));
+        STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            let outer_off = std::mem::take(&mut s.off);
+            s.regions.push(RegionInfo { cache, low: L::DTYPE, outer_off });
+        });
         Region { _not_send: std::marker::PhantomData }
     }
 }
@@ -655,10 +666,78 @@ impl Drop for Region {
         // Dropped outside the borrow: the cached tensors may free graph nodes.
         let cleared = STATE.with(|s| {
             let mut s = s.borrow_mut();
-            s.regions.pop();
+            if let Some(r) = s.regions.pop() {
+                s.off = r.outer_off;
+            }
             if s.regions.is_empty() { std::mem::take(&mut s.cache).into_values().collect() } else { s.take_stale() }
         });
         drop(cleared);
+    }
+}
+
+/// Marks code that runs as written inside an autocast region for as long as it lives (see
+/// [`check_reach`]).
+#[must_use]
+pub struct OffGuard {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl OffGuard {
+    /// Starts running as written.
+    #[inline]
+    pub fn new() -> OffGuard {
+        STATE.with(|s| s.borrow_mut().off += 1);
+        OffGuard { _not_send: std::marker::PhantomData }
+    }
+}
+
+impl Default for OffGuard {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for OffGuard {
+    fn drop(&mut self) {
+        STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            s.off = s.off.saturating_sub(1);
+        });
+    }
+}
+
+/// The reach check: code that `#[autocast]` rewrote always hands a table op the inputs its
+/// policy row asks for (the region's low type for lower-precision ops, f32 for fp32 ones), so
+/// an op that meets another precision inside an enabled region was called from code the
+/// attribute did not reach (a helper function or a module's method without it). That code
+/// would silently run as written (PyTorch's dynamic region would have cast it), so it panics,
+/// naming the fix. f64 is never cast, regions of low type f32 are autocast off, and
+/// [`OffGuard`]s mark code meant to run as written.
+#[inline]
+#[track_caller]
+pub(crate) fn check_reach(op: &'static str, input: DType) {
+    if input == DType::F64 {
+        return;
+    }
+    let low = STATE.with(|s| {
+        let s = s.borrow();
+        if s.off > 0 { None } else { s.regions.last().map(|r| r.low) }
+    });
+    let Some(low) = low.filter(|l| *l != DType::F32) else { return };
+    use crate::policy::Category;
+    let want = match crate::policy::lookup(op).map(|p| p.category) {
+        Some(Category::LowerPrecision) => low,
+        Some(Category::Fp32 | Category::Fp32Accumulate) => DType::F32,
+        _ => return,
+    };
+    if input != want {
+        panic!(
+            "`{op}` ran on a {input} tensor inside a `#[autocast]` ({low}) region, where autocast runs it in {want}: \
+             the function that called it is not rewritten by `#[autocast]` (a helper, or a module's method, without \
+             the attribute), so its ops would run as written. Put `#[autocast(P)]` on that function (generic: \
+             `fn f<P: Precision>(..)`, called as `f::<P>(..)`), or `#[autocast]`, or list it in the caller's \
+             `fp32 = [..]` / `lower = [..]`; code meant to run as written goes in `autocast_off! {{ .. }}`"
+        );
     }
 }
 

@@ -302,6 +302,8 @@ pub(crate) fn first_node_of<E: Precision>(t: &Tensor<E>, dtype: DType) -> Option
 /// Runs backward from `root` seeded with `seed` (same shape and precision as the root).
 pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
     let _no_grad = NoGradGuard::new();
+    // Backward closures run ops on gradients as written, also inside an autocast region.
+    let _as_written = crate::__private::OffGuard::new();
     // Depth-first post-order, iteratively: parents before children.
     let mut order: Vec<Arc<Node>> = Vec::new();
     let mut seen: HashSet<TensorId> = HashSet::new();

@@ -149,5 +149,21 @@ pub fn print_policy() {
 /// ```
 #[macro_export]
 macro_rules! autocast_off {
-    ($($body:tt)*) => { $($body)* };
+    // Statements: their bindings stay visible after the macro; the guard (which tells the
+    // reach check that this code runs as written on purpose) ends with them.
+    (let $($rest:tt)*) => {
+        let __amp_off = $crate::__private::OffGuard::new();
+        let $($rest)*
+        ::core::mem::drop(__amp_off);
+    };
+    // One expression: its value.
+    ($e:expr) => {{
+        let __amp_off = $crate::__private::OffGuard::new();
+        $e
+    }};
+    ($($body:tt)*) => {
+        let __amp_off = $crate::__private::OffGuard::new();
+        $($body)*
+        ::core::mem::drop(__amp_off);
+    };
 }

@@ -384,6 +384,38 @@ impl Rewriter<'_> {
         Some(quote_spanned!(mc.method.span()=> #recv.#method(#(#args),*)))
     }
 
+    /// `e` under an `OffGuard`: it runs as written, and the reach check (`__private::check_reach`)
+    /// knows it is meant to.
+    fn as_written(&self, e: &Expr) -> TokenStream {
+        let p = self.p;
+        let guard = syn::Ident::new("__amp_off", Span::mixed_site());
+        quote_spanned!(e.span()=> { let #guard = #p::OffGuard::new(); #e })
+    }
+
+    /// A call of the user's own categorised method (its body runs as written, on the inputs
+    /// the category gives it, as PyTorch's `custom_fwd(cast_inputs=..)`), of a table op the
+    /// user turned off here (`passthrough = [..]`), or of a module's `forward` with its
+    /// precision chosen by a turbofish. (An `#[autocast]` function called from such code
+    /// checks its own body again: entering a region resets the guard count.)
+    fn method_runs_as_written(&self, mc: &syn::ExprMethodCall) -> bool {
+        let name = mc.method.to_string();
+        // `m.forward::<f32, _>(x)`: a precision chosen explicitly is kept.
+        if name == "forward" && mc.turbofish.is_some() {
+            return true;
+        }
+        if self.user_methods.contains_key(&name) {
+            return true;
+        }
+        self.off.contains(&name) && policy::lookup(&name).is_some_and(|op| !op.assoc && op.args.len() == mc.args.len())
+    }
+
+    /// A call of a function the user put in a category.
+    fn call_runs_as_written(&self, call: &syn::ExprCall) -> bool {
+        let Expr::Path(fp) = &*call.func else { return false };
+        let segs: Vec<String> = fp.path.segments.iter().map(|s| s.ident.to_string()).collect();
+        self.user_fns.iter().any(|(want, _)| segs.ends_with(want))
+    }
+
     /// `m.forward(..)` without a turbofish: an `amp::nn` module's `forward::<L, _>` leaves its
     /// precision open (it is in the return type only), so the call's value goes through
     /// `Hint`, which fixes an open `Tensor<_>` to the region's low type and hands anything
@@ -689,16 +721,24 @@ impl VisitMut for Rewriter<'_> {
             Expr::MethodCall(mc) => {
                 self.visit_expr_mut(&mut mc.receiver);
                 self.visit_args(&mut mc.args);
+                let as_written = self.method_runs_as_written(mc);
                 if let Some(t) = self.rewrite_method_call(mc) {
                     *e = Expr::Verbatim(t);
                 } else if let Some(t) = self.rewrite_forward(mc) {
                     *e = Expr::Verbatim(t);
                 }
+                if as_written {
+                    *e = Expr::Verbatim(self.as_written(&*e));
+                }
             }
             Expr::Call(call) => {
                 self.visit_args(&mut call.args);
+                let as_written = self.call_runs_as_written(call);
                 if let Some(t) = self.rewrite_call(call) {
                     *e = Expr::Verbatim(t);
+                }
+                if as_written {
+                    *e = Expr::Verbatim(self.as_written(&*e));
                 }
             }
             Expr::Binary(b) => {
@@ -729,8 +769,23 @@ impl VisitMut for Rewriter<'_> {
         if let Some(attrs) = attrs
             && attrs.iter().any(is_off_attr)
         {
-            // `#[autocast(off)]`: this statement runs as written.
+            // `#[autocast(off)]`: this statement runs as written (and says so to the reach
+            // check, for as long as it runs).
             attrs.retain(|a| !is_off_attr(a));
+            let p = self.p;
+            let guard = syn::Ident::new("__amp_off", Span::mixed_site());
+            match s {
+                Stmt::Local(l) => {
+                    if let Some(init) = &mut l.init {
+                        let wrapped = self.as_written(&*init.expr);
+                        init.expr = Box::new(Expr::Verbatim(wrapped));
+                    }
+                }
+                Stmt::Expr(Expr::Block(b), _) => {
+                    b.block.stmts.insert(0, syn::parse_quote!(let #guard = #p::OffGuard::new();));
+                }
+                _ => {}
+            }
             return;
         }
         match s {
@@ -866,12 +921,22 @@ mod tests {
                 }
             },
         );
-        assert!(got.contains("let h = my_norm(\n        (&::amp_core::__private::W::new(x))\n            .__amp_arg::<::core::primitive::f32>()"), "{got}");
-        assert!(got.contains("1e-5"), "{got}");
-        assert!(got.contains(".__amp_to::<::amp_core::__private::f16>()\n        .proj("), "{got}");
-        assert!(got.contains("let z = y.exp();"), "{got}");
-        assert!(got.contains("let s = z.softmax(1);"), "{got}");
-        assert!(got.contains("autocast_off! {\n        let q = s.exp();\n    }"), "{got}");
+        // Compared without whitespace: the layout is prettyplease's.
+        let flat: String = got.split_whitespace().collect();
+        let has = |want: &str| flat.contains(&want.split_whitespace().collect::<String>());
+        // The user's categorised calls get cast inputs and run as written (an `OffGuard`).
+        assert!(
+            has(
+                "let h = { let __amp_off = ::amp_core::__private::OffGuard::new(); my_norm((&::amp_core::__private::W::new(x)).__amp_arg::<::core::primitive::f32>()"
+            ),
+            "{got}"
+        );
+        assert!(has("1e-5"), "{got}");
+        assert!(has(".__amp_to::<::amp_core::__private::f16>().proj("), "{got}");
+        // `#[autocast(off)]` and `passthrough` run as written, under a guard.
+        assert!(has("let z = { let __amp_off = ::amp_core::__private::OffGuard::new(); y.exp() };"), "{got}");
+        assert!(has("let s = { let __amp_off = ::amp_core::__private::OffGuard::new(); z.softmax(1) };"), "{got}");
+        assert!(has("autocast_off! { let q = s.exp(); }"), "{got}");
         assert!(got.contains("conform::<f16, _>(s)"), "{got}");
     }
 

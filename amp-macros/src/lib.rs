@@ -67,7 +67,8 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 /// - Options: `lower = [my_proj]`, `fp32 = [my_norm, Self::rescale]` put functions or methods
 ///   of your own in a category (their tensor arguments are cast); `passthrough = [softmax]`
 ///   turns a table op off in this function.
-/// - `autocast_off! { .. }` or `#[autocast(off)]` on a statement runs that code as written.
+/// - `autocast_off! { .. }` (statements or one expression) or `#[autocast(off)]` on a statement
+///   runs that code as written.
 /// - Code that is not a tensor op but shares a name (`iter.sum()`, `f32::max`, `x.exp()` on a
 ///   float, macro calls) behaves as without the attribute: whether a value is a tensor is
 ///   decided by the compiler, through the types, at each call.
@@ -76,9 +77,15 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 ///   `let h: Tensor<X> = ..` gets a final cast to `X`.
 ///
 /// Limits (each with its way out):
-/// - The region is lexical: calls to functions without the attribute run as written, and
-///   nothing inside macro calls or nested items is rewritten (put `#[autocast]` on the callee,
-///   or list it in `lower`/`fp32`).
+/// - The rewrite is lexical: nothing inside macro calls or nested items is rewritten, and a
+///   function without the attribute is not rewritten when called from one with it. Such a
+///   callee's ops would run as written; instead, at run time, a table op that meets inputs
+///   the policy would not have given it inside an enabled region (an f16 `exp`, an f32
+///   `matmul` in an f16 region) panics, naming the op and the fix: put `#[autocast(P)]` on the
+///   callee (called with `::<P>`), or list it in `lower`/`fp32` (a listed function runs as
+///   written on the inputs its category gives it, as PyTorch's `custom_fwd(cast_inputs=..)`).
+///   `autocast_off!`, `#[autocast(off)]`, `passthrough`, f64 and the backward pass are never
+///   checked. The compiler cannot see into callees, so this check is a panic, not an error.
 /// - A bare `#[autocast]` (f16 by default) called from a region of another type panics, naming
 ///   the fix (make it `#[autocast(P)]` and call it with `::<P>`, or give it the caller's type);
 ///   a chosen type (`#[autocast(f16)]`) is kept under any caller.

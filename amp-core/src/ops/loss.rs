@@ -31,6 +31,7 @@ impl<E: Precision> Tensor<E> {
     /// Cross-entropy of logits `[N, C]` (or `[C]` with a 0-dim target) against class indices
     /// `[N]`, mean over the rows not ignored, with PyTorch's defaults (`ignore_index = -100`,
     /// no smoothing). See [`Tensor::try_cross_entropy_with`].
+    #[track_caller]
     pub fn try_cross_entropy(&self, targets: &Indices) -> Result<Self> {
         self.try_cross_entropy_with(targets, CrossEntropyOptions::default())
     }
@@ -55,7 +56,9 @@ impl<E: Precision> Tensor<E> {
     /// `dx[i, c] = (softmax(x_i)_c - (1 - s) [c == t_i] - s / C) / n` for counted rows, 0 for
     /// ignored ones. A target outside `0..C` (other than `ignore_index`) is
     /// [`Error::IndexOutOfRange`].
+    #[track_caller]
     pub fn try_cross_entropy_with(&self, targets: &Indices, options: CrossEntropyOptions) -> Result<Self> {
+        crate::__private::check_reach("cross_entropy", E::DTYPE);
         const OP: &str = "cross_entropy";
         let shapes = || vec![self.shape().to_vec(), targets.shape().to_vec()];
         if self.rank() == 1 && targets.shape().is_empty() {
@@ -112,7 +115,9 @@ impl<E: Precision> Tensor<E> {
     /// Mean squared error `mean((self - target)²)` over every element, as a 0-dim tensor
     /// (NaN for empty tensors, as in PyTorch); the shapes must be equal.
     /// Derivatives: `2 (self - target) / n` and its negation for `target`.
+    #[track_caller]
     pub fn try_mse_loss(&self, target: &Self) -> Result<Self> {
+        crate::__private::check_reach("mse_loss", E::DTYPE);
         if self.shape() != target.shape() {
             return Err(Error::Shape {
                 op: "mse_loss",

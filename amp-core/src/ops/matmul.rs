@@ -40,7 +40,9 @@ impl<E: Precision> LinearOperand<E> for Param<E> {
 
 impl<E: Precision> Tensor<E> {
     /// `self @ rhs` for `[..., m, k] @ [..., k, n] -> [..., m, n]`.
+    #[track_caller]
     pub fn try_matmul(&self, rhs: &Self) -> Result<Self> {
+        crate::__private::check_reach("matmul", E::DTYPE);
         // 1-D operands: a vector on the left is a row, on the right a column, removed after.
         if self.rank() == 0 || rhs.rank() == 0 {
             return Err(Error::Shape {
@@ -102,7 +104,9 @@ impl<E: Precision> Tensor<E> {
     /// `dx = dy W`, `dW = dyᵀ x` (computed directly in `W`'s layout), `db = Σ dy`.
     ///
     /// The weight and the bias are both tensors or both parameters ([`LinearOperand`]).
+    #[track_caller]
     pub fn try_linear<W: LinearOperand<E> + ?Sized>(&self, weight: &W, bias: Option<&W>) -> Result<Self> {
+        crate::__private::check_reach("linear", E::DTYPE);
         let (weight, bias) = (weight.tensor_ref(), bias.map(|b| b.tensor_ref()));
         let shapes = || {
             let mut v = vec![self.shape().to_vec(), weight.shape().to_vec()];

@@ -76,7 +76,9 @@ impl<E: Precision> Tensor<E> {
     /// Derivatives, with `x̂` the normalised input, `ĝ = g * weight` and `rstd = 1/sqrt(var + eps)`:
     /// `dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂))`, `dweight = sum(g * x̂)`, `dbias = sum(g)`
     /// (sums over every dim but the last).
+    #[track_caller]
     pub fn try_layer_norm(&self, weight: Option<&Tensor<E>>, bias: Option<&Tensor<E>>, eps: f64) -> Result<Self> {
+        crate::__private::check_reach("layer_norm", E::DTYPE);
         self.norm_impl::<false>("layer_norm", weight, bias, eps)
     }
     /// Layer norm over the last dim; panics on a weight/bias shape mismatch or a bad `eps`.
@@ -97,7 +99,9 @@ impl<E: Precision> Tensor<E> {
     ///
     /// Derivatives, with `x̂ = x * rstd`, `ĝ = g * weight`, `rstd = 1/sqrt(mean(x²) + eps)`:
     /// `dx = rstd * (ĝ - x̂ * mean(ĝ * x̂))`, `dweight = sum(g * x̂)`.
+    #[track_caller]
     pub fn try_rms_norm(&self, weight: Option<&Tensor<E>>, eps: f64) -> Result<Self> {
+        crate::__private::check_reach("rms_norm", E::DTYPE);
         self.norm_impl::<true>("rms_norm", weight, None, eps)
     }
     /// RMS norm over the last dim; panics on a weight shape mismatch or a bad `eps`.

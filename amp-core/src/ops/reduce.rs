@@ -20,7 +20,9 @@ fn reduced_shape(shape: &[usize], dim: usize, keepdim: bool) -> Vec<usize> {
 }
 
 impl<E: Precision> Tensor<E> {
+    #[track_caller]
     fn sum_or_mean(&self, op: &'static str, dim: usize, keepdim: bool, mean: bool) -> Result<Self> {
+        crate::__private::check_reach(op, E::DTYPE);
         check_dim(op, dim, self.shape())?;
         let odi = outer_dim_inner(self.shape(), dim);
         let scale = if mean { 1.0 / odi.1 as f64 } else { 1.0 };
@@ -35,6 +37,7 @@ impl<E: Precision> Tensor<E> {
         }))
     }
     /// Sum over `dim` (kept as size 1 if `keepdim`).
+    #[track_caller]
     pub fn try_sum(&self, dim: usize, keepdim: bool) -> Result<Self> {
         self.sum_or_mean("sum", dim, keepdim, false)
     }
@@ -44,6 +47,7 @@ impl<E: Precision> Tensor<E> {
         or_panic(self.try_sum(dim, keepdim))
     }
     /// Mean over `dim`.
+    #[track_caller]
     pub fn try_mean(&self, dim: usize, keepdim: bool) -> Result<Self> {
         self.sum_or_mean("mean", dim, keepdim, true)
     }
@@ -53,10 +57,12 @@ impl<E: Precision> Tensor<E> {
         or_panic(self.try_mean(dim, keepdim))
     }
     /// Sum of every element, as a 0-dim tensor.
+    #[track_caller]
     pub fn sum_all(&self) -> Self {
         self.flatten().sum(0, false)
     }
     /// Mean of every element, as a 0-dim tensor (NaN for an empty tensor, as in PyTorch).
+    #[track_caller]
     pub fn mean_all(&self) -> Self {
         self.flatten().mean(0, false)
     }

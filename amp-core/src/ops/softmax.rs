@@ -11,7 +11,9 @@ use crate::precision::Precision;
 use crate::tensor::Tensor;
 
 impl<E: Precision> Tensor<E> {
+    #[track_caller]
     fn softmax_impl<const LOG: bool>(&self, op: &'static str, dim: usize) -> Result<Self> {
+        crate::__private::check_reach(op, E::DTYPE);
         if self.rank() == 0 {
             // PyTorch accepts dim 0 on a 0-dim tensor: the one element is its own row.
             if dim != 0 {
@@ -38,6 +40,7 @@ impl<E: Precision> Tensor<E> {
 
     /// Softmax over `dim`: `y_i = exp(x_i - max) / sum_j exp(x_j - max)`, accumulated in f32
     /// for f16/bf16 and rounded once. Derivative: `dx = y * (g - sum(g * y))`.
+    #[track_caller]
     pub fn try_softmax(&self, dim: usize) -> Result<Self> {
         self.softmax_impl::<false>("softmax", dim)
     }
@@ -54,6 +57,7 @@ impl<E: Precision> Tensor<E> {
     }
     /// Log-softmax over `dim`: `y_i = x_i - max - log(sum_j exp(x_j - max))`.
     /// Derivative: `dx = g - exp(y) * sum(g)`.
+    #[track_caller]
     pub fn try_log_softmax(&self, dim: usize) -> Result<Self> {
         self.softmax_impl::<true>("log_softmax", dim)
     }

@@ -17,7 +17,9 @@ pub trait UnaryOp: Copy + Send + Sync + 'static {
 
 impl<E: Precision> Tensor<E> {
     /// Applies a [`UnaryOp`] elementwise (f32 arithmetic for f16/bf16, one rounding).
+    #[track_caller]
     pub fn unary<O: UnaryOp>(&self, op: O) -> Self {
+        crate::__private::check_reach(O::NAME, E::DTYPE);
         let x = self.contiguous_data();
         let out = Self::from_parts(cpu::map_unary(&x, |v| op.forward(v)), self.shape());
         if !self.requires_grad() {
@@ -52,6 +54,7 @@ macro_rules! unary_op {
         }
         impl<E: Precision> Tensor<E> {
             $(#[$doc])*
+            #[track_caller]
             pub fn $method(&self) -> Self {
                 self.unary($name)
             }

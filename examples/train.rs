@@ -70,8 +70,11 @@ struct Args {
     #[arg(long, default_value = "runs/train")]
     out: PathBuf,
     /// Continue from the checkpoint in the output directory.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "overwrite")]
     resume: bool,
+    /// Start a fresh run even if the output directory holds another run (deleting it).
+    #[arg(long)]
+    overwrite: bool,
     /// Save a checkpoint every this many steps (and at the end).
     #[arg(long, default_value_t = 400)]
     checkpoint_every: u64,
@@ -81,6 +84,10 @@ struct Args {
     /// Steps whose loss is made NaN, to watch the scaler skip them (e.g. --inject-nan 50,51).
     #[arg(long, value_delimiter = ',')]
     inject_nan: Vec<u64>,
+    /// Stop as hopeless after this many skipped steps in a row (f16: with the loss scale at
+    /// its floor; bf16/f32: any non-finite gradients).
+    #[arg(long, default_value_t = 20)]
+    collapse_after: u32,
     /// No progress bar (log lines only).
     #[arg(long)]
     quiet: bool,
@@ -118,9 +125,23 @@ fn main() -> ExitCode {
         dropout: args.dropout,
         progress: !args.quiet,
         inject_nonfinite: args.inject_nan,
+        overwrite: args.overwrite,
+        collapse_after: args.collapse_after,
         ..TrainConfig::default()
     };
+    // Ctrl-C / SIGTERM: finish the step, write a checkpoint, exit (a second one exits at once).
+    if let Err(e) = trainer::install_interrupt_handler() {
+        eprintln!("warning: {e}; an interrupt will lose the steps since the last checkpoint");
+    }
     match trainer::run(&cfg) {
+        Ok(report) if report.interrupted => {
+            eprintln!(
+                "interrupted after step {}: checkpoint saved in {}; continue with the same options and --resume",
+                report.steps,
+                report.checkpoint.display()
+            );
+            ExitCode::from(130)
+        }
         Ok(report) => {
             println!("\n{}", trainer::summary(&cfg, &report));
             println!("metrics:    {}", report.metrics.display());

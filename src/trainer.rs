@@ -160,7 +160,7 @@ impl TrainConfig {
             return bad(
                 "lr",
                 format!(
-                    "{} is outside the range of the f32 parameters ({:e} to {:e}): it would become {lr32} \
+                    "{:e} is outside the range of the f32 parameters ({:e} to {:e}): it would become {lr32} \
                      in the update",
                     self.lr,
                     f32::from_bits(1),
@@ -618,7 +618,7 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                 return Err(Error::State {
                     context: format!("training stopped at step {step}"),
                     detail: format!(
-                        "{e}. Check the data for NaN/inf, lower the learning rate (now --lr {}), or train in \
+                        "{e}. Check the data for NaN/inf, lower the learning rate (now --lr {:e}), or train in \
                          bf16 (--precision bf16), which needs no loss scaling. The last checkpoint is untouched",
                         cfg.lr
                     ),
@@ -650,7 +650,7 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                         "the last {skipped_in_a_row} steps all had non-finite (inf or NaN) gradients and were \
                          skipped, so the weights stopped changing (collapse-after = {}). In {} there is no loss \
                          scale to lower: look for NaN/inf in the data or the loss, or lower the learning rate \
-                         (now --lr {}). The last checkpoint is untouched",
+                         (now --lr {:e}). The last checkpoint is untouched",
                         cfg.collapse_after,
                         L::DTYPE,
                         cfg.lr
@@ -667,7 +667,7 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                     context: format!("training stopped at step {step}"),
                     detail: format!(
                         "the update made {what} inf or NaN, although the gradients were finite: the learning \
-                         rate is too large for the f32 weights (now --lr {}, {lr} at this step). Lower --lr; \
+                         rate is too large for the f32 weights (now --lr {:e}, {lr:e} at this step). Lower --lr; \
                          the last checkpoint is untouched and none was written with this state",
                         cfg.lr
                     ),

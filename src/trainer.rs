@@ -554,17 +554,29 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                 ),
             });
         }
+        // Every refusal names the state file; the errors of the parts name the tensor.
+        let state_file = ckpt_dir.join(checkpoint::STATE_FILE);
         let bad = |what: &str, e: String| Error::State {
-            context: ckpt_dir.display().to_string(),
+            context: state_file.display().to_string(),
             detail: format!("{what}: {e}"),
+        };
+        let detail = |e: Error| match e {
+            Error::State { detail, .. } => detail,
+            other => other.to_string(),
         };
         opt.load_state_dict(
             serde_json::from_value(state.optimizer.clone()).map_err(|e| bad("optimizer state", e.to_string()))?,
-        )?;
-        opt.check_params(&model).map_err(|e| bad("optimizer state", e.to_string()))?;
-        scaler.load(&state.scaler)?;
+        )
+        .map_err(|e| bad("optimizer state", detail(e)))?;
+        opt.check_params(&model).map_err(|e| bad("optimizer state", detail(e)))?;
+        check_optimizer_state(&opt, state.step).map_err(|e| bad("optimizer state", e))?;
+        if let Some(what) = non_finite_state(&mut model, &opt) {
+            return Err(bad("weights", format!("{what} is inf or NaN in the checkpoint")));
+        }
+        scaler.load(&state.scaler).map_err(|e| bad("scaler state", detail(e)))?;
         rng = state.rng.clone().ok_or_else(|| bad("rng", "missing".into()))?;
-        task.restore(state.loader.as_ref().ok_or_else(|| bad("data loader position", "missing".into()))?)?;
+        let position = state.loader.as_ref().ok_or_else(|| bad("data loader position", "missing".into()))?;
+        task.restore(position).map_err(|e| bad("data loader position", detail(e)))?;
         start = state.step;
     }
     let mut metrics =
@@ -752,6 +764,31 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         weights,
         interrupted: false,
     })
+}
+
+/// Refuses loaded Adam state that no run of this optimizer can produce: more applied steps
+/// than steps, a parameter stepped more often than the optimizer, moments that are not finite
+/// or a negative second moment (a running mean of squares).
+fn check_optimizer_state(opt: &Optim<AdamW>, step: u64) -> std::result::Result<(), String> {
+    if opt.steps() > step {
+        return Err(format!("{} applied steps, more than the checkpoint's {step} steps", opt.steps()));
+    }
+    let state = opt.state_dict();
+    for (name, st) in &state.params {
+        if st.step > opt.steps() {
+            return Err(format!("`{name}` took {} steps, more than the optimizer's {}", st.step, opt.steps()));
+        }
+        if any_non_finite(&st.exp_avg) || any_non_finite(&st.exp_avg_sq) {
+            return Err(format!("the Adam moments of `{name}` hold inf or NaN"));
+        }
+        if let Some(i) = st.exp_avg_sq.iter().position(|v| *v < 0.0) {
+            return Err(format!(
+                "exp_avg_sq of `{name}` is negative at element {i} ({}): a mean of squares cannot be",
+                st.exp_avg_sq[i]
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Names the first parameter or Adam moment holding an inf or NaN, if any.

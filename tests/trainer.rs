@@ -313,3 +313,49 @@ fn trains_a_character_model_on_a_text_file() {
     assert!(report.val_loss.unwrap().is_finite());
     assert!(report.last_loss < report.first_loss, "{} -> {}", report.first_loss, report.last_loss);
 }
+
+#[test]
+fn resume_refuses_an_impossible_training_state_naming_the_file_and_tensor() {
+    let out = tmp("bad-state");
+    let cfg = small(&out, RunPrecision::F16);
+    run(&TrainConfig { stop_after: Some(3), ..cfg.clone() }).unwrap();
+    let state_path = out.join("checkpoint").join(amp::checkpoint::STATE_FILE);
+    let good: serde_json::Value = serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    let name = good["state"]["optimizer"]["params"].as_object().unwrap().keys().next().unwrap().clone();
+    let refused = |edit: &dyn Fn(&mut serde_json::Value), needles: &[&str]| {
+        let mut v = good.clone();
+        edit(&mut v);
+        std::fs::write(&state_path, serde_json::to_vec(&v).unwrap()).unwrap();
+        let err = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap_err().to_string();
+        assert!(err.contains(state_path.to_str().unwrap()), "the refusal names the file: {err}");
+        for needle in needles {
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+    };
+    let param = |v: &mut serde_json::Value| v["state"]["optimizer"]["params"][&name].clone();
+    // A first moment one element short.
+    refused(
+        &|v| {
+            let mut p = param(v);
+            p["exp_avg"].as_array_mut().unwrap().pop();
+            v["state"]["optimizer"]["params"][&name] = p;
+        },
+        &[&format!("`{name}`"), "does not fit"],
+    );
+    // A negative second moment.
+    refused(
+        &|v| {
+            let mut p = param(v);
+            p["exp_avg_sq"][0] = serde_json::json!(-1.0);
+            v["state"]["optimizer"]["params"][&name] = p;
+        },
+        &[&format!("exp_avg_sq of `{name}` is negative")],
+    );
+    // A growth tracker past its interval (2000).
+    refused(&|v| v["state"]["scaler"]["_growth_tracker"] = serde_json::json!(5000), &["_growth_tracker 5000"]);
+    // More applied optimizer steps than steps.
+    refused(&|v| v["state"]["optimizer"]["steps"] = serde_json::json!(9), &["9 applied steps"]);
+    // The intact state resumes.
+    std::fs::write(&state_path, serde_json::to_vec(&good).unwrap()).unwrap();
+    run(&TrainConfig { resume: true, ..cfg }).unwrap();
+}

@@ -318,6 +318,27 @@ impl GradScaler {
                 detail: format!("_growth_tracker must not be negative, got {}", state.growth_tracker),
             });
         }
+        // The tracker returns to 0 when it reaches the interval, so it is always below it.
+        if state.growth_tracker >= state.growth_interval {
+            return Err(Error::State {
+                context: "GradScaler::load_state_dict".into(),
+                detail: format!(
+                    "_growth_tracker {} must be below growth_interval {} (it restarts at 0 when it reaches it)",
+                    state.growth_tracker, state.growth_interval
+                ),
+            });
+        }
+        if let Some(h) = state.hysteresis_tracker
+            && !(0..=self.opts.hysteresis).contains(&h)
+        {
+            return Err(Error::State {
+                context: "GradScaler::load_state_dict".into(),
+                detail: format!(
+                    "_hysteresis_tracker {h} is outside 0..={}, the hysteresis option",
+                    self.opts.hysteresis
+                ),
+            });
+        }
         self.opts.growth_factor = state.growth_factor;
         self.opts.backoff_factor = state.backoff_factor;
         self.opts.growth_interval = state.growth_interval;

@@ -531,10 +531,16 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
     let mut scaler = K::make(cfg.min_scale, cfg.collapse_after)?;
     let mut rng = Rng::seed(cfg.seed ^ 0x5EED);
     // What must match for a checkpoint to continue this run.
-    let identity = serde_json::json!({
+    let mut identity = serde_json::json!({
         "model": model_cfg, "precision": cfg.precision, "steps": cfg.steps, "lr": cfg.lr,
         "batch_size": cfg.batch_size, "task": task.name(), "seed": cfg.seed,
     });
+    // The text itself, not just its path: the same file name with other content would resume
+    // into another data order (or fail on a vocabulary of the same size but other characters).
+    if let Some(path) = &cfg.data {
+        let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+        identity["data_hash"] = serde_json::Value::from(format!("fnv1a64:{:016x}", fnv1a64(&bytes)));
+    }
 
     let mut start = 0;
     if cfg.resume {
@@ -545,6 +551,20 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
             });
         }
         let state = checkpoint::load_checkpoint(&ckpt_dir, &mut model)?;
+        if let (Some(path), Some(then)) = (&cfg.data, state.extra.get("data_hash"))
+            && Some(then) != identity.get("data_hash")
+        {
+            return Err(Error::State {
+                context: ckpt_dir.display().to_string(),
+                detail: format!(
+                    "{} is not the text this checkpoint was trained on (content hash {} then, {} now): resume \
+                     with the original file, or start a new run (--overwrite, or another --out)",
+                    path.display(),
+                    then,
+                    identity["data_hash"]
+                ),
+            });
+        }
         if state.extra != identity {
             return Err(Error::State {
                 context: ckpt_dir.display().to_string(),
@@ -764,6 +784,11 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         weights,
         interrupted: false,
     })
+}
+
+/// FNV-1a, 64 bits: a content fingerprint of the training text (not a cryptographic hash).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// Refuses loaded Adam state that no run of this optimizer can produce: more applied steps

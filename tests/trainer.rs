@@ -359,3 +359,20 @@ fn resume_refuses_an_impossible_training_state_naming_the_file_and_tensor() {
     std::fs::write(&state_path, serde_json::to_vec(&good).unwrap()).unwrap();
     run(&TrainConfig { resume: true, ..cfg }).unwrap();
 }
+
+#[test]
+fn resume_refuses_a_data_file_whose_text_changed() {
+    let out = tmp("text-changed");
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("corpus.txt");
+    let text = "the quick brown fox jumps over the lazy dog. ".repeat(20);
+    std::fs::write(&file, &text).unwrap();
+    let cfg = TrainConfig { data: Some(file.clone()), steps: 10, ..small(&out, RunPrecision::Bf16) };
+    run(&TrainConfig { stop_after: Some(3), ..cfg.clone() }).unwrap();
+    // Same length and characters (so the same vocabulary and loader), other text.
+    std::fs::write(&file, text.chars().rev().collect::<String>()).unwrap();
+    let err = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap_err().to_string();
+    assert!(err.contains("is not the text this checkpoint was trained on") && err.contains("corpus.txt"), "{err}");
+    std::fs::write(&file, &text).unwrap();
+    assert_eq!(run(&TrainConfig { resume: true, ..cfg }).unwrap().steps, 10);
+}

@@ -37,7 +37,8 @@ enum ModelArg {
 
 /// Train a small GPT with automatic mixed precision.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+// Negative numbers parse as values, so `--steps -5` is refused naming `--steps`.
+#[command(version, about, allow_negative_numbers = true)]
 struct Args {
     /// Compute precision: f16 uses dynamic loss scaling, bf16 and f32 need none.
     #[arg(long, value_enum, default_value = "f16")]
@@ -63,7 +64,7 @@ struct Args {
     /// Train a character-level model on this text file instead of the addition task.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Digits per operand of the addition task.
+    /// Digits per operand of the addition task (1 to 4).
     #[arg(long, default_value_t = 2)]
     digits: usize,
     /// Output directory (metrics.csv, loss.png, checkpoint/, model.safetensors).

@@ -67,6 +67,14 @@ impl ModelSize {
     }
 }
 
+/// The most digits per operand of the addition task (the loader's order of all pairs, 8 bytes
+/// each, is 0.8 GB at 4 digits and 80 GB at 5).
+pub const MAX_DIGITS: usize = 4;
+
+/// The most distinct characters a `--data` text may have (the output layer, and the logits of
+/// every batch, grow with the vocabulary).
+pub const MAX_TEXT_VOCAB: usize = 1024;
+
 /// Everything a run is configured by.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainConfig {
@@ -168,8 +176,23 @@ impl TrainConfig {
                 ),
             );
         }
-        if !(1..=6).contains(&self.digits) {
-            return bad("digits", format!("must be between 1 and 6, got {}", self.digits));
+        if !(1..=MAX_DIGITS).contains(&self.digits) {
+            // Checked before anything is allocated: the loader's order is one index per pair.
+            let gb = |d: usize| 10f64.powi(2 * d as i32) * std::mem::size_of::<usize>() as f64 / 1e9;
+            return bad(
+                "digits",
+                format!(
+                    "must be between 1 and {MAX_DIGITS}, got {}: the data loader keeps a shuffled order of all \
+                     10^(2 x digits) operand pairs in memory, {:.1} GB at {MAX_DIGITS} digits{}",
+                    self.digits,
+                    gb(MAX_DIGITS),
+                    if self.digits > MAX_DIGITS && self.digits < 10 {
+                        format!(" and {:.0} GB at {}", gb(self.digits), self.digits)
+                    } else {
+                        String::new()
+                    }
+                ),
+            );
         }
         if self.checkpoint_every == 0 {
             return bad("checkpoint-every", "must be at least 1".into());
@@ -514,6 +537,18 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
     }
 
     let mut task = Task::new(cfg)?;
+    if let (Some(path), true) = (&cfg.data, task.vocab_size() > MAX_TEXT_VOCAB) {
+        return Err(Error::InvalidArgument {
+            op: "train",
+            name: "data",
+            detail: format!(
+                "{} has {} distinct characters; a character model here takes at most {MAX_TEXT_VOCAB} (its output \
+                 layer and logits grow with the vocabulary): use a text written in fewer characters",
+                path.display(),
+                task.vocab_size()
+            ),
+        });
+    }
     let (d, n_layers, n_heads) = cfg.model.dims();
     let model_cfg = GptConfig {
         vocab_size: task.vocab_size(),

@@ -376,3 +376,19 @@ fn resume_refuses_a_data_file_whose_text_changed() {
     std::fs::write(&file, &text).unwrap();
     assert_eq!(run(&TrainConfig { resume: true, ..cfg }).unwrap().steps, 10);
 }
+
+#[test]
+fn too_many_digits_and_too_large_a_vocabulary_are_refused_before_allocating() {
+    let out = tmp("limits");
+    for digits in [5, 6] {
+        let err = run(&TrainConfig { digits, ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
+        assert!(err.contains("`digits`") && err.contains("between 1 and 4") && err.contains("GB"), "{err}");
+    }
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("many-chars.txt");
+    let text: String = (0..1100u32).map(|i| char::from_u32(0x4E00 + i).unwrap()).collect::<String>().repeat(3);
+    std::fs::write(&file, text).unwrap();
+    let err = run(&TrainConfig { data: Some(file), ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
+    assert!(err.contains("1100 distinct characters") && err.contains("at most 1024"), "{err}");
+    assert!(err.contains("many-chars.txt"), "{err}");
+}

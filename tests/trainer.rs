@@ -392,3 +392,19 @@ fn too_many_digits_and_too_large_a_vocabulary_are_refused_before_allocating() {
     assert!(err.contains("1100 distinct characters") && err.contains("at most 1024"), "{err}");
     assert!(err.contains("many-chars.txt"), "{err}");
 }
+
+#[cfg(unix)]
+#[test]
+fn a_second_signal_exits_at_once() {
+    let out = tmp("two-signals");
+    let mut child = spawn_child(&endless(&out));
+    wait_for_checkpoint(&mut child, &out.join("checkpoint"), 4);
+    // Two different signals (two of the same could merge while pending), back to back: the
+    // second arrives long before the step in progress ends.
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: `kill` takes a pid and a signal number, no pointers; the pid is our live child.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "the second signal ended the process at once: {status}");
+}

@@ -229,7 +229,7 @@ fn an_edited_header_is_refused_by_the_checksum() {
     header[a]["data_offsets"] = ob;
     header[b]["data_offsets"] = oa;
     let mut text = serde_json::to_string(&header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let mut bad = (text.len() as u64).to_le_bytes().to_vec();

@@ -267,6 +267,9 @@ fn sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_exits_cleanly() {
     let out = tmp("sigterm");
     let mut child = spawn_child(&endless(&out));
     wait_for_checkpoint(&mut child, &out.join("checkpoint"), 4);
+    // While it trains, a second trainer on its directory is refused by its lock.
+    let err = run(&TrainConfig { resume: true, ..endless(&out) }).unwrap_err().to_string();
+    assert!(err.contains(&format!("another trainer (pid {})", child.id())), "{err}");
     // SAFETY: `kill` takes a pid and a signal number, no pointers; the pid is our live child.
     assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) }, 0);
     let status = child.wait().unwrap();

@@ -227,6 +227,14 @@ fn loading_pytorch_state_before_the_first_step_is_used_by_it() {
     let err = s.load_state_dict(&corrupt).unwrap_err();
     assert!(err.to_string().contains("growth_factor"), "{err}");
     assert_eq!(s.get_scale(), 512.0, "a refused checkpoint changes nothing");
+    // The tracker restarts at 0 when it reaches the interval: 3 of 3 cannot be saved.
+    let past: GradScalerState = serde_json::from_str(
+        r#"{"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 3}"#,
+    )
+    .unwrap();
+    let err = s.load_state_dict(&past).unwrap_err();
+    assert!(err.to_string().contains("_growth_tracker 3 must be below growth_interval 3"), "{err}");
+    assert_eq!(s.get_scale(), 512.0);
 }
 
 #[test]

@@ -7,7 +7,14 @@
 //! cargo run --release --example train -- --precision bf16  # no loss scaling needed
 //! cargo run --release --example train -- --data my.txt    # character-level LM on a file
 //! cargo run --release --example train -- --resume          # continue from runs/train
+//! cargo run --release --example train -- --overwrite       # start runs/train over
 //! ```
+//!
+//! A fresh run refuses an `--out` that holds another run (`--resume` it, or `--overwrite`), and
+//! a second trainer on a directory in use. Ctrl-C (or SIGTERM) finishes the current step,
+//! writes a checkpoint and exits with status 130 (a second Ctrl-C exits at once); `--resume`
+//! continues from there. A run that cannot go on (every step skipped, weights gone inf/NaN)
+//! exits with status 1 and says why.
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -7,7 +7,14 @@
 //! cargo run --release --example train -- --precision bf16  # no loss scaling needed
 //! cargo run --release --example train -- --data my.txt    # character-level LM on a file
 //! cargo run --release --example train -- --resume          # continue from runs/train
+//! cargo run --release --example train -- --overwrite       # start runs/train over
 //! ```
+//!
+//! A fresh run refuses an `--out` that holds another run (`--resume` it, or `--overwrite`), and
+//! a second trainer on a directory in use. Ctrl-C (or SIGTERM) finishes the current step,
+//! writes a checkpoint and exits with status 130 (a second Ctrl-C exits at once); `--resume`
+//! continues from there. A run that cannot go on (every step skipped, weights gone inf/NaN)
+//! exits with status 1 and says why.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -37,7 +44,8 @@ enum ModelArg {
 
 /// Train a small GPT with automatic mixed precision.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+// Negative numbers parse as values, so `--steps -5` is refused naming `--steps`.
+#[command(version, about, allow_negative_numbers = true)]
 struct Args {
     /// Compute precision: f16 uses dynamic loss scaling, bf16 and f32 need none.
     #[arg(long, value_enum, default_value = "f16")]
@@ -63,15 +71,18 @@ struct Args {
     /// Train a character-level model on this text file instead of the addition task.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Digits per operand of the addition task.
+    /// Digits per operand of the addition task (1 to 4).
     #[arg(long, default_value_t = 2)]
     digits: usize,
     /// Output directory (metrics.csv, loss.png, checkpoint/, model.safetensors).
     #[arg(long, default_value = "runs/train")]
     out: PathBuf,
     /// Continue from the checkpoint in the output directory.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "overwrite")]
     resume: bool,
+    /// Start a fresh run even if the output directory holds another run (deleting it).
+    #[arg(long)]
+    overwrite: bool,
     /// Save a checkpoint every this many steps (and at the end).
     #[arg(long, default_value_t = 400)]
     checkpoint_every: u64,
@@ -81,6 +92,10 @@ struct Args {
     /// Steps whose loss is made NaN, to watch the scaler skip them (e.g. --inject-nan 50,51).
     #[arg(long, value_delimiter = ',')]
     inject_nan: Vec<u64>,
+    /// Stop as hopeless after this many skipped steps in a row (f16: with the loss scale at
+    /// its floor; bf16/f32: any non-finite gradients).
+    #[arg(long, default_value_t = 20)]
+    collapse_after: u32,
     /// No progress bar (log lines only).
     #[arg(long)]
     quiet: bool,
@@ -118,9 +133,23 @@ fn main() -> ExitCode {
         dropout: args.dropout,
         progress: !args.quiet,
         inject_nonfinite: args.inject_nan,
+        overwrite: args.overwrite,
+        collapse_after: args.collapse_after,
         ..TrainConfig::default()
     };
+    // Ctrl-C / SIGTERM: finish the step, write a checkpoint, exit (a second one exits at once).
+    if let Err(e) = trainer::install_interrupt_handler() {
+        eprintln!("warning: {e}; an interrupt will lose the steps since the last checkpoint");
+    }
     match trainer::run(&cfg) {
+        Ok(report) if report.interrupted => {
+            eprintln!(
+                "interrupted after step {}: checkpoint saved in {}; continue with the same options and --resume",
+                report.steps,
+                report.checkpoint.display()
+            );
+            ExitCode::from(130)
+        }
         Ok(report) => {
             println!("\n{}", trainer::summary(&cfg, &report));
             println!("metrics:    {}", report.metrics.display());

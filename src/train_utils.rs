@@ -119,6 +119,36 @@ pub fn read_metrics(path: impl AsRef<Path>) -> Result<Vec<MetricsRow>> {
     Ok(rows)
 }
 
+/// The rows of a metrics file with `step <= up_to`, for a resume: a torn last line (no
+/// newline: the writer was killed mid-row) is dropped, later rows are ignored unparsed.
+fn read_metrics_up_to(path: &Path, up_to: u64) -> Result<Vec<MetricsRow>> {
+    let text = std::fs::read_to_string(path).map_err(|e| io_err(path, "cannot read the metrics", e))?;
+    let complete = match text.rfind('\n') {
+        Some(i) => &text[..=i],
+        None => "",
+    };
+    let mut lines = complete.lines().enumerate();
+    match lines.next() {
+        Some((_, h)) if h.trim() == METRICS_HEADER => {}
+        None => return Ok(Vec::new()), // killed before the header reached the disk
+        Some((_, h)) => {
+            return Err(io_err(path, "not a metrics file", format!("line 1 is `{h}`, expected `{METRICS_HEADER}`")));
+        }
+    }
+    let mut rows = Vec::new();
+    for (i, line) in lines {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row = MetricsRow::from_csv(line).map_err(|e| io_err(path, &format!("line {}", i + 1), e))?;
+        if row.step > up_to {
+            break;
+        }
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
 /// Writes [`MetricsRow`]s as CSV (header [`METRICS_HEADER`]), and keeps them for plotting.
 #[derive(Debug)]
 pub struct MetricsWriter {
@@ -134,37 +164,47 @@ impl MetricsWriter {
     }
     /// Continues the metrics file of a run resumed after `step`: keeps its rows up to `step`,
     /// drops later ones (those steps are about to be redone), and appends from there. A
-    /// missing file starts empty.
+    /// missing file starts empty. A torn last line (a process killed while the row was being
+    /// written) is dropped; every complete line up to `step` must parse. The kept rows are
+    /// rewritten atomically (temp file, fsync, rename), so a crash during the resume itself
+    /// loses nothing.
     pub fn resume(path: impl AsRef<Path>, step: u64) -> Result<Self> {
         let path = path.as_ref();
-        let rows = if path.exists() { read_metrics(path)? } else { Vec::new() };
-        Self::with_rows(path, rows.into_iter().filter(|r| r.step <= step).collect())
+        let rows = if path.exists() { read_metrics_up_to(path, step)? } else { Vec::new() };
+        Self::with_rows(path, rows)
     }
     fn with_rows(path: &Path, rows: Vec<MetricsRow>) -> Result<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| io_err(dir, "cannot create the directory", e))?;
         }
-        let file = File::create(path).map_err(|e| io_err(path, "cannot create the metrics file", e))?;
-        let mut out = BufWriter::new(file);
-        let write = |out: &mut BufWriter<File>| -> std::io::Result<()> {
-            writeln!(out, "{METRICS_HEADER}")?;
-            for r in &rows {
-                writeln!(out, "{}", r.to_csv())?;
-            }
-            out.flush()
-        };
-        write(&mut out).map_err(|e| io_err(path, "cannot write the metrics", e))?;
-        Ok(MetricsWriter { out, path: path.to_path_buf(), rows })
+        let mut text = format!("{METRICS_HEADER}\n");
+        for r in &rows {
+            text.push_str(&r.to_csv());
+            text.push('\n');
+        }
+        amp_core::checkpoint::write_atomic(path, text.as_bytes())?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| io_err(path, "cannot open the metrics file", e))?;
+        Ok(MetricsWriter { out: BufWriter::new(file), path: path.to_path_buf(), rows })
     }
-    /// Appends a row (buffered: see [`MetricsWriter::flush`]).
+    /// Appends a row (buffered: see [`MetricsWriter::flush`] and [`MetricsWriter::sync`]).
     pub fn write(&mut self, row: &MetricsRow) -> Result<()> {
         writeln!(self.out, "{}", row.to_csv()).map_err(|e| io_err(&self.path, "cannot write the metrics", e))?;
         self.rows.push(row.clone());
         Ok(())
     }
-    /// Pushes buffered rows to the file (do it at checkpoints and at the end).
+    /// Pushes buffered rows to the file (the operating system's cache).
     pub fn flush(&mut self) -> Result<()> {
         self.out.flush().map_err(|e| io_err(&self.path, "cannot write the metrics", e))
+    }
+    /// Pushes buffered rows to the file and the file to disk (fsync): every row written so far
+    /// survives a crash or power cut. A trainer calls it before each checkpoint, so the rows up
+    /// to a checkpoint are durable when the checkpoint is.
+    pub fn sync(&mut self) -> Result<()> {
+        self.flush()?;
+        self.out.get_ref().sync_data().map_err(|e| io_err(&self.path, "cannot fsync the metrics", e))
     }
     /// Every row so far (including those kept by [`MetricsWriter::resume`]).
     pub fn rows(&self) -> &[MetricsRow] {

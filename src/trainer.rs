@@ -8,18 +8,30 @@
 //! - Everything that makes a step depend on the past (weights, optimizer moments and step
 //!   count, scaler scale and tracker, dropout RNG, data-loader position) is in the checkpoint,
 //!   so N steps equal N/2 steps + resume + N/2 steps bit for bit.
-//! - Non-finite gradients skip the step (the typestate's `step`), and the run goes on; if the
-//!   scale collapses to its floor because every step overflows, the run stops with an error
+//! - Non-finite gradients skip the step (the typestate's `step`), and the run goes on; if
+//!   [`TrainConfig::collapse_after`] steps in a row are skipped with nothing left to try (f16:
+//!   the scale already at its floor; bf16/f32: no scale at all), the run stops with an error
 //!   that says so instead of training on with a meaningless scale.
+//! - Options that overflow the f32 parameters (a learning rate beyond f32's range) are refused
+//!   up front, and after every applied step the parameters and optimizer moments are checked:
+//!   a non-finite value stops the run with an error before it reaches a checkpoint.
+//! - Metrics rows are fsynced before each checkpoint, so after a crash and `--resume` the
+//!   metrics hold exactly one row per step; rows past the checkpoint are dropped and redone.
+//! - A run holds a lock file in its output directory (`train.lock`, with its pid; a lock whose
+//!   process is gone is stale and taken over), and a fresh run refuses a directory that holds
+//!   another run unless told [`TrainConfig::overwrite`].
+//! - With [`install_interrupt_handler`], SIGINT/SIGTERM stop the run at the end of the current
+//!   step with a checkpoint ([`TrainReport::interrupted`]); a second signal exits at once.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use crate::checkpoint::{self, TrainingState};
 use crate::data::{AdditionConfig, AdditionDataset, AdditionTask, CharTextDataset, DataLoader, TokenBatch};
 use crate::nn::{Gpt, GptConfig};
 use crate::optim::{AdamW, Optim, Optimizer, ParamGroup, WarmupCosine};
-use crate::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale};
+use crate::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale, any_non_finite};
 use crate::train_utils::{MetricsRow, MetricsWriter, Progress, format_table, plot_metrics};
 use crate::{Error, Indices, Params, Precision, Result, Rng, Tensor, bf16, f16, no_grad};
 
@@ -54,6 +66,14 @@ impl ModelSize {
         }
     }
 }
+
+/// The most digits per operand of the addition task (the loader's order of all pairs, 8 bytes
+/// each, is 0.8 GB at 4 digits and 80 GB at 5).
+pub const MAX_DIGITS: usize = 4;
+
+/// The most distinct characters a `--data` text may have (the output layer, and the logits of
+/// every batch, grow with the vocabulary).
+pub const MAX_TEXT_VOCAB: usize = 1024;
 
 /// Everything a run is configured by.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -92,6 +112,14 @@ pub struct TrainConfig {
     pub inject_nonfinite: Vec<u64>,
     /// Stop after this step even if `steps` is larger (to simulate an interrupted run).
     pub stop_after: Option<u64>,
+    /// Start a fresh run even if `out_dir` holds another run's metrics or checkpoint (they are
+    /// deleted). Without it such a directory is refused: `--resume` it or pick another.
+    pub overwrite: bool,
+    /// Skipped steps in a row after which the run stops as hopeless: with f16, overflows with
+    /// the loss scale already at `min_scale` ([`GradScalerOptions::collapse_after`]); with bf16
+    /// and f32, any non-finite gradients (there is no scale to lower). Scattered bad batches
+    /// below this count are skipped and the run goes on.
+    pub collapse_after: u32,
 }
 
 impl Default for TrainConfig {
@@ -114,6 +142,8 @@ impl Default for TrainConfig {
             progress: true,
             inject_nonfinite: Vec::new(),
             stop_after: None,
+            overwrite: false,
+            collapse_after: 20,
         }
     }
 }
@@ -131,8 +161,38 @@ impl TrainConfig {
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("lr", format!("must be a positive number, got {}", self.lr));
         }
-        if !(1..=6).contains(&self.digits) {
-            return bad("digits", format!("must be between 1 and 6, got {}", self.digits));
+        // Parameters and moments are f32 whatever the compute precision: a rate that f32
+        // cannot hold would write inf (or 0) into every weight at the first step.
+        let lr32 = self.lr as f32;
+        if !(lr32.is_finite() && lr32 > 0.0) {
+            return bad(
+                "lr",
+                format!(
+                    "{:e} is outside the range of the f32 parameters ({:e} to {:e}): it would become {lr32} \
+                     in the update",
+                    self.lr,
+                    f32::from_bits(1),
+                    f32::MAX
+                ),
+            );
+        }
+        if !(1..=MAX_DIGITS).contains(&self.digits) {
+            // Checked before anything is allocated: the loader's order is one index per pair.
+            let gb = |d: usize| 10f64.powi(2 * d as i32) * std::mem::size_of::<usize>() as f64 / 1e9;
+            return bad(
+                "digits",
+                format!(
+                    "must be between 1 and {MAX_DIGITS}, got {}: the data loader keeps a shuffled order of all \
+                     10^(2 x digits) operand pairs in memory, {:.1} GB at {MAX_DIGITS} digits{}",
+                    self.digits,
+                    gb(MAX_DIGITS),
+                    if self.digits > MAX_DIGITS && self.digits < 10 {
+                        format!(" and {:.0} GB at {}", gb(self.digits), self.digits)
+                    } else {
+                        String::new()
+                    }
+                ),
+            );
         }
         if self.checkpoint_every == 0 {
             return bad("checkpoint-every", "must be at least 1".into());
@@ -145,6 +205,9 @@ impl TrainConfig {
         }
         if !(self.min_scale.is_finite() && self.min_scale > 0.0) {
             return bad("min-scale", format!("must be a positive number, got {}", self.min_scale));
+        }
+        if self.collapse_after == 0 {
+            return bad("collapse-after", "must be at least 1".into());
         }
         Ok(())
     }
@@ -175,24 +238,142 @@ pub struct TrainReport {
     pub plot: PathBuf,
     /// Checkpoint directory.
     pub checkpoint: PathBuf,
-    /// Final weights with a fixed name (safetensors, PyTorch names).
+    /// Final weights with a fixed name (safetensors, PyTorch names); not written when the run
+    /// was interrupted.
     pub weights: PathBuf,
+    /// Whether SIGINT/SIGTERM stopped the run early (after `steps`, with a checkpoint there;
+    /// no evaluation, no final weights). Continue it with `resume`.
+    pub interrupted: bool,
+}
+
+// ---- interrupts -----------------------------------------------------------------------------
+
+/// SIGINT/SIGTERM received since the handler was installed (or the last run started).
+static INTERRUPTS: AtomicU32 = AtomicU32::new(0);
+
+#[cfg(unix)]
+extern "C" fn on_interrupt(_signal: libc::c_int) {
+    // Only async-signal-safe work here: an atomic add, and `_exit` on the second signal.
+    if INTERRUPTS.fetch_add(1, Ordering::SeqCst) >= 1 {
+        // SAFETY: `_exit` is async-signal-safe and takes no pointers; it ends the process at
+        // once, which is what a second interrupt asks for.
+        unsafe { libc::_exit(130) }
+    }
+}
+
+/// Makes SIGINT (Ctrl-C) and SIGTERM stop a [`run`] at the end of the current step, with a
+/// checkpoint, instead of killing the process; a second signal exits at once (status 130).
+/// For programs (the `train` example calls it); a library user who handles signals itself
+/// need not. A no-op where there are no POSIX signals.
+pub fn install_interrupt_handler() -> Result<()> {
+    #[cfg(unix)]
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        let handler: extern "C" fn(libc::c_int) = on_interrupt;
+        // SAFETY: `signal` installs a handler that does only async-signal-safe work (see
+        // `on_interrupt`); `sig` is a valid signal number.
+        let previous = unsafe { libc::signal(sig, handler as libc::sighandler_t) };
+        if previous == libc::SIG_ERR {
+            return Err(Error::State {
+                context: "install_interrupt_handler".into(),
+                detail: format!("cannot install a handler for signal {sig}: {}", std::io::Error::last_os_error()),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn interrupted() -> bool {
+    INTERRUPTS.load(Ordering::SeqCst) > 0
+}
+
+// ---- the lock on an output directory ---------------------------------------------------------
+
+/// The lock file a run holds in its output directory.
+pub const LOCK_FILE: &str = "train.lock";
+
+/// A held `train.lock` (removed on drop). The file holds the owner's pid; it is created whole
+/// (written under a temp name, then hard-linked into place, which fails if the lock exists).
+struct RunLock {
+    path: PathBuf,
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path); // a lock left behind is stale: its pid is gone
+    }
+}
+
+/// Whether process `pid` is alive (a zombie counts as dead). Where this cannot be told (no
+/// `/proc`), every recorded process counts as alive.
+fn pid_alive(pid: u32) -> bool {
+    let stat = Path::new("/proc").join(pid.to_string()).join("stat");
+    match std::fs::read_to_string(&stat) {
+        // Field 3, after the parenthesised command name: R, S, D, ... or Z (zombie), X (dead).
+        Ok(text) => {
+            !matches!(text.rsplit(')').next().map(str::trim_start).and_then(|r| r.chars().next()), Some('Z' | 'X'))
+        }
+        Err(_) => !Path::new("/proc/self").exists(),
+    }
+}
+
+fn lock_out_dir(out_dir: &Path) -> Result<RunLock> {
+    let path = out_dir.join(LOCK_FILE);
+    let tmp = out_dir.join(format!(".{LOCK_FILE}.tmp-{}", std::process::id()));
+    std::fs::write(&tmp, format!("{}\n", std::process::id())).map_err(|e| io(&tmp, e))?;
+    let result = (|| {
+        for _ in 0..3 {
+            match std::fs::hard_link(&tmp, &path) {
+                Ok(()) => return Ok(RunLock { path: path.clone() }),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    match text.trim().parse::<u32>() {
+                        Ok(pid) if pid_alive(pid) => {
+                            return Err(Error::State {
+                                context: out_dir.display().to_string(),
+                                detail: format!(
+                                    "another trainer (pid {pid}) is using this output directory (lock file {}); \
+                                     wait for it to finish or pick another --out. If no such process is training, \
+                                     delete the lock file",
+                                    path.display()
+                                ),
+                            });
+                        }
+                        // Stale: its process is gone (killed), or the file is not a lock.
+                        _ => {
+                            let _ = std::fs::remove_file(&path); // a failure shows at the next link
+                        }
+                    }
+                }
+                Err(e) => return Err(io(&path, e)),
+            }
+        }
+        Err(Error::State {
+            context: out_dir.display().to_string(),
+            detail: format!("cannot take the lock file {}: it keeps reappearing", path.display()),
+        })
+    })();
+    let _ = std::fs::remove_file(&tmp); // the temp name only carried the content
+    result
 }
 
 // ---- scalers, chosen by type ----------------------------------------------------------------
 
 /// How a run's scaler is made and checkpointed.
 trait RunScaler: LossScaler + Sized {
-    fn make(min_scale: f32) -> Result<Self>;
+    /// Whether the scaler itself stops a run whose steps keep overflowing (f16's floor rule).
+    const STOPS_ON_COLLAPSE: bool;
+    fn make(min_scale: f32, collapse_after: u32) -> Result<Self>;
     fn save(&self) -> serde_json::Value;
     fn load(&mut self, v: &serde_json::Value) -> Result<()>;
 }
 
 impl RunScaler for GradScaler {
-    fn make(min_scale: f32) -> Result<Self> {
+    const STOPS_ON_COLLAPSE: bool = true;
+    fn make(min_scale: f32, collapse_after: u32) -> Result<Self> {
         GradScaler::with_options(GradScalerOptions {
             min_scale: Some(min_scale),
             error_at_min_scale: true,
+            collapse_after,
             ..Default::default()
         })
     }
@@ -207,7 +388,8 @@ impl RunScaler for GradScaler {
 }
 
 impl RunScaler for NoScale {
-    fn make(_: f32) -> Result<Self> {
+    const STOPS_ON_COLLAPSE: bool = false;
+    fn make(_: f32, _: u32) -> Result<Self> {
         Ok(NoScale)
     }
     fn save(&self) -> serde_json::Value {
@@ -319,11 +501,54 @@ fn io(path: &Path, e: std::io::Error) -> Error {
 
 fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
     std::fs::create_dir_all(&cfg.out_dir).map_err(|e| io(&cfg.out_dir, e))?;
+    let _lock = lock_out_dir(&cfg.out_dir)?;
+    INTERRUPTS.store(0, Ordering::SeqCst);
     let ckpt_dir = cfg.out_dir.join("checkpoint");
     let metrics_path = cfg.out_dir.join("metrics.csv");
     let plot_path = cfg.out_dir.join("loss.png");
+    let weights = cfg.out_dir.join("model.safetensors");
+    if !cfg.resume {
+        let existing: Vec<&Path> = [metrics_path.as_path(), weights.as_path(), ckpt_dir.as_path()]
+            .into_iter()
+            .filter(|p| p.exists())
+            .collect();
+        if !existing.is_empty() && !cfg.overwrite {
+            let names: Vec<String> = existing.iter().map(|p| p.display().to_string()).collect();
+            return Err(Error::State {
+                context: cfg.out_dir.display().to_string(),
+                detail: format!(
+                    "this output directory already holds a run ({}): continue it with --resume, start over \
+                     with --overwrite (which deletes it), or pick another --out",
+                    names.join(", ")
+                ),
+            });
+        }
+        if cfg.overwrite {
+            // The old checkpoint must go too: a later --resume would continue it with these metrics.
+            if ckpt_dir.exists() {
+                std::fs::remove_dir_all(&ckpt_dir).map_err(|e| io(&ckpt_dir, e))?;
+            }
+            for p in [&metrics_path, &weights, &plot_path] {
+                if p.exists() {
+                    std::fs::remove_file(p).map_err(|e| io(p, e))?;
+                }
+            }
+        }
+    }
 
     let mut task = Task::new(cfg)?;
+    if let (Some(path), true) = (&cfg.data, task.vocab_size() > MAX_TEXT_VOCAB) {
+        return Err(Error::InvalidArgument {
+            op: "train",
+            name: "data",
+            detail: format!(
+                "{} has {} distinct characters; a character model here takes at most {MAX_TEXT_VOCAB} (its output \
+                 layer and logits grow with the vocabulary): use a text written in fewer characters",
+                path.display(),
+                task.vocab_size()
+            ),
+        });
+    }
     let (d, n_layers, n_heads) = cfg.model.dims();
     let model_cfg = GptConfig {
         vocab_size: task.vocab_size(),
@@ -338,13 +563,19 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
     let mut opt = Optim::new(AdamW::new(cfg.lr).weight_decay(0.1))?
         .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias") || n.contains("ln")).weight_decay(0.0))
         .with_schedule(WarmupCosine::with_min(cfg.steps.min(100), cfg.steps, 0.1)?);
-    let mut scaler = K::make(cfg.min_scale)?;
+    let mut scaler = K::make(cfg.min_scale, cfg.collapse_after)?;
     let mut rng = Rng::seed(cfg.seed ^ 0x5EED);
     // What must match for a checkpoint to continue this run.
-    let identity = serde_json::json!({
+    let mut identity = serde_json::json!({
         "model": model_cfg, "precision": cfg.precision, "steps": cfg.steps, "lr": cfg.lr,
         "batch_size": cfg.batch_size, "task": task.name(), "seed": cfg.seed,
     });
+    // The text itself, not just its path: the same file name with other content would resume
+    // into another data order (or fail on a vocabulary of the same size but other characters).
+    if let Some(path) = &cfg.data {
+        let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+        identity["data_hash"] = serde_json::Value::from(format!("fnv1a64:{:016x}", fnv1a64(&bytes)));
+    }
 
     let mut start = 0;
     if cfg.resume {
@@ -355,6 +586,20 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
             });
         }
         let state = checkpoint::load_checkpoint(&ckpt_dir, &mut model)?;
+        if let (Some(path), Some(then)) = (&cfg.data, state.extra.get("data_hash"))
+            && Some(then) != identity.get("data_hash")
+        {
+            return Err(Error::State {
+                context: ckpt_dir.display().to_string(),
+                detail: format!(
+                    "{} is not the text this checkpoint was trained on (content hash {} then, {} now): resume \
+                     with the original file, or start a new run (--overwrite, or another --out)",
+                    path.display(),
+                    then,
+                    identity["data_hash"]
+                ),
+            });
+        }
         if state.extra != identity {
             return Err(Error::State {
                 context: ckpt_dir.display().to_string(),
@@ -364,16 +609,29 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                 ),
             });
         }
+        // Every refusal names the state file; the errors of the parts name the tensor.
+        let state_file = ckpt_dir.join(checkpoint::STATE_FILE);
         let bad = |what: &str, e: String| Error::State {
-            context: ckpt_dir.display().to_string(),
+            context: state_file.display().to_string(),
             detail: format!("{what}: {e}"),
+        };
+        let detail = |e: Error| match e {
+            Error::State { detail, .. } => detail,
+            other => other.to_string(),
         };
         opt.load_state_dict(
             serde_json::from_value(state.optimizer.clone()).map_err(|e| bad("optimizer state", e.to_string()))?,
-        )?;
-        scaler.load(&state.scaler)?;
+        )
+        .map_err(|e| bad("optimizer state", detail(e)))?;
+        opt.check_params(&model).map_err(|e| bad("optimizer state", detail(e)))?;
+        check_optimizer_state(&opt, state.step).map_err(|e| bad("optimizer state", e))?;
+        if let Some(what) = non_finite_state(&mut model, &opt) {
+            return Err(bad("weights", format!("{what} is inf or NaN in the checkpoint")));
+        }
+        scaler.load(&state.scaler).map_err(|e| bad("scaler state", detail(e)))?;
         rng = state.rng.clone().ok_or_else(|| bad("rng", "missing".into()))?;
-        task.restore(state.loader.as_ref().ok_or_else(|| bad("data loader position", "missing".into()))?)?;
+        let position = state.loader.as_ref().ok_or_else(|| bad("data loader position", "missing".into()))?;
+        task.restore(position).map_err(|e| bad("data loader position", detail(e)))?;
         start = state.step;
     }
     let mut metrics =
@@ -392,7 +650,8 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
     ));
     model.train();
     let t0 = Instant::now();
-    let (mut tokens, mut skipped) = (0usize, 0u64);
+    let (mut tokens, mut skipped, mut skipped_in_a_row) = (0usize, 0u64, 0u32);
+    let mut interrupted_at = None;
     let mut losses = Vec::new();
     let save = |model: &Gpt, opt: &Optim<AdamW>, scaler: &K, rng: &Rng, task: &Task, step: u64| -> Result<()> {
         let state = TrainingState {
@@ -418,15 +677,21 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         // parameters in place instead of copying them.
         let mut grads = scaler.scale(loss).backward().unscale();
         let grad_norm = grads.clip_grad_norm(cfg.clip_norm);
-        let report = grads.step(&mut opt, &mut model).update().map_err(|e| Error::State {
-            context: format!("training stopped at step {step}"),
-            detail: format!(
-                "{e}. The loss scale collapsed because the gradients overflowed at every step: \
-                 check the data for NaN/inf, lower the learning rate (now {}), or train in bf16 \
-                 (--precision bf16), which needs no loss scaling",
-                cfg.lr
-            ),
-        })?;
+        let report = grads.step(&mut opt, &mut model).update();
+        let report = match report {
+            Ok(r) => r,
+            Err(e) => {
+                metrics.sync()?; // the rows so far show how it came to this
+                return Err(Error::State {
+                    context: format!("training stopped at step {step}"),
+                    detail: format!(
+                        "{e}. Check the data for NaN/inf, lower the learning rate (now --lr {:e}), or train in \
+                         bf16 (--precision bf16), which needs no loss scaling. The last checkpoint is untouched",
+                        cfg.lr
+                    ),
+                });
+            }
+        };
         tokens += batch.inputs.numel();
         skipped += report.skipped as u64;
         losses.push(loss_value);
@@ -442,17 +707,80 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         metrics.write(&row)?;
         progress.update(&row, skipped, tokens as f64 / t0.elapsed().as_secs_f64());
         if report.skipped {
+            skipped_in_a_row += 1;
             progress.println(format!("step {step}: non-finite gradients, step skipped, scale now {}", report.scale));
+            if !K::STOPS_ON_COLLAPSE && skipped_in_a_row >= cfg.collapse_after {
+                metrics.sync()?;
+                return Err(Error::State {
+                    context: format!("training stopped at step {step}"),
+                    detail: format!(
+                        "the last {skipped_in_a_row} steps all had non-finite (inf or NaN) gradients and were \
+                         skipped, so the weights stopped changing (collapse-after = {}). In {} there is no loss \
+                         scale to lower: look for NaN/inf in the data or the loss, or lower the learning rate \
+                         (now --lr {:e}). The last checkpoint is untouched",
+                        cfg.collapse_after,
+                        L::DTYPE,
+                        cfg.lr
+                    ),
+                });
+            }
+        } else {
+            skipped_in_a_row = 0;
+            // The gradients were finite, but the update may still overflow the f32 weights or
+            // moments (a huge learning rate): stop before such a state reaches a checkpoint.
+            if let Some(what) = non_finite_state(&mut model, &opt) {
+                metrics.sync()?;
+                return Err(Error::State {
+                    context: format!("training stopped at step {step}"),
+                    detail: format!(
+                        "the update made {what} inf or NaN, although the gradients were finite: the learning \
+                         rate is too large for the f32 weights (now --lr {:e}, {lr:e} at this step). Lower --lr; \
+                         the last checkpoint is untouched and none was written with this state",
+                        cfg.lr
+                    ),
+                });
+            }
         }
-        if step % cfg.checkpoint_every == 0 || step == end {
+        let stop = interrupted();
+        if step % cfg.checkpoint_every == 0 || step == end || stop {
+            metrics.sync()?; // rows up to the checkpoint are on disk before it is
             save(&model, &opt, &scaler, &rng, &task, step)?;
+        }
+        if stop {
+            progress.println(format!(
+                "interrupted: stopped after step {step} with a checkpoint in {}; continue with --resume",
+                ckpt_dir.display()
+            ));
+            interrupted_at = Some(step);
+            break;
         }
     }
     progress.finish();
-    metrics.flush()?;
+    metrics.sync()?;
     let elapsed = t0.elapsed().as_secs_f64();
-    plot_metrics(&plot_path, metrics.rows(), &format!("GPT on {} ({})", task.name(), L::DTYPE))?;
-    let weights = cfg.out_dir.join("model.safetensors");
+    if !metrics.rows().is_empty() {
+        plot_metrics(&plot_path, metrics.rows(), &format!("GPT on {} ({})", task.name(), L::DTYPE))?;
+    }
+    if let Some(step) = interrupted_at {
+        let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
+        let finite: Vec<f64> = losses.iter().copied().filter(|l| l.is_finite()).collect();
+        let kf = finite.len().min(20);
+        return Ok(TrainReport {
+            steps: step,
+            first_loss: mean(&finite[..kf]),
+            last_loss: mean(&finite[finite.len() - kf..]),
+            skipped,
+            final_scale: scaler.get_scale(),
+            accuracy: None,
+            val_loss: None,
+            tokens_per_s: tokens as f64 / elapsed,
+            metrics: metrics_path,
+            plot: plot_path,
+            checkpoint: ckpt_dir,
+            weights,
+            interrupted: true,
+        });
+    }
     checkpoint::save_weights(&weights, &model)?;
 
     model.eval();
@@ -489,7 +817,56 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         plot: plot_path,
         checkpoint: ckpt_dir,
         weights,
+        interrupted: false,
     })
+}
+
+/// FNV-1a, 64 bits: a content fingerprint of the training text (not a cryptographic hash).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// Refuses loaded Adam state that no run of this optimizer can produce: more applied steps
+/// than steps, a parameter stepped more often than the optimizer, moments that are not finite
+/// or a negative second moment (a running mean of squares).
+fn check_optimizer_state(opt: &Optim<AdamW>, step: u64) -> std::result::Result<(), String> {
+    if opt.steps() > step {
+        return Err(format!("{} applied steps, more than the checkpoint's {step} steps", opt.steps()));
+    }
+    let state = opt.state_dict();
+    for (name, st) in &state.params {
+        if st.step > opt.steps() {
+            return Err(format!("`{name}` took {} steps, more than the optimizer's {}", st.step, opt.steps()));
+        }
+        if any_non_finite(&st.exp_avg) || any_non_finite(&st.exp_avg_sq) {
+            return Err(format!("the Adam moments of `{name}` hold inf or NaN"));
+        }
+        if let Some(i) = st.exp_avg_sq.iter().position(|v| *v < 0.0) {
+            return Err(format!(
+                "exp_avg_sq of `{name}` is negative at element {i} ({}): a mean of squares cannot be",
+                st.exp_avg_sq[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Names the first parameter or Adam moment holding an inf or NaN, if any.
+fn non_finite_state(model: &mut Gpt, opt: &Optim<AdamW>) -> Option<String> {
+    for (name, p) in model.named_params_mut() {
+        if any_non_finite(p.data_mut()) {
+            return Some(format!("parameter `{name}`"));
+        }
+        if let Some(st) = opt.param_state(&name) {
+            if any_non_finite(&st.exp_avg) {
+                return Some(format!("the first Adam moment (exp_avg) of `{name}`"));
+            }
+            if any_non_finite(&st.exp_avg_sq) {
+                return Some(format!("the second Adam moment (exp_avg_sq) of `{name}`"));
+            }
+        }
+    }
+    None
 }
 
 /// The end-of-run summary as a table.

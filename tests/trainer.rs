@@ -1,11 +1,14 @@
 //! The training job end to end on small runs: exact resume, skipped steps on NaN, a clear
-//! stop when the loss scale collapses, bad options refused.
+//! stop when the loss scale collapses, bad options refused, metrics that survive a SIGKILL,
+//! interrupts that save, runs that do not overwrite each other.
 
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
-use amp::checkpoint::read_weights;
+use amp::checkpoint::{checkpoint_exists, read_checkpoint_state, read_weights};
 use amp::train_utils::read_metrics;
-use amp::trainer::{ModelSize, RunPrecision, TrainConfig, run};
+use amp::trainer::{LOCK_FILE, ModelSize, RunPrecision, TrainConfig, run};
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("amp-trainer-{name}-{}", std::process::id()));
@@ -84,9 +87,198 @@ fn a_collapsing_scale_stops_training_with_an_explanation() {
         ..small(&out, RunPrecision::F16)
     };
     let err = run(&cfg).unwrap_err().to_string();
-    assert!(err.contains("training stopped at step"), "{err}");
+    // 65536 -> 1024 takes 6 overflows; then 20 in a row at the floor (steps 7..=26).
+    assert!(err.contains("training stopped at step 26"), "{err}");
     assert!(err.contains("loss scale collapsed"), "{err}");
+    assert!(err.contains("20 steps in a row overflowed"), "{err}");
+    assert!(err.contains("26 overflowing steps in a row"), "{err}");
     assert!(err.contains("bf16"), "the message suggests a way out: {err}");
+}
+
+#[test]
+fn scattered_overflows_at_the_floor_do_not_stop_an_f16_run() {
+    // 65536 -> 16384 after two overflows; every later one is at the floor, but good steps
+    // come between them.
+    let out = tmp("scattered");
+    let cfg = TrainConfig {
+        inject_nonfinite: (1..=8).map(|i| 5 * i).collect(),
+        steps: 40,
+        min_scale: 16384.0,
+        ..small(&out, RunPrecision::F16)
+    };
+    let report = run(&cfg).unwrap();
+    assert_eq!((report.steps, report.skipped), (40, 8));
+    assert_eq!(report.final_scale, 16384.0);
+}
+
+#[test]
+fn every_step_skipped_stops_bf16_and_f32_too() {
+    for precision in [RunPrecision::Bf16, RunPrecision::F32] {
+        let out = tmp(&format!("all-nan-{precision:?}"));
+        let cfg = TrainConfig {
+            inject_nonfinite: (1..=30).collect(),
+            steps: 30,
+            checkpoint_every: 5,
+            ..small(&out, precision)
+        };
+        let err = run(&cfg).unwrap_err().to_string();
+        assert!(err.contains("training stopped at step 20"), "{precision:?}: {err}");
+        assert!(err.contains("20 steps all had non-finite"), "{precision:?}: {err}");
+        assert!(err.contains("--lr"), "the message gives advice: {err}");
+    }
+}
+
+#[test]
+fn a_learning_rate_beyond_f32_is_refused_up_front() {
+    let out = tmp("lr-f32");
+    for precision in [RunPrecision::Bf16, RunPrecision::F32, RunPrecision::F16] {
+        let err = run(&TrainConfig { lr: 1e300, ..small(&out, precision) }).unwrap_err().to_string();
+        assert!(err.contains("`lr`") && err.contains("f32"), "{err}");
+    }
+    let err = run(&TrainConfig { lr: 1e-50, ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
+    assert!(err.contains("`lr`"), "a rate that rounds to 0 in f32 is refused too: {err}");
+    assert!(!out.join("metrics.csv").exists(), "nothing was written");
+}
+
+#[test]
+fn non_finite_weights_stop_the_run_before_a_checkpoint() {
+    // 1e38 is finite in f32, but Adam's first step size, lr × warmup factor (1/2 with 2
+    // steps) / (1 - beta1), is not.
+    let out = tmp("lr-overflow");
+    let cfg = TrainConfig { lr: 1e38, steps: 2, checkpoint_every: 1, ..small(&out, RunPrecision::F32) };
+    let err = run(&cfg).unwrap_err().to_string();
+    assert!(err.contains("training stopped at step 1"), "{err}");
+    assert!(err.contains("inf or NaN") && err.contains("Lower --lr"), "{err}");
+    assert!(!checkpoint_exists(out.join("checkpoint")), "the non-finite state was not checkpointed");
+    assert!(!out.join("model.safetensors").exists());
+}
+
+#[test]
+fn a_fresh_run_refuses_to_replace_another_unless_told() {
+    let out = tmp("overwrite");
+    run(&small(&out, RunPrecision::F32)).unwrap();
+    let err = run(&small(&out, RunPrecision::F32)).unwrap_err().to_string();
+    assert!(err.contains("--resume") && err.contains("--overwrite"), "{err}");
+    assert_eq!(read_metrics(out.join("metrics.csv")).unwrap().len(), 12, "the first run's metrics are intact");
+    assert_eq!(read_checkpoint_state(out.join("checkpoint")).unwrap().0.step, 12);
+
+    let report = run(&TrainConfig { overwrite: true, stop_after: Some(3), ..small(&out, RunPrecision::F32) }).unwrap();
+    assert_eq!(report.steps, 3);
+    assert_eq!(read_metrics(out.join("metrics.csv")).unwrap().len(), 3);
+    assert_eq!(read_checkpoint_state(out.join("checkpoint")).unwrap().0.step, 3);
+    assert!(!out.join(LOCK_FILE).exists(), "the lock is released at the end");
+}
+
+#[test]
+fn a_live_lock_refuses_a_second_trainer_and_a_stale_one_is_taken_over() {
+    let out = tmp("lock");
+    std::fs::create_dir_all(&out).unwrap();
+    // This process is alive: as if another trainer held the directory.
+    std::fs::write(out.join(LOCK_FILE), format!("{}\n", std::process::id())).unwrap();
+    let err = run(&small(&out, RunPrecision::F32)).unwrap_err().to_string();
+    assert!(err.contains("another trainer") && err.contains(&std::process::id().to_string()), "{err}");
+    assert!(!out.join("metrics.csv").exists(), "the refused run wrote nothing");
+    assert!(out.join(LOCK_FILE).exists(), "and left the other's lock alone");
+
+    // A process that has exited: its lock is stale.
+    let mut gone = Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait().unwrap();
+    std::fs::write(out.join(LOCK_FILE), format!("{pid}\n")).unwrap();
+    run(&small(&out, RunPrecision::F32)).unwrap();
+    assert!(!out.join(LOCK_FILE).exists());
+}
+
+// ---- in a child process: SIGKILL and SIGTERM ----------------------------------------------
+
+const CHILD_CONFIG: &str = "AMP_TRAINER_TEST_CHILD_CONFIG";
+
+/// Not a test: the body of the child processes below (this test binary, re-run with
+/// `--ignored --exact`), which trains with the configuration in the environment.
+#[test]
+#[ignore = "the child process of the SIGKILL and SIGTERM tests, run by them"]
+fn child_process_training_run() {
+    let cfg = std::env::var(CHILD_CONFIG).expect("only the SIGKILL/SIGTERM tests run this, with a configuration");
+    let cfg: TrainConfig = serde_json::from_str(&cfg).unwrap();
+    amp::trainer::install_interrupt_handler().unwrap();
+    let report = run(&cfg).unwrap();
+    std::process::exit(if report.interrupted { 3 } else { 0 });
+}
+
+fn spawn_child(cfg: &TrainConfig) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["child_process_training_run", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env(CHILD_CONFIG, serde_json::to_string(cfg).unwrap())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits (at most a minute) until the child has written a checkpoint at `min_step` or later.
+fn wait_for_checkpoint(child: &mut Child, dir: &Path, min_step: u64) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        if let Ok((state, _)) = read_checkpoint_state(dir)
+            && state.step >= min_step
+        {
+            return state.step;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the child exited ({status}) before a checkpoint at step {min_step}");
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("no checkpoint at step {min_step} after a minute");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A run far too long to finish: the test stops it.
+fn endless(out: &Path) -> TrainConfig {
+    TrainConfig { steps: 1_000_000, checkpoint_every: 4, ..small(out, RunPrecision::F16) }
+}
+
+fn assert_one_row_per_step(out: &Path, last: u64) {
+    let steps: Vec<u64> = read_metrics(out.join("metrics.csv")).unwrap().iter().map(|r| r.step).collect();
+    assert_eq!(steps, (1..=last).collect::<Vec<_>>(), "one metrics row per step, 1..={last}");
+}
+
+#[test]
+fn metrics_survive_a_sigkill_and_the_resumed_run_has_one_row_per_step() {
+    let out = tmp("sigkill");
+    let mut child = spawn_child(&endless(&out));
+    let seen = wait_for_checkpoint(&mut child, &out.join("checkpoint"), 8);
+    child.kill().unwrap(); // SIGKILL, right after a checkpoint or a few steps past it
+    child.wait().unwrap();
+    let at = read_checkpoint_state(out.join("checkpoint")).unwrap().0.step;
+    assert!(at >= seen);
+    // The killed trainer's lock is stale; the resumed run takes it over, keeps the rows up to
+    // the checkpoint and drops any past it.
+    let report = run(&TrainConfig { resume: true, stop_after: Some(at + 5), ..endless(&out) }).unwrap();
+    assert_eq!(report.steps, at + 5);
+    assert_one_row_per_step(&out, at + 5);
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_exits_cleanly() {
+    let out = tmp("sigterm");
+    let mut child = spawn_child(&endless(&out));
+    wait_for_checkpoint(&mut child, &out.join("checkpoint"), 4);
+    // While it trains, a second trainer on its directory is refused by its lock.
+    let err = run(&TrainConfig { resume: true, ..endless(&out) }).unwrap_err().to_string();
+    assert!(err.contains(&format!("another trainer (pid {})", child.id())), "{err}");
+    // SAFETY: `kill` takes a pid and a signal number, no pointers; the pid is our live child.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(3), "the child saw the interrupt and returned normally: {status}");
+    let at = read_checkpoint_state(out.join("checkpoint")).unwrap().0.step;
+    assert_one_row_per_step(&out, at); // the checkpoint is at the last step taken
+    assert!(!out.join(LOCK_FILE).exists(), "the lock was released");
+    run(&TrainConfig { resume: true, stop_after: Some(at + 2), ..endless(&out) }).unwrap();
+    assert_one_row_per_step(&out, at + 2);
 }
 
 #[test]
@@ -123,4 +315,99 @@ fn trains_a_character_model_on_a_text_file() {
         run(&TrainConfig { data: Some(file), steps: 30, lr: 1e-2, ..small(&out, RunPrecision::Bf16) }).unwrap();
     assert!(report.val_loss.unwrap().is_finite());
     assert!(report.last_loss < report.first_loss, "{} -> {}", report.first_loss, report.last_loss);
+}
+
+#[test]
+fn resume_refuses_an_impossible_training_state_naming_the_file_and_tensor() {
+    let out = tmp("bad-state");
+    let cfg = small(&out, RunPrecision::F16);
+    run(&TrainConfig { stop_after: Some(3), ..cfg.clone() }).unwrap();
+    let state_path = out.join("checkpoint").join(amp::checkpoint::STATE_FILE);
+    let good: serde_json::Value = serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    let name = good["state"]["optimizer"]["params"].as_object().unwrap().keys().next().unwrap().clone();
+    let refused = |edit: &dyn Fn(&mut serde_json::Value), needles: &[&str]| {
+        let mut v = good.clone();
+        edit(&mut v);
+        std::fs::write(&state_path, serde_json::to_vec(&v).unwrap()).unwrap();
+        let err = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap_err().to_string();
+        assert!(err.contains(state_path.to_str().unwrap()), "the refusal names the file: {err}");
+        for needle in needles {
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+    };
+    let param = |v: &mut serde_json::Value| v["state"]["optimizer"]["params"][&name].clone();
+    // A first moment one element short.
+    refused(
+        &|v| {
+            let mut p = param(v);
+            p["exp_avg"].as_array_mut().unwrap().pop();
+            v["state"]["optimizer"]["params"][&name] = p;
+        },
+        &[&format!("`{name}`"), "does not fit"],
+    );
+    // A negative second moment.
+    refused(
+        &|v| {
+            let mut p = param(v);
+            p["exp_avg_sq"][0] = serde_json::json!(-1.0);
+            v["state"]["optimizer"]["params"][&name] = p;
+        },
+        &[&format!("exp_avg_sq of `{name}` is negative")],
+    );
+    // A growth tracker past its interval (2000).
+    refused(&|v| v["state"]["scaler"]["_growth_tracker"] = serde_json::json!(5000), &["_growth_tracker 5000"]);
+    // More applied optimizer steps than steps.
+    refused(&|v| v["state"]["optimizer"]["steps"] = serde_json::json!(9), &["9 applied steps"]);
+    // The intact state resumes.
+    std::fs::write(&state_path, serde_json::to_vec(&good).unwrap()).unwrap();
+    run(&TrainConfig { resume: true, ..cfg }).unwrap();
+}
+
+#[test]
+fn resume_refuses_a_data_file_whose_text_changed() {
+    let out = tmp("text-changed");
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("corpus.txt");
+    let text = "the quick brown fox jumps over the lazy dog. ".repeat(20);
+    std::fs::write(&file, &text).unwrap();
+    let cfg = TrainConfig { data: Some(file.clone()), steps: 10, ..small(&out, RunPrecision::Bf16) };
+    run(&TrainConfig { stop_after: Some(3), ..cfg.clone() }).unwrap();
+    // Same length and characters (so the same vocabulary and loader), other text.
+    std::fs::write(&file, text.chars().rev().collect::<String>()).unwrap();
+    let err = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap_err().to_string();
+    assert!(err.contains("is not the text this checkpoint was trained on") && err.contains("corpus.txt"), "{err}");
+    std::fs::write(&file, &text).unwrap();
+    assert_eq!(run(&TrainConfig { resume: true, ..cfg }).unwrap().steps, 10);
+}
+
+#[test]
+fn too_many_digits_and_too_large_a_vocabulary_are_refused_before_allocating() {
+    let out = tmp("limits");
+    for digits in [5, 6] {
+        let err = run(&TrainConfig { digits, ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
+        assert!(err.contains("`digits`") && err.contains("between 1 and 4") && err.contains("GB"), "{err}");
+    }
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("many-chars.txt");
+    let text: String = (0..1100u32).map(|i| char::from_u32(0x4E00 + i).unwrap()).collect::<String>().repeat(3);
+    std::fs::write(&file, text).unwrap();
+    let err = run(&TrainConfig { data: Some(file), ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
+    assert!(err.contains("1100 distinct characters") && err.contains("at most 1024"), "{err}");
+    assert!(err.contains("many-chars.txt"), "{err}");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_second_signal_exits_at_once() {
+    let out = tmp("two-signals");
+    let mut child = spawn_child(&endless(&out));
+    wait_for_checkpoint(&mut child, &out.join("checkpoint"), 4);
+    // Two different signals (two of the same could merge while pending), back to back: the
+    // second arrives long before the step in progress ends.
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: `kill` takes a pid and a signal number, no pointers; the pid is our live child.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "the second signal ended the process at once: {status}");
 }

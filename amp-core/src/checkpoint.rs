@@ -19,9 +19,12 @@
 //!   state file naming the old weights, which are deleted only after the commit; a crash
 //!   after it leaves the new pair. Every file is written as temp file, fsync, rename, fsync of
 //!   the directory, so no reader ever sees half a file under a real name.
-//! - Weight files carry a checksum of their data section in the safetensors metadata
-//!   (`amp.data_checksum`), so flipped bytes inside tensor data, which the format itself
-//!   cannot notice, are refused. Files without it (exported from PyTorch) load unchecked.
+//! - Weight files carry a checksum of the whole file in the safetensors metadata
+//!   (`amp.checksum`: the header, with the checksum's own 16 digits read as zeros, then the
+//!   data), so flipped bytes inside tensor data, which the format itself cannot notice, and an
+//!   edited header (two same-size tensors' offsets swapped) are refused. Files written before
+//!   it carry `amp.data_checksum` (the data section only), which is still verified; files
+//!   without either (exported from PyTorch) load unchecked.
 //! - Loading checks every tensor (present, expected, shape, dtype) before writing any, so a
 //!   refused load leaves the model as it was. f16, bf16 and f64 files are converted to f32.
 
@@ -42,8 +45,12 @@ use crate::tensor::Tensor;
 /// The file in a checkpoint directory that holds the [`TrainingState`] and names the weights.
 pub const STATE_FILE: &str = "training_state.json";
 
-/// Metadata key of the weights' data checksum.
-const CHECKSUM_KEY: &str = "amp.data_checksum";
+/// Metadata key of the checksum of the data section only (files of earlier versions).
+const DATA_CHECKSUM_KEY: &str = "amp.data_checksum";
+/// Metadata key of the checksum of header and data.
+const CHECKSUM_KEY: &str = "amp.checksum";
+/// What the checksum's 16 hex digits are read as while the checksum is computed.
+const CHECKSUM_PLACEHOLDER: &str = "0000000000000000";
 /// Format marker in `training_state.json`.
 const FORMAT: &str = "amp-checkpoint";
 const VERSION: u32 = 1;
@@ -216,7 +223,7 @@ pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
         json("format"),
         json("pt"),
         json(CHECKSUM_KEY),
-        json(&format!("{:016x}", checksum(&data)))
+        json(CHECKSUM_PLACEHOLDER)
     );
     let mut header = format!("{{{metadata}{}{}}}", if entries.is_empty() { "" } else { "," }, entries.join(","));
     while header.len() % 8 != 0 {
@@ -226,6 +233,10 @@ pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
     out.extend((header.len() as u64).to_le_bytes());
     out.extend(header.as_bytes());
     out.extend(data);
+    // The checksum is computed with its own digits zero, then written over them (same length).
+    let sum = format!("{:016x}", checksum(&out));
+    let at = 8 + checksum_digits_at(&header).expect("the header was just written with the checksum key");
+    out[at..at + 16].copy_from_slice(sum.as_bytes());
     Ok(out)
 }
 
@@ -261,12 +272,42 @@ pub fn read_weights(path: impl AsRef<Path>) -> Result<BTreeMap<String, LoadedTen
     parse_weights(path, &bytes)
 }
 
+/// Where the checksum's 16 digits are in a header this module wrote: right after the one
+/// occurrence of `"amp.checksum":"`.
+fn checksum_digits_at(header: &str) -> Option<usize> {
+    let key = format!("\"{CHECKSUM_KEY}\":\"");
+    let at = header.find(&key)? + key.len();
+    (header.matches(&key).count() == 1 && header.len() >= at + 16).then_some(at)
+}
+
 fn parse_weights(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, LoadedTensor>> {
     let corrupt = |e: safetensors::SafeTensorError| {
         file_err(path, format!("not a valid safetensors file (truncated or corrupt): {e}"))
     };
     let (header_len, metadata) = SafeTensors::read_metadata(bytes).map_err(corrupt)?;
-    if let Some(expected) = metadata.metadata().as_ref().and_then(|m| m.get(CHECKSUM_KEY)) {
+    let meta = metadata.metadata().as_ref();
+    if let Some(expected) = meta.and_then(|m| m.get(CHECKSUM_KEY)) {
+        // read_metadata checked that the header is 8 + header_len bytes of UTF-8 JSON.
+        let header = std::str::from_utf8(&bytes[8..8 + header_len]).unwrap_or("");
+        let Some(at) = checksum_digits_at(header).map(|a| a + 8) else {
+            return Err(file_err(
+                path,
+                format!("the header is corrupt or was rewritten: its `{CHECKSUM_KEY}` entry cannot be located"),
+            ));
+        };
+        let mut zeroed = bytes.to_vec();
+        zeroed[at..at + 16].copy_from_slice(CHECKSUM_PLACEHOLDER.as_bytes());
+        let actual = format!("{:016x}", checksum(&zeroed));
+        if &actual != expected {
+            return Err(file_err(
+                path,
+                format!(
+                    "the file is corrupt (its header or tensor data changed): checksum {actual}, but the \
+                     file recorded {expected}"
+                ),
+            ));
+        }
+    } else if let Some(expected) = meta.and_then(|m| m.get(DATA_CHECKSUM_KEY)) {
         let actual = format!("{:016x}", checksum(&bytes[8 + header_len..]));
         if &actual != expected {
             return Err(file_err(

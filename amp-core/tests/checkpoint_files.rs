@@ -186,7 +186,7 @@ fn corrupt_and_truncated_files_are_refused() {
         let mut bad = good.clone();
         bad[offset] ^= 0x04;
         std::fs::write(&path, &bad).unwrap();
-        assert_refused(&path, &mut model, &[file, "the tensor data is corrupt: checksum"]);
+        assert_refused(&path, &mut model, &[file, "is corrupt (its header or tensor data changed): checksum"]);
     }
     // Truncated anywhere: in the data, in the header, in the length prefix, empty.
     for len in [good.len() - 1, good.len() / 2, 8 + header_len / 2, 5, 0] {
@@ -211,6 +211,40 @@ fn corrupt_and_truncated_files_are_refused() {
     std::fs::write(&path, &good).unwrap();
     load_weights(&path, &mut model).unwrap();
     assert_eq!(values(&model), values(&net(1, &[4, 8, 3])));
+}
+
+#[test]
+fn an_edited_header_is_refused_by_the_checksum() {
+    // Two tensors of the same size: swapping their offsets gives a valid safetensors file
+    // that would load with the tensors swapped.
+    let dir = fresh_dir("edited_header");
+    let path = dir.join("w.safetensors");
+    save_weights(&path, &net(1, &[4, 4, 4])).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&good[8..8 + header_len]).unwrap();
+    let (a, b) = ("layers.0.weight", "layers.1.weight");
+    let (oa, ob) = (header[a]["data_offsets"].clone(), header[b]["data_offsets"].clone());
+    assert_ne!(oa, ob);
+    header[a]["data_offsets"] = ob;
+    header[b]["data_offsets"] = oa;
+    let mut text = serde_json::to_string(&header).unwrap();
+    while !text.len().is_multiple_of(8) {
+        text.push(' ');
+    }
+    let mut bad = (text.len() as u64).to_le_bytes().to_vec();
+    bad.extend(text.as_bytes());
+    bad.extend(&good[8 + header_len..]);
+    std::fs::write(&path, &bad).unwrap();
+    let (st, orig) =
+        (safetensors::SafeTensors::deserialize(&bad).unwrap(), safetensors::SafeTensors::deserialize(&good).unwrap());
+    assert_eq!(st.tensor(a).unwrap().data(), orig.tensor(b).unwrap().data(), "valid to the format, swapped");
+    let mut model = net(2, &[4, 4, 4]);
+    assert_refused(&path, &mut model, &[path.to_str().unwrap(), "is corrupt (its header or tensor data changed)"]);
+    // The intact file loads.
+    std::fs::write(&path, &good).unwrap();
+    load_weights(&path, &mut model).unwrap();
+    assert_eq!(values(&model), values(&net(1, &[4, 4, 4])));
 }
 
 #[test]

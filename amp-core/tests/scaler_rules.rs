@@ -227,6 +227,14 @@ fn loading_pytorch_state_before_the_first_step_is_used_by_it() {
     let err = s.load_state_dict(&corrupt).unwrap_err();
     assert!(err.to_string().contains("growth_factor"), "{err}");
     assert_eq!(s.get_scale(), 512.0, "a refused checkpoint changes nothing");
+    // The tracker restarts at 0 when it reaches the interval: 3 of 3 cannot be saved.
+    let past: GradScalerState = serde_json::from_str(
+        r#"{"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 3}"#,
+    )
+    .unwrap();
+    let err = s.load_state_dict(&past).unwrap_err();
+    assert!(err.to_string().contains("_growth_tracker 3 must be below growth_interval 3"), "{err}");
+    assert_eq!(s.get_scale(), 512.0);
 }
 
 #[test]
@@ -248,8 +256,13 @@ fn min_and_max_scale_clamp() {
 
 #[test]
 fn error_at_min_scale_stops_a_collapsed_run() {
-    let opts =
-        GradScalerOptions { init_scale: 4.0, min_scale: Some(1.0), error_at_min_scale: true, ..Default::default() };
+    let opts = GradScalerOptions {
+        init_scale: 4.0,
+        min_scale: Some(1.0),
+        error_at_min_scale: true,
+        collapse_after: 1,
+        ..Default::default()
+    };
     let (mut s, mut m, mut opt) = (GradScaler::with_options(opts).unwrap(), probe(), Sgd::new(0.1).build().unwrap());
     for _ in 0..2 {
         iteration(&mut s, &mut m, &mut opt, false);
@@ -259,6 +272,41 @@ fn error_at_min_scale_stops_a_collapsed_run() {
     let err = s.scale(loss).backward().unscale().step(&mut opt, &mut m).update().unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("collapsed") && msg.contains("min_scale = 1") && msg.contains("3 overflowing steps"), "{msg}");
+}
+
+#[test]
+fn collapse_means_collapse_after_overflows_in_a_row_at_the_floor() {
+    assert_eq!(GradScalerOptions::default().collapse_after, 20);
+    let opts = GradScalerOptions {
+        init_scale: 4.0,
+        min_scale: Some(1.0),
+        error_at_min_scale: true,
+        collapse_after: 3,
+        ..Default::default()
+    };
+    let (mut s, mut m, mut opt) = (GradScaler::with_options(opts).unwrap(), probe(), Sgd::new(0.1).build().unwrap());
+    let attempt = |s: &mut GradScaler, m: &mut Probe, opt: &mut _, ok: bool| {
+        let loss = loss_of(&m.p, if ok { OK } else { INF });
+        s.scale(loss).backward().unscale().step(opt, m).update()
+    };
+    // Down to the floor (4 -> 2 -> 1), then overflows at the floor scattered among good steps:
+    // each good step resets the count, so the run goes on.
+    for ok in [false, false] {
+        attempt(&mut s, &mut m, &mut opt, ok).unwrap();
+    }
+    for _ in 0..10 {
+        for ok in [false, false, true] {
+            let r = attempt(&mut s, &mut m, &mut opt, ok).unwrap();
+            assert_eq!(r.skipped, !ok);
+        }
+    }
+    // Three in a row at the floor: collapsed.
+    attempt(&mut s, &mut m, &mut opt, false).unwrap();
+    attempt(&mut s, &mut m, &mut opt, false).unwrap();
+    let msg = attempt(&mut s, &mut m, &mut opt, false).unwrap_err().to_string();
+    assert!(msg.contains("3 steps in a row overflowed") && msg.contains("collapse_after = 3"), "{msg}");
+    let bad = GradScalerOptions { collapse_after: 0, ..Default::default() };
+    assert!(GradScaler::with_options(bad).unwrap_err().to_string().contains("collapse_after"));
 }
 
 #[test]

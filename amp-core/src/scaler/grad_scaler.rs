@@ -102,10 +102,21 @@ pub struct GradScalerOptions {
     /// PyTorch's behaviour). The count is reset when the scale grows, as in Megatron. Every
     /// overflowing step is still skipped.
     pub hysteresis: i32,
-    /// With `min_scale`: an overflow while the scale is already at the floor makes `update()`
-    /// return an error instead of continuing with a collapsed scale (DeepSpeed's
-    /// `raise_error_at_min_scale`).
+    /// With `min_scale`: [`GradScalerOptions::collapse_after`] overflows in a row while the
+    /// scale is already at the floor make `update()` return an error instead of continuing
+    /// with a collapsed scale (DeepSpeed's `raise_error_at_min_scale`, which errs at the first).
     pub error_at_min_scale: bool,
+    /// With `error_at_min_scale`: how many overflowing steps in a row at the floor count as a
+    /// collapse (default 20). A good step resets the count, so overflows scattered among good
+    /// steps (a few bad batches) never stop a run; only a scale that stays at its floor with
+    /// every step overflowing does. 1 errs at the first overflow at the floor, as DeepSpeed.
+    /// At least 1. The count is not checkpointed: a resumed run starts it at 0.
+    #[serde(default = "default_collapse_after")]
+    pub collapse_after: u32,
+}
+
+fn default_collapse_after() -> u32 {
+    20
 }
 
 impl Default for GradScalerOptions {
@@ -120,6 +131,7 @@ impl Default for GradScalerOptions {
             max_scale: None,
             hysteresis: 1,
             error_at_min_scale: false,
+            collapse_after: default_collapse_after(),
         }
     }
 }
@@ -156,6 +168,9 @@ impl GradScalerOptions {
             && lo > hi
         {
             return bad(format!("min_scale {lo} is above max_scale {hi}"));
+        }
+        if self.collapse_after < 1 {
+            return bad("collapse_after must be at least 1 (1 errs at the first overflow at the floor)".into());
         }
         if self.error_at_min_scale && self.min_scale.is_none() {
             return bad("error_at_min_scale needs a floor: set min_scale too".into());
@@ -215,6 +230,8 @@ pub struct GradScaler {
     hysteresis_tracker: i32,
     /// Overflowing steps in a row (for the collapse error's message; not checkpointed).
     overflows_in_a_row: u64,
+    /// Of those, the ones that overflowed with the scale already at the floor (not checkpointed).
+    overflows_at_floor: u32,
 }
 
 impl Default for GradScaler {
@@ -238,6 +255,7 @@ impl GradScaler {
             growth_tracker: 0,
             hysteresis_tracker: opts.hysteresis,
             overflows_in_a_row: 0,
+            overflows_at_floor: 0,
             opts,
         })
     }
@@ -300,6 +318,27 @@ impl GradScaler {
                 detail: format!("_growth_tracker must not be negative, got {}", state.growth_tracker),
             });
         }
+        // The tracker returns to 0 when it reaches the interval, so it is always below it.
+        if state.growth_tracker >= state.growth_interval {
+            return Err(Error::State {
+                context: "GradScaler::load_state_dict".into(),
+                detail: format!(
+                    "_growth_tracker {} must be below growth_interval {} (it restarts at 0 when it reaches it)",
+                    state.growth_tracker, state.growth_interval
+                ),
+            });
+        }
+        if let Some(h) = state.hysteresis_tracker
+            && !(0..=self.opts.hysteresis).contains(&h)
+        {
+            return Err(Error::State {
+                context: "GradScaler::load_state_dict".into(),
+                detail: format!(
+                    "_hysteresis_tracker {h} is outside 0..={}, the hysteresis option",
+                    self.opts.hysteresis
+                ),
+            });
+        }
         self.opts.growth_factor = state.growth_factor;
         self.opts.backoff_factor = state.backoff_factor;
         self.opts.growth_interval = state.growth_interval;
@@ -307,6 +346,7 @@ impl GradScaler {
         self.growth_tracker = state.growth_tracker;
         self.hysteresis_tracker = state.hysteresis_tracker.unwrap_or(self.opts.hysteresis);
         self.overflows_in_a_row = 0;
+        self.overflows_at_floor = 0;
         Ok(())
     }
 
@@ -321,19 +361,22 @@ impl GradScaler {
                 return Ok(());
             }
             if let Some(floor) = self.opts.min_scale
-                && self.opts.error_at_min_scale
                 && self.scale <= floor
             {
-                return Err(Error::State {
-                    context: "GradScaler::update".into(),
-                    detail: format!(
-                        "the loss scale collapsed: a step overflowed with the scale already at its floor \
-                             min_scale = {floor} ({} overflowing steps in a row, every one skipped). The gradients \
-                             are inf or NaN whatever the scale: look for NaN/inf in the input data or the loss, \
-                             lower the learning rate, or train in bf16, whose range does not overflow",
-                        self.overflows_in_a_row
-                    ),
-                });
+                self.overflows_at_floor = self.overflows_at_floor.saturating_add(1);
+                if self.opts.error_at_min_scale && self.overflows_at_floor >= self.opts.collapse_after {
+                    return Err(Error::State {
+                        context: "GradScaler::update".into(),
+                        detail: format!(
+                            "the loss scale collapsed: {} steps in a row overflowed with the scale already at its \
+                             floor min_scale = {floor} (collapse_after = {}; {} overflowing steps in a row in all, \
+                             every one skipped, so the weights did not change). The gradients are inf or NaN \
+                             whatever the scale: look for NaN/inf in the input data or the loss, lower the \
+                             learning rate, or train in bf16, whose range does not overflow",
+                            self.overflows_at_floor, self.opts.collapse_after, self.overflows_in_a_row
+                        ),
+                    });
+                }
             }
             // f32 scale times f64 factor, rounded once to f32, as PyTorch's kernel.
             let backed_off = (self.scale as f64 * self.opts.backoff_factor) as f32;
@@ -343,6 +386,7 @@ impl GradScaler {
             };
         } else {
             self.overflows_in_a_row = 0;
+            self.overflows_at_floor = 0;
             let successful = self.growth_tracker + 1;
             if successful == self.opts.growth_interval {
                 let grown = (self.scale as f64 * self.opts.growth_factor) as f32;

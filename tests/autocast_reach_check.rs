@@ -79,7 +79,7 @@ fn a_submodule_without_the_attribute_panics() {
 #[test]
 fn code_meant_to_run_as_written_does_not_panic() {
     #[autocast(fp32 = [logsumexp_plain], passthrough = [softmax])]
-    fn f(x: &Tensor<f32>) -> (Tensor<f16>, Tensor<f16>, Tensor<f16>, Tensor<f32>, Tensor<f16>) {
+    fn f(x: &Tensor<f32>) -> Vec<DType> {
         let h = x.matmul(&Tensor::<f32>::ones(&[3, 3])).mul_scalar(0.01); // f16
         autocast_off! { let a = h.exp(); }
         #[autocast(off)]
@@ -87,13 +87,9 @@ fn code_meant_to_run_as_written_does_not_panic() {
         let c = autocast_off!(h.sum(1, false));
         let d = logsumexp_plain(&h); // listed as fp32: gets f32, runs as written
         let e = h.softmax(1); // passthrough here: f16 softmax
-        (a, b, c, d, e)
+        vec![a.dtype(), b.dtype(), c.dtype(), d.dtype(), e.dtype()]
     }
-    let (a, b, c, d, e) = f(&Tensor::ones(&[2, 3]));
-    assert_eq!(
-        (a.dtype(), b.dtype(), c.dtype(), d.dtype(), e.dtype()),
-        (DType::F16, DType::F16, DType::F16, DType::F32, DType::F16)
-    );
+    assert_eq!(f(&Tensor::ones(&[2, 3])), [DType::F16, DType::F16, DType::F16, DType::F32, DType::F16]);
 }
 
 #[test]
@@ -141,4 +137,30 @@ fn an_autocast_function_checks_its_body_even_when_called_from_code_run_as_writte
         autocast_off!(inner(x))
     }
     let _ = outer(&big().reshape(&[1, 3]));
+}
+
+/// A model behind a trait object: `#[autocast]` on the impl's method, called through `dyn`.
+trait Model {
+    fn loss(&self, x: &Tensor<f32>) -> Tensor<f32>;
+}
+
+struct Mat {
+    w: Param,
+}
+
+impl Model for Mat {
+    #[autocast(bf16)]
+    fn loss(&self, x: &Tensor<f32>) -> Tensor<f32> {
+        x.matmul(&self.w).softmax(1).sum_all()
+    }
+}
+
+#[test]
+fn autocast_on_a_trait_impl_called_through_dyn() {
+    let m: Box<dyn Model> = Box::new(Mat { w: Param::new(Tensor::ones(&[3, 2])) });
+    let loss = m.loss(&Tensor::ones(&[4, 3]));
+    assert_eq!(loss.dtype(), DType::F32);
+    assert!((loss.item() - 4.0).abs() < 1e-3, "{}", loss.item());
+    let grads = loss.backward();
+    assert_eq!(grads.len(), 1);
 }

@@ -777,8 +777,8 @@ impl VisitMut for Rewriter<'_> {
             match s {
                 Stmt::Local(l) => {
                     if let Some(init) = &mut l.init {
-                        let wrapped = self.as_written(&*init.expr);
-                        init.expr = Box::new(Expr::Verbatim(wrapped));
+                        let wrapped = self.as_written(&init.expr);
+                        *init.expr = Expr::Verbatim(wrapped);
                     }
                 }
                 Stmt::Expr(Expr::Block(b), _) => {

@@ -29,7 +29,7 @@ pub enum UnscaleMode {
 /// A loss scaler that can drive a [`TrainStep`]: [`GradScaler`] (dynamic, for f16) or
 /// [`NoScale`] (the constant 1, for bf16 and f32). Sealed.
 pub trait LossScaler: sealed::Sealed {
-    /// The scale the next `scale(&loss)` multiplies the loss by.
+    /// The scale the next `scale(loss)` multiplies the loss by.
     fn get_scale(&self) -> f32;
     /// Starts an iteration: the loss times the current scale. The loss is taken by value, so
     /// its forward graph is freed by `.backward()` and the step updates parameters in place.

@@ -747,10 +747,7 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
             save(&model, &opt, &scaler, &rng, &task, step)?;
         }
         if stop {
-            progress.println(format!(
-                "interrupted: stopped after step {step} with a checkpoint in {}; continue with --resume",
-                ckpt_dir.display()
-            ));
+            // The caller says so (`TrainReport::interrupted`): the example prints one line.
             interrupted_at = Some(step);
             break;
         }

@@ -1,7 +1,9 @@
 //! # amp: typed mixed-precision training for Rust
 //!
 //! One name for the whole library: [`amp_core`] (tensors, autograd, training),
-//! [`amp_macros`] (`#[autocast]`), and with feature `cuda`, `amp_cuda`.
+//! [`amp_macros`] (`#[autocast]`), and with feature `cuda`, `amp_cuda`. Feature `trainer` adds
+//! the `trainer` and `train_utils` modules (the runs behind `cargo run --example train`, with
+//! a progress bar and a loss plot); without it a dependent builds the library alone.
 //!
 //! ```
 //! use amp::prelude::*;
@@ -15,7 +17,9 @@ pub use amp_core::*;
 pub use amp_cuda;
 pub use amp_macros;
 
+#[cfg(feature = "trainer")]
 pub mod train_utils;
+#[cfg(feature = "trainer")]
 pub mod trainer;
 
 /// The names most programs need.

@@ -1,7 +1,6 @@
 //! The README's "library in one screen" snippet, compiled and run.
 
 use amp::nn::Linear;
-use amp::optim::Optim;
 use amp::prelude::*;
 
 #[derive(Params)] // PyTorch state_dict names: fc1.weight, fc1.bias, ...
@@ -20,6 +19,8 @@ impl Mlp {
     }
 }
 
+// `opt` is `AdamW::new(3e-4).weight_decay(0.1).build()?` (an `Optim<AdamW>`; a schedule:
+// `.with_schedule(WarmupCosine::new(warmup, total)?)`, parameter groups: `.with_group(..)`).
 fn train_step(model: &mut Mlp, opt: &mut Optim<AdamW>, scaler: &mut GradScaler, x: &Tensor<f32>, y: &Indices) {
     let loss = model.loss(x, y);
     let mut grads = scaler.scale(loss).backward().unscale(); // one fused pass: ×(1/S) and inf check

@@ -363,8 +363,14 @@ trait RunScaler: LossScaler + Sized {
     /// Whether the scaler itself stops a run whose steps keep overflowing (f16's floor rule).
     const STOPS_ON_COLLAPSE: bool;
     fn make(min_scale: f32, collapse_after: u32) -> Result<Self>;
-    fn save(&self) -> serde_json::Value;
-    fn load(&mut self, v: &serde_json::Value) -> Result<()>;
+    fn save(&self) -> serde_json::Value {
+        serde_json::to_value(self.state_dict()).expect("scaler state serialises")
+    }
+    fn load(&mut self, v: &serde_json::Value) -> Result<()> {
+        let state: Self::State = serde_json::from_value(v.clone())
+            .map_err(|e| Error::State { context: "checkpoint scaler state".into(), detail: e.to_string() })?;
+        self.load_state_dict(&state)
+    }
 }
 
 impl RunScaler for GradScaler {
@@ -377,26 +383,12 @@ impl RunScaler for GradScaler {
             ..Default::default()
         })
     }
-    fn save(&self) -> serde_json::Value {
-        serde_json::to_value(self.state_dict()).expect("scaler state serialises")
-    }
-    fn load(&mut self, v: &serde_json::Value) -> Result<()> {
-        let state = serde_json::from_value(v.clone())
-            .map_err(|e| Error::State { context: "checkpoint scaler state".into(), detail: e.to_string() })?;
-        self.load_state_dict(&state)
-    }
 }
 
 impl RunScaler for NoScale {
     const STOPS_ON_COLLAPSE: bool = false;
     fn make(_: f32, _: u32) -> Result<Self> {
         Ok(NoScale)
-    }
-    fn save(&self) -> serde_json::Value {
-        serde_json::Value::Null
-    }
-    fn load(&mut self, _: &serde_json::Value) -> Result<()> {
-        Ok(())
     }
 }
 

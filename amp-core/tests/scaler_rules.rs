@@ -454,3 +454,19 @@ fn a_loss_that_cannot_backpropagate_is_an_error() {
     assert!(s.scale(vector).try_backward().is_err());
     assert_eq!(s.get_scale(), 65536.0, "an abandoned iteration leaves the scaler alone");
 }
+
+#[test]
+fn both_scalers_checkpoint_through_the_trait() {
+    fn round_trip<K: LossScaler>(from: &K, into: &mut K) -> String {
+        let json = serde_json::to_string(&from.state_dict()).unwrap();
+        into.load_state_dict(&serde_json::from_str(&json).unwrap()).unwrap();
+        json
+    }
+    let (mut a, mut m, mut opt) = (scaler_with(2000, 1024.0), probe(), Sgd::new(0.1).build().unwrap());
+    iteration(&mut a, &mut m, &mut opt, false); // back off once: scale 512
+    let mut b = GradScaler::new();
+    let json = round_trip(&a, &mut b);
+    assert!(json.contains("\"_growth_tracker\":0") && json.contains("\"scale\":512.0"), "{json}");
+    assert_eq!((b.get_scale(), b.growth_tracker()), (512.0, 0));
+    assert_eq!(round_trip(&NoScale, &mut NoScale), "null");
+}

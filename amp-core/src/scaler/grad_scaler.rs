@@ -29,6 +29,13 @@ pub enum UnscaleMode {
 /// A loss scaler that can drive a [`TrainStep`]: [`GradScaler`] (dynamic, for f16) or
 /// [`NoScale`] (the constant 1, for bf16 and f32). Sealed.
 pub trait LossScaler: sealed::Sealed {
+    /// What a checkpoint keeps: [`GradScalerState`] (PyTorch's keys) for a [`GradScaler`],
+    /// `()` for [`NoScale`] (serialised as JSON `null`).
+    type State: Clone + std::fmt::Debug + PartialEq + Serialize + serde::de::DeserializeOwned;
+    /// The checkpoint (PyTorch's `scaler.state_dict()`).
+    fn state_dict(&self) -> Self::State;
+    /// Restores a checkpoint, refused with [`Error::State`] when a value is out of range.
+    fn load_state_dict(&mut self, state: &Self::State) -> Result<()>;
     /// The scale the next `scale(loss)` multiplies the loss by.
     fn get_scale(&self) -> f32;
     /// Starts an iteration: the loss times the current scale. The loss is taken by value, so
@@ -407,6 +414,13 @@ impl GradScaler {
 }
 
 impl LossScaler for GradScaler {
+    type State = GradScalerState;
+    fn state_dict(&self) -> GradScalerState {
+        GradScaler::state_dict(self)
+    }
+    fn load_state_dict(&mut self, state: &GradScalerState) -> Result<()> {
+        GradScaler::load_state_dict(self, state)
+    }
     fn get_scale(&self) -> f32 {
         GradScaler::get_scale(self)
     }
@@ -474,6 +488,12 @@ impl NoScale {
 }
 
 impl LossScaler for NoScale {
+    /// Nothing to keep: the scale is the constant 1.
+    type State = ();
+    fn state_dict(&self) {}
+    fn load_state_dict(&mut self, _: &()) -> Result<()> {
+        Ok(())
+    }
     fn get_scale(&self) -> f32 {
         1.0
     }

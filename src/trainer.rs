@@ -617,7 +617,7 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         .map_err(|e| bad("optimizer state", detail(e)))?;
         opt.check_params(&model).map_err(|e| bad("optimizer state", detail(e)))?;
         check_optimizer_state(&opt, state.step).map_err(|e| bad("optimizer state", e))?;
-        if let Some(what) = non_finite_state(&mut model, &opt) {
+        if let Some(what) = non_finite_state(&model, &opt) {
             return Err(bad("weights", format!("{what} is inf or NaN in the checkpoint")));
         }
         scaler.load(&state.scaler).map_err(|e| bad("scaler state", detail(e)))?;
@@ -720,7 +720,7 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
             skipped_in_a_row = 0;
             // The gradients were finite, but the update may still overflow the f32 weights or
             // moments (a huge learning rate): stop before such a state reaches a checkpoint.
-            if let Some(what) = non_finite_state(&mut model, &opt) {
+            if let Some(what) = non_finite_state(&model, &opt) {
                 metrics.sync()?;
                 return Err(Error::State {
                     context: format!("training stopped at step {step}"),
@@ -841,9 +841,9 @@ fn check_optimizer_state(opt: &Optim<AdamW>, step: u64) -> std::result::Result<(
 }
 
 /// Names the first parameter or Adam moment holding an inf or NaN, if any.
-fn non_finite_state(model: &mut Gpt, opt: &Optim<AdamW>) -> Option<String> {
-    for (name, p) in model.named_params_mut() {
-        if any_non_finite(p.data_mut()) {
+fn non_finite_state(model: &Gpt, opt: &Optim<AdamW>) -> Option<String> {
+    for (name, p) in model.named_params() {
+        if any_non_finite(p.data()) {
             return Some(format!("parameter `{name}`"));
         }
         if let Some(st) = opt.param_state(&name) {

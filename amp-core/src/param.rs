@@ -41,6 +41,11 @@ impl<E: Precision> Param<E> {
     pub fn tensor(&self) -> &Tensor<E> {
         &self.tensor
     }
+    /// The values, in row-major order, read in place (a parameter is always contiguous).
+    pub fn data(&self) -> &[E] {
+        debug_assert!(self.tensor.layout.is_contiguous() && self.tensor.layout.offset == 0);
+        &self.tensor.storage[..self.tensor.numel()]
+    }
     /// The values, in place, for an update (copy on write if a graph still shares them).
     pub fn data_mut(&mut self) -> &mut [E] {
         self.tensor.make_mut()

@@ -307,7 +307,11 @@ impl<R: Rule> Optim<R> {
                 }
             }
         }
-        if let Some(missing) = bound.keys().find(|n| !params.iter().any(|(m, _)| m == *n)) {
+        // Every name of `params` is bound (above), so a bound name is missing only when there
+        // are more bound names than parameters.
+        if bound.len() > params.len()
+            && let Some(missing) = bound.keys().find(|n| !params.iter().any(|(m, _)| m == *n))
+        {
             return bad(format!(
                 "this optimizer is bound to a parameter `{missing}` that the model passed to it does not have \
                  (another model?)"
@@ -362,7 +366,9 @@ impl<R: Rule> Optimizer for Optim<R> {
                 ),
             });
         }
-        let ids: BTreeMap<String, TensorId> = named.iter().map(|(n, p)| (n.clone(), p.id())).collect();
+        // The first step binds (later steps were checked against the binding above).
+        let binding: Option<BTreeMap<String, TensorId>> =
+            self.bound.is_none().then(|| named.iter().map(|(n, p)| (n.clone(), p.id())).collect());
         for (name, param) in named {
             let Some(any) = grads.get_by_id(param.id()) else { continue };
             let Some(grad) = any.as_tensor::<f32>() else {
@@ -397,7 +403,9 @@ impl<R: Rule> Optimizer for Optim<R> {
             self.rule.update(hyper, param.data_mut(), &g, state);
         }
         self.steps += 1;
-        self.bound.get_or_insert(ids);
+        if binding.is_some() {
+            self.bound = binding;
+        }
         self.last_grads = Some(grads.generation());
         Ok(())
     }

@@ -57,13 +57,13 @@ pub trait LossScaler: sealed::Sealed {
     {
         crate::error::or_panic(TrainStep::start(self, loss))
     }
-    /// Whether this scaler multiplies the loss (an enabled [`GradScaler`]).
+    /// Whether this scaler multiplies the loss (an enabled [`GradScaler`]). Such a scaler
+    /// refuses f16 gradients at `unscale` (as PyTorch's); one that does not refuses a loss
+    /// computed through f16 ops at `scale`.
     #[doc(hidden)]
     fn scales_loss(&self) -> bool;
     #[doc(hidden)]
     fn unscale_mode(&self) -> UnscaleMode;
-    #[doc(hidden)]
-    fn refuses_f16_grads(&self) -> bool;
     /// Applies the end-of-iteration rule given whether the step overflowed; `Some(s)` sets the
     /// scale to `s` instead (PyTorch's `update(new_scale)`).
     #[doc(hidden)]
@@ -431,9 +431,6 @@ impl LossScaler for GradScaler {
             UnscaleMode::Nothing
         }
     }
-    fn refuses_f16_grads(&self) -> bool {
-        self.opts.enabled
-    }
     fn scales_loss(&self) -> bool {
         self.opts.enabled
     }
@@ -499,9 +496,6 @@ impl LossScaler for NoScale {
     }
     fn unscale_mode(&self) -> UnscaleMode {
         UnscaleMode::CheckOnly
-    }
-    fn refuses_f16_grads(&self) -> bool {
-        false
     }
     fn scales_loss(&self) -> bool {
         false

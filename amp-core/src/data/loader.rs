@@ -1,6 +1,6 @@
 //! [`DataLoader`]: seeded per-epoch shuffling, batching, and a position a checkpoint can store.
 
-use super::{Dataset, TokenBatch, TokenSample};
+use super::{BatchDataset, Dataset, TokenBatch, TokenSample};
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 
@@ -103,8 +103,12 @@ impl<D: Dataset> DataLoader<D> {
     }
     /// Batches in one epoch.
     pub fn batches_per_epoch(&self) -> usize {
-        let (n, b) = (self.pos.dataset_len, self.pos.batch_size);
-        if self.pos.drop_last { n / b } else { n.div_ceil(b) }
+        self.batches_for(self.pos.dataset_len)
+    }
+    /// Batches `samples` samples make: full ones, plus a short one unless `drop_last`.
+    fn batches_for(&self, samples: usize) -> usize {
+        let b = self.pos.batch_size;
+        if self.pos.drop_last { samples / b } else { samples.div_ceil(b) }
     }
     /// The position to store in a checkpoint.
     pub fn position(&self) -> LoaderPosition {
@@ -148,8 +152,7 @@ impl<D: Dataset> DataLoader<D> {
     /// used up.
     pub fn next_indices(&mut self) -> Vec<usize> {
         let (n, b) = (self.pos.dataset_len, self.pos.batch_size);
-        let left = n - self.pos.index;
-        if left == 0 || (self.pos.drop_last && left < b) {
+        if self.epoch_used_up() {
             self.pos.epoch += 1;
             self.pos.index = 0;
             self.make_order();
@@ -163,6 +166,21 @@ impl<D: Dataset> DataLoader<D> {
     pub fn next_batch(&mut self) -> Vec<D::Sample> {
         let indices = self.next_indices();
         indices.into_iter().map(|i| self.dataset.get(i)).collect()
+    }
+
+    /// Whether the current epoch has no batch left to serve (every sample handed out, or
+    /// only a short remainder that `drop_last` drops): the next batch starts a new epoch.
+    fn epoch_used_up(&self) -> bool {
+        let left = self.pos.dataset_len - self.pos.index;
+        left == 0 || (self.pos.drop_last && left < self.pos.batch_size)
+    }
+    /// Batches the next [`DataLoader::epoch_batches`] serves: those left in the current epoch,
+    /// or a whole epoch if the current one is used up.
+    fn batches_left_in_epoch(&self) -> usize {
+        if self.epoch_used_up() {
+            return self.batches_per_epoch();
+        }
+        self.batches_for(self.pos.dataset_len - self.pos.index)
     }
 
     fn make_order(&mut self) {
@@ -183,3 +201,73 @@ impl<D: Dataset<Sample = TokenSample>> DataLoader<D> {
         TokenBatch::collate(&self.next_batch())
     }
 }
+
+impl<D: BatchDataset> DataLoader<D> {
+    /// The next batch, gathered by the dataset in one pass ([`BatchDataset::batch`]); for a
+    /// [`TensorDataset`](super::TensorDataset) the `[B, ...]` inputs and labels, leaf tensors
+    /// without autograd history. Moves to the next epoch (reshuffled) when this one is used up.
+    pub fn next_tensor_batch(&mut self) -> Result<D::Batch> {
+        let indices = self.next_indices();
+        self.dataset.batch(&indices)
+    }
+    /// One epoch's batches, as PyTorch's `for x, y in loader:`: the batches left in the current
+    /// epoch (all of them on a fresh loader, the rest after a restore mid-epoch), or the whole
+    /// next epoch if the current one is used up. Respects `drop_last`; the loader's position
+    /// advances batch by batch, so a checkpoint taken inside the loop
+    /// ([`EpochBatches::position`]) resumes after the last batch served.
+    ///
+    /// ```
+    /// use amp_core::data::{DataLoader, TensorDataset};
+    /// use amp_core::{Indices, Tensor};
+    ///
+    /// let data = TensorDataset::new(Tensor::<f32>::zeros(&[10, 2]), Indices::from_vec(vec![0; 10], &[10])).unwrap();
+    /// let mut loader = DataLoader::new(data, 4, 0).unwrap().drop_last(true).unwrap();
+    /// for epoch in 0..2 {
+    ///     assert_eq!(loader.epoch_batches().count(), 2); // the 2 left over are dropped
+    ///     assert_eq!(loader.epoch(), epoch);
+    /// }
+    /// ```
+    pub fn epoch_batches(&mut self) -> EpochBatches<'_, D> {
+        let left = self.batches_left_in_epoch();
+        EpochBatches { loader: self, left }
+    }
+}
+
+/// The batches of one epoch of a [`DataLoader`], from [`DataLoader::epoch_batches`]; each
+/// item is [`DataLoader::next_tensor_batch`]'s result.
+pub struct EpochBatches<'a, D> {
+    loader: &'a mut DataLoader<D>,
+    /// Batches still to serve in this epoch.
+    left: usize,
+}
+
+impl<D> EpochBatches<'_, D> {
+    /// The loader's position after the batches served so far (what a checkpoint taken inside
+    /// the loop stores; [`DataLoader::position`] while the loader is borrowed).
+    pub fn position(&self) -> LoaderPosition {
+        self.loader.pos.clone()
+    }
+}
+
+impl<D: BatchDataset> Iterator for EpochBatches<'_, D> {
+    type Item = Result<D::Batch>;
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        Some(self.loader.next_tensor_batch())
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+/// Shows the batches left and the loader's position.
+impl<D> std::fmt::Debug for EpochBatches<'_, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochBatches").field("left", &self.left).field("loader", &self.loader).finish()
+    }
+}
+
+impl<D: BatchDataset> ExactSizeIterator for EpochBatches<'_, D> {}

@@ -1,5 +1,29 @@
-//! Data: datasets, a seeded, resumable data loader, and the two token tasks the training
-//! example uses (generated multi-digit addition, and a character-level text file).
+//! Data: datasets, a seeded, resumable data loader, in-memory tensors as a dataset
+//! ([`TensorDataset`]), and the two token tasks the training example uses (generated
+//! multi-digit addition, and a character-level text file).
+//!
+//! In-memory inputs and labels, batched as in PyTorch's
+//! `DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)`:
+//!
+//! ```
+//! use amp_core::data::{DataLoader, TensorDataset};
+//! use amp_core::{Indices, Rng, Tensor};
+//!
+//! let mut rng = Rng::seed(0);
+//! let x = Tensor::<f32>::randn(&[100, 8], &mut rng); // 100 samples of 8 features
+//! let y = Indices::from_vec((0..100).map(|i| i % 3).collect(), &[100]); // class labels
+//! let mut loader = DataLoader::new(TensorDataset::new(x, y).unwrap(), 32, 0).unwrap();
+//! for epoch in 0..2 {
+//!     for batch in loader.epoch_batches() {
+//!         let (xb, yb) = batch.unwrap(); // shuffled rows, still paired
+//!         assert_eq!((xb.shape()[1], yb.shape()[0]), (8, xb.shape()[0])); // [B, 8] and [B]
+//!         // let loss = model.loss(&xb, &yb); ...
+//!     }
+//!     assert_eq!(loader.epoch(), epoch);
+//! }
+//! ```
+//!
+//! Token tasks stack their samples into a [`TokenBatch`]:
 //!
 //! ```
 //! use amp_core::data::{AdditionConfig, AdditionTask, DataLoader, Dataset};
@@ -21,10 +45,12 @@
 
 mod addition;
 mod loader;
+mod tensor_dataset;
 mod text;
 
 pub use addition::{Accuracy, AdditionConfig, AdditionDataset, AdditionTask, AdditionVocab};
-pub use loader::{DataLoader, LoaderPosition};
+pub use loader::{DataLoader, EpochBatches, LoaderPosition};
+pub use tensor_dataset::{Rows, TensorDataset};
 pub use text::{CharTextDataset, CharVocab};
 
 use crate::error::{Error, Result};
@@ -42,6 +68,17 @@ pub trait Dataset {
     }
     /// The sample at `index` (`index < len()`; panics otherwise).
     fn get(&self, index: usize) -> Self::Sample;
+}
+
+/// A [`Dataset`] that builds a whole batch from sample indices in one pass, e.g. gathering
+/// rows of in-memory tensors into `[B, ...]` tensors ([`TensorDataset`]), rather than
+/// collecting samples one by one. [`DataLoader::next_tensor_batch`] and
+/// [`DataLoader::epoch_batches`] serve these batches.
+pub trait BatchDataset: Dataset {
+    /// A batch (for [`TensorDataset`], the `[B, ...]` inputs and labels).
+    type Batch;
+    /// The batch of samples `indices`, in that order. Errors name an index out of range.
+    fn batch(&self, indices: &[usize]) -> Result<Self::Batch>;
 }
 
 /// The target value the loss ignores (PyTorch's `ignore_index` default).

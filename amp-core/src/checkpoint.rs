@@ -13,6 +13,24 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The optimizer, scaler and extra parts of a [`TrainingState`] are typed by the caller
+//! (`serde_json::Value` when not):
+//!
+//! ```no_run
+//! use amp_core::checkpoint::{TrainingState, load_checkpoint, save_checkpoint};
+//! use amp_core::optim::{AdamState, AdamW, Optim, OptimizerState};
+//! use amp_core::scaler::{GradScaler, GradScalerState};
+//! # fn demo(model: &mut impl amp_core::Params, opt: &mut Optim<AdamW>, scaler: &mut GradScaler)
+//! # -> amp_core::Result<()> {
+//! let state = TrainingState::with_parts(500, opt.state_dict(), scaler.state_dict(), ());
+//! save_checkpoint("runs/demo/checkpoint", model, &state)?;
+//! let resumed: TrainingState<OptimizerState<AdamState>, GradScalerState, ()> =
+//!     load_checkpoint("runs/demo/checkpoint", model)?;
+//! opt.load_state_dict(resumed.optimizer)?;
+//! scaler.load_state_dict(&resumed.scaler)?;
+//! # Ok(()) }
+//! ```
+//!
 //! Loading a file whose names differ from the model's (a PyTorch export) maps them and
 //! reports what did not match, as `model.load_state_dict(sd, strict=False)` does:
 //!
@@ -48,6 +66,10 @@
 //!   I16, I8, U64, U32, U16 and U8 widened; BOOL as 0/1) as [`Indices`], so data and labels
 //!   stored in safetensors load; [`save_tensors`] writes f32 and I64 tensors with the same
 //!   header layout and checksum as the weights.
+//! - The typed parts of a [`TrainingState`] are read through JSON values, each on its own,
+//!   so a part that does not hold the type asked for (SGD state read as AdamW's) is refused
+//!   naming the part and the file; a part the file lacks reads as JSON `null`. The layout of
+//!   `training_state.json` is the same as when the parts were untyped JSON.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File};
@@ -57,6 +79,8 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
@@ -79,50 +103,123 @@ const FORMAT: &str = "amp-checkpoint";
 const VERSION: u32 = 1;
 
 /// Everything besides the weights that a run needs to continue exactly where it stopped.
-/// Optimizer and scaler state are opaque JSON (their types serialise themselves).
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct TrainingState {
+///
+/// The optimizer, scaler and extra parts have the caller's types: `O` is typically
+/// [`OptimizerState`](crate::optim::OptimizerState)`<R::State>` (from
+/// [`Optim::state_dict`](crate::optim::Optim::state_dict)), `S` the scaler's
+/// [`LossScaler::State`](crate::scaler::LossScaler::State)
+/// ([`GradScalerState`](crate::scaler::GradScalerState), or `()` for
+/// [`NoScale`](crate::scaler::NoScale)), and `X` whatever else the run keeps. The defaults,
+/// `serde_json::Value`, read any checkpoint untyped. Reading a part into a type it does not
+/// hold is refused naming the part (see [`read_checkpoint_state`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrainingState<O = serde_json::Value, S = serde_json::Value, X = serde_json::Value> {
     /// Optimizer steps taken (including skipped ones).
     pub step: u64,
     /// Where the training data loader is.
-    #[serde(default)]
     pub loader: Option<LoaderPosition>,
     /// The training RNG (dropout, sampling), as it was after `step`.
-    #[serde(default)]
     pub rng: Option<Rng>,
-    /// Optimizer state (moments, step counts), as its type serialises it.
-    #[serde(default)]
-    pub optimizer: serde_json::Value,
-    /// Loss scaler state (scale, growth tracker), as its type serialises it.
-    #[serde(default)]
-    pub scaler: serde_json::Value,
+    /// Optimizer state (moments, step counts).
+    pub optimizer: O,
+    /// Loss scaler state (scale, growth tracker).
+    pub scaler: S,
     /// Anything else the run wants back (its configuration, a vocabulary, metrics so far).
-    #[serde(default)]
-    pub extra: serde_json::Value,
+    pub extra: X,
 }
 
 impl TrainingState {
-    /// State at `step` with everything else empty.
+    /// Untyped state at `step` with everything else empty (JSON `null`).
     pub fn new(step: u64) -> Self {
-        TrainingState {
-            step,
-            loader: None,
-            rng: None,
-            optimizer: serde_json::Value::Null,
-            scaler: serde_json::Value::Null,
-            extra: serde_json::Value::Null,
-        }
+        TrainingState::with_parts(step, serde_json::Value::Null, serde_json::Value::Null, serde_json::Value::Null)
     }
 }
 
-/// The JSON file's layout: the state plus which weights belong to it.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct StateFile {
-    format: String,
+impl<O, S, X> TrainingState<O, S, X> {
+    /// State at `step` with these optimizer, scaler and extra parts, and no loader position
+    /// or RNG.
+    pub fn with_parts(step: u64, optimizer: O, scaler: S, extra: X) -> Self {
+        TrainingState { step, loader: None, rng: None, optimizer, scaler, extra }
+    }
+}
+
+/// The `state` object of `training_state.json` with the typed parts still JSON; a part the
+/// file lacks is `null`.
+#[derive(serde::Deserialize)]
+struct RawState {
+    step: u64,
+    #[serde(default)]
+    loader: Option<LoaderPosition>,
+    #[serde(default)]
+    rng: Option<Rng>,
+    #[serde(default)]
+    optimizer: serde_json::Value,
+    #[serde(default)]
+    scaler: serde_json::Value,
+    #[serde(default)]
+    extra: serde_json::Value,
+}
+
+impl RawState {
+    /// The typed state, or which part does not hold its type, and why.
+    fn typed<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned>(
+        self,
+    ) -> std::result::Result<TrainingState<O, S, X>, String> {
+        fn part<T: DeserializeOwned>(name: &str, value: serde_json::Value) -> std::result::Result<T, String> {
+            serde_json::from_value(value).map_err(|e| {
+                format!(
+                    "`state.{name}` does not hold a `{}`: {e} (was the checkpoint saved with another optimizer, \
+                     loss scaler or state type?)",
+                    std::any::type_name::<T>()
+                )
+            })
+        }
+        Ok(TrainingState {
+            step: self.step,
+            loader: self.loader,
+            rng: self.rng,
+            optimizer: part("optimizer", self.optimizer)?,
+            scaler: part("scaler", self.scaler)?,
+            extra: part("extra", self.extra)?,
+        })
+    }
+}
+
+/// Reads the layout [`TrainingState`] serialises to, each typed part on its own (an error
+/// names the part that does not hold its type); a part the input lacks reads as `null`.
+impl<'de, O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned> serde::Deserialize<'de>
+    for TrainingState<O, S, X>
+{
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        RawState::deserialize(deserializer)?.typed().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The JSON file's layout as written: the state plus which weights belong to it.
+#[derive(Serialize)]
+struct StateFileOut<'a, O, S, X> {
+    format: &'a str,
     version: u32,
     /// File name of the weights, in the same directory.
+    weights: &'a str,
+    state: &'a TrainingState<O, S, X>,
+}
+
+/// The JSON file's layout as read.
+#[derive(serde::Deserialize)]
+struct StateFileIn {
+    format: String,
+    version: u32,
     weights: String,
-    state: TrainingState,
+    state: RawState,
+}
+
+/// Just the format marker and version of a state file, to name them when the rest of a file
+/// of another version does not parse.
+#[derive(serde::Deserialize)]
+struct StateFileVersion {
+    format: String,
+    version: u32,
 }
 
 /// The files a [`save_checkpoint`] wrote.
@@ -1042,7 +1139,11 @@ fn is_weights_name(name: &str) -> bool {
 
 /// Saves `model` and `state` into the directory `dir` (created if needed), atomically as a
 /// pair: a crash at any point leaves either the previous checkpoint or this one, complete.
-pub fn save_checkpoint(dir: impl AsRef<Path>, model: &impl Params, state: &TrainingState) -> Result<CheckpointFiles> {
+pub fn save_checkpoint<O: Serialize, S: Serialize, X: Serialize>(
+    dir: impl AsRef<Path>,
+    model: &impl Params,
+    state: &TrainingState<O, S, X>,
+) -> Result<CheckpointFiles> {
     let dir = dir.as_ref();
     fs::create_dir_all(dir).map_err(|e| io_err(dir, "cannot create the checkpoint directory", e))?;
     // Stray temp files of writers that died mid-write.
@@ -1059,15 +1160,14 @@ pub fn save_checkpoint(dir: impl AsRef<Path>, model: &impl Params, state: &Train
         weights_name = format!("model-{:08}-{n}.safetensors", state.step);
         n += 1;
     }
-    let weights = dir.join(&weights_name);
-    save_weights(&weights, model)?;
-
-    let file =
-        StateFile { format: FORMAT.into(), version: VERSION, weights: weights_name.clone(), state: state.clone() };
+    // The state is serialised first: a state that cannot be leaves no weights behind.
+    let file = StateFileOut { format: FORMAT, version: VERSION, weights: &weights_name, state };
     let json = serde_json::to_vec_pretty(&file).map_err(|e| Error::State {
         context: "checkpoint".into(),
         detail: format!("cannot serialise the training state: {e}"),
     })?;
+    let weights = dir.join(&weights_name);
+    save_weights(&weights, model)?;
     let state_path = dir.join(STATE_FILE);
     write_atomic(&state_path, &json)?; // the commit point
 
@@ -1082,22 +1182,36 @@ pub fn save_checkpoint(dir: impl AsRef<Path>, model: &impl Params, state: &Train
     Ok(CheckpointFiles { weights, state: state_path })
 }
 
-/// Reads a checkpoint's state and the weights file it names, without touching a model.
-pub fn read_checkpoint_state(dir: impl AsRef<Path>) -> Result<(TrainingState, PathBuf)> {
+/// Reads a checkpoint's state and the weights file it names, without touching a model. The
+/// state's parts are read as `O`, `S` and `X` (say which by annotating the result, as
+/// `let (state, _): (TrainingState, _) = ...` for untyped JSON); a part that does not hold
+/// its type is refused naming the part and the file.
+pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned>(
+    dir: impl AsRef<Path>,
+) -> Result<(TrainingState<O, S, X>, PathBuf)> {
     let dir = dir.as_ref();
     let state_path = dir.join(STATE_FILE);
     let bytes = fs::read(&state_path).map_err(|e| io_err(&state_path, "cannot read the checkpoint", e))?;
-    let file: StateFile = serde_json::from_slice(&bytes)
-        .map_err(|e| file_err(&state_path, format!("not a valid checkpoint state (truncated or corrupt?): {e}")))?;
-    if file.format != FORMAT || file.version != VERSION {
-        return Err(file_err(
-            &state_path,
-            format!(
-                "format `{}` version {}, but this build reads `{FORMAT}` version {VERSION}",
-                file.format, file.version
-            ),
-        ));
-    }
+    let check_version = |format: &str, version: u32| {
+        if format != FORMAT || version != VERSION {
+            return Err(file_err(
+                &state_path,
+                format!("format `{format}` version {version}, but this build reads `{FORMAT}` version {VERSION}"),
+            ));
+        }
+        Ok(())
+    };
+    let file: StateFileIn = match serde_json::from_slice(&bytes) {
+        Ok(file) => file,
+        Err(e) => {
+            // A file of another version may be laid out otherwise: that is the error to report.
+            if let Ok(v) = serde_json::from_slice::<StateFileVersion>(&bytes) {
+                check_version(&v.format, v.version)?;
+            }
+            return Err(file_err(&state_path, format!("not a valid checkpoint state (truncated or corrupt?): {e}")));
+        }
+    };
+    check_version(&file.format, file.version)?;
     if !is_weights_name(&file.weights) {
         return Err(file_err(
             &state_path,
@@ -1108,12 +1222,17 @@ pub fn read_checkpoint_state(dir: impl AsRef<Path>) -> Result<(TrainingState, Pa
     if !weights.is_file() {
         return Err(file_err(&state_path, format!("names weights file `{}`, which does not exist", file.weights)));
     }
-    Ok((file.state, weights))
+    let state = file.state.typed().map_err(|detail| file_err(&state_path, detail))?;
+    Ok((state, weights))
 }
 
-/// Loads the checkpoint in `dir` into `model` and returns its training state. The model is
-/// untouched if anything is refused (see [`load_weights`]).
-pub fn load_checkpoint(dir: impl AsRef<Path>, model: &mut impl Params) -> Result<TrainingState> {
+/// Loads the checkpoint in `dir` into `model` and returns its training state, with its parts
+/// read as `O`, `S` and `X` (see [`read_checkpoint_state`]). The model is untouched if
+/// anything is refused (see [`load_weights`]).
+pub fn load_checkpoint<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned>(
+    dir: impl AsRef<Path>,
+    model: &mut impl Params,
+) -> Result<TrainingState<O, S, X>> {
     let (state, weights) = read_checkpoint_state(dir)?;
     load_weights(&weights, model)?;
     Ok(state)

@@ -2,7 +2,8 @@
 //! misshapen, mistyped, corrupt and truncated files (naming file and tensor, model untouched),
 //! PyTorch-style f16/bf16/f64 exports, and atomicity (failed writer, stray temp files, a crash
 //! between the two files, and a process killed while saving). Key mapping and non-strict loads
-//! of PyTorch-named files into a GPT, and integer tensors as `Indices`.
+//! of PyTorch-named files into a GPT, integer tensors as `Indices`, typed training state, and
+//! state files in the format written before the state was typed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -15,8 +16,11 @@ use amp_core::checkpoint::{
 };
 use amp_core::data::{DataLoader, Dataset};
 use amp_core::nn::{Gpt, GptConfig};
+use amp_core::optim::{AdamState, AdamW, Optim, OptimizerState, Sgd, SgdState};
+use amp_core::scaler::{GradScaler, GradScalerState};
 use amp_core::{Indices, Param, Params, Rng, Tensor};
 use safetensors::tensor::Dtype;
+use serde_json::Value;
 
 #[derive(Params)]
 struct Linear {
@@ -262,7 +266,7 @@ fn corrupt_state_files_are_refused() {
     let check = |text: &str, needle: &str, model: &mut Net| {
         std::fs::write(&state_path, text).unwrap();
         let before = values(model);
-        let err = load_checkpoint(&dir, model).unwrap_err().to_string();
+        let err = load_checkpoint::<Value, Value, Value>(&dir, model).unwrap_err().to_string();
         assert!(err.contains(state_path.to_str().unwrap()) && err.contains(needle), "{err}");
         assert_eq!(values(model), before);
     };
@@ -356,7 +360,7 @@ fn failed_writer_and_stray_temp_files_leave_the_previous_checkpoint() {
     std::fs::write(dir.join(".training_state.json.tmp-999-0"), b"{\"format\": \"amp-chec").unwrap();
     save_weights(dir.join("model-00000020.safetensors"), &net(7, &[4, 8, 3])).unwrap();
     let mut loaded = net(2, &[4, 8, 3]);
-    assert_eq!(load_checkpoint(&dir, &mut loaded).unwrap(), full_state(10));
+    assert_eq!(load_checkpoint::<Value, Value, Value>(&dir, &mut loaded).unwrap(), full_state(10));
     assert_eq!(values(&loaded), values(&model));
 
     // The next save clears both leftovers.
@@ -784,4 +788,234 @@ fn a_dataset_of_floats_and_integers_round_trips() {
     std::fs::write(&path, &bad).unwrap();
     let err = read_tensors(&path).unwrap_err().to_string();
     assert!(err.contains("is corrupt (its header or tensor data changed): checksum"), "{err}");
+}
+
+// ---- typed training state ------------------------------------------------------------------
+
+/// What a run keeps besides optimizer and scaler.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct RunInfo {
+    name: String,
+    lr: f64,
+}
+
+/// Net(1) after one AdamW step with a GradScaler, and the optimizer and scaler.
+fn stepped(seed: u64) -> (Net, Optim<AdamW>, GradScaler) {
+    let mut model = net(seed, &[4, 3]);
+    let mut opt = Optim::new(AdamW::new(1e-2)).unwrap();
+    let mut scaler = GradScaler::new();
+    let loss = model.layers[0].weight.tensor().mul(&model.embed.tensor().sum_all()).sum_all();
+    let grads = scaler.scale(loss).backward().unscale();
+    grads.step(&mut opt, &mut model).update().unwrap();
+    (model, opt, scaler)
+}
+
+type Typed = TrainingState<OptimizerState<AdamState>, GradScalerState, RunInfo>;
+
+#[test]
+fn typed_state_round_trips_and_a_part_of_another_type_is_refused_naming_it() {
+    let dir = fresh_dir("typed");
+    let (model, opt, scaler) = stepped(1);
+    let info = RunInfo { name: "typed".into(), lr: 1e-2 };
+    let mut state = TrainingState::with_parts(1, opt.state_dict(), scaler.state_dict(), info.clone());
+    state.rng = Some(Rng::seed(4));
+    save_checkpoint(&dir, &model, &state).unwrap();
+
+    let mut other = net(2, &[4, 3]);
+    let back: Typed = load_checkpoint(&dir, &mut other).unwrap();
+    assert_eq!(back, state);
+    assert_eq!(values(&other), values(&model));
+    let mut opt2 = Optim::new(AdamW::new(1e-2)).unwrap();
+    opt2.load_state_dict(back.optimizer).unwrap();
+    assert_eq!(opt2.state_dict(), opt.state_dict());
+    let mut scaler2 = GradScaler::new();
+    scaler2.load_state_dict(&back.scaler).unwrap();
+    assert_eq!(scaler2.state_dict(), scaler.state_dict());
+
+    // Untyped, the same file is JSON.
+    let (json, _): (TrainingState, _) = read_checkpoint_state(&dir).unwrap();
+    assert_eq!(json.optimizer["kind"], "adamw");
+    assert_eq!(json.extra, serde_json::json!({"name": "typed", "lr": 0.01}));
+
+    // Another optimizer's, scaler's or run's type: refused naming the part and the file, the
+    // model untouched.
+    let state_file = dir.join(STATE_FILE);
+    let before = values(&other);
+    let check = |err: amp_core::Error, needles: &[&str], model: &Net| {
+        let err = err.to_string();
+        assert!(err.contains(state_file.to_str().unwrap()), "{err}");
+        for needle in needles {
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+        assert_eq!(values(model), before);
+    };
+    let err = load_checkpoint::<OptimizerState<SgdState>, GradScalerState, RunInfo>(&dir, &mut other).unwrap_err();
+    check(
+        err,
+        &["`state.optimizer` does not hold a `amp_core::optim::OptimizerState<", "SgdState", "unknown field"],
+        &other,
+    );
+    let err = load_checkpoint::<OptimizerState<AdamState>, (), RunInfo>(&dir, &mut other).unwrap_err();
+    check(err, &["`state.scaler` does not hold a `()`", "another optimizer, loss scaler or state type"], &other);
+    let err = load_checkpoint::<OptimizerState<AdamState>, GradScalerState, u32>(&dir, &mut other).unwrap_err();
+    check(err, &["`state.extra` does not hold a `u32`"], &other);
+
+    // An SGD checkpoint read as AdamW's.
+    let mut sgd = Optim::new(Sgd::new(0.1).momentum(0.9)).unwrap();
+    let mut m = net(1, &[4, 3]);
+    let loss = m.embed.tensor().sum_all();
+    GradScaler::new().scale(loss).backward().unscale().step(&mut sgd, &mut m).update().unwrap();
+    save_checkpoint(&dir, &m, &TrainingState::with_parts(1, sgd.state_dict(), (), ())).unwrap();
+    let err = read_checkpoint_state::<OptimizerState<AdamState>, (), ()>(&dir).unwrap_err();
+    check(err, &["`state.optimizer` does not hold", "AdamState", "unknown field `momentum_buffer`"], &other);
+    let (ok, _) = read_checkpoint_state::<OptimizerState<SgdState>, (), ()>(&dir).unwrap();
+    assert_eq!(ok.optimizer, sgd.state_dict());
+}
+
+/// `training_state.json` as the code before typed state wrote it (optimizer, scaler and extra
+/// stored as `serde_json::Value`), for Net-like weights `w` [2, 2] and `b` [2] after one AdamW
+/// step with a GradScaler.
+const STATE_BEFORE_TYPED: &str = r#"{
+  "format": "amp-checkpoint",
+  "version": 1,
+  "weights": "model-00000001.safetensors",
+  "state": {
+    "step": 1,
+    "loader": {
+      "seed": 5,
+      "epoch": 0,
+      "index": 3,
+      "dataset_len": 10,
+      "batch_size": 3,
+      "drop_last": false,
+      "shuffle": true
+    },
+    "rng": {
+      "s": [
+        11991771301521844838,
+        3273821458927322032,
+        18013965594730293714,
+        15078123125932622355
+      ]
+    },
+    "optimizer": {
+      "kind": "adamw",
+      "params": {
+        "b": {
+          "exp_avg": [
+            0.10000000149011612,
+            0.10000000149011612
+          ],
+          "exp_avg_sq": [
+            0.0010000000474974513,
+            0.0010000000474974513
+          ],
+          "step": 1
+        },
+        "w": {
+          "exp_avg": [
+            0.10000000149011612,
+            -0.25,
+            0.4000000059604645,
+            0.699999988079071
+          ],
+          "exp_avg_sq": [
+            0.0010000000474974513,
+            0.006250000558793545,
+            0.01600000075995922,
+            0.049000002443790436
+          ],
+          "step": 1
+        }
+      },
+      "steps": 1
+    },
+    "scaler": {
+      "_growth_tracker": 1,
+      "backoff_factor": 0.5,
+      "growth_factor": 2.0,
+      "growth_interval": 2000,
+      "scale": 65536.0
+    },
+    "extra": {
+      "note": "before typed state"
+    }
+  }
+}"#;
+
+/// `v` with every non-integer number rounded to f32.
+fn as_f32(v: &Value) -> Value {
+    match v {
+        Value::Number(n) if !(n.is_u64() || n.is_i64()) => Value::from(n.as_f64().unwrap() as f32),
+        Value::Array(a) => Value::Array(a.iter().map(as_f32).collect()),
+        Value::Object(o) => Value::Object(o.iter().map(|(k, v)| (k.clone(), as_f32(v))).collect()),
+        other => other.clone(),
+    }
+}
+
+#[derive(Params)]
+struct WB {
+    w: Param,
+    b: Param,
+}
+
+#[test]
+fn state_files_written_before_the_state_was_typed_still_load() {
+    let dir = fresh_dir("before_typed");
+    let model = WB {
+        w: Param::new(Tensor::from_vec(vec![0.5, -1.25, 2.0, 3.5], &[2, 2])),
+        b: Param::new(Tensor::from_vec(vec![0.125, -0.0], &[2])),
+    };
+    save_weights(dir.join("model-00000001.safetensors"), &model).unwrap();
+    std::fs::write(dir.join(STATE_FILE), STATE_BEFORE_TYPED).unwrap();
+
+    let mut loaded = WB { w: Param::new(Tensor::zeros(&[2, 2])), b: Param::new(Tensor::zeros(&[2])) };
+    let state: TrainingState<OptimizerState<AdamState>, GradScalerState, Value> =
+        load_checkpoint(&dir, &mut loaded).unwrap();
+    assert_eq!(values(&loaded), values(&model));
+    assert_eq!((state.optimizer.kind.as_str(), state.optimizer.steps), ("adamw", 1));
+    let w = &state.optimizer.params["w"];
+    assert_eq!((w.step, w.exp_avg.clone()), (1, vec![0.1, -0.25, 0.4, 0.7]));
+    let sq = [0.0010000000474974513, 0.006250000558793545, 0.01600000075995922, 0.049000002443790436];
+    assert_eq!(w.exp_avg_sq, sq.map(|v: f64| v as f32));
+    assert_eq!((state.scaler.scale, state.scaler.growth_tracker, state.scaler.hysteresis_tracker), (65536.0, 1, None));
+    let loader = state.loader.clone().unwrap();
+    assert_eq!((loader.seed, loader.index, loader.dataset_len), (5, 3, 10));
+    let mut rng = Rng::seed(9);
+    rng.next_u64();
+    assert_eq!(state.rng, Some(rng));
+    assert_eq!(state.extra, serde_json::json!({"note": "before typed state"}));
+    // The optimizer and scaler accept what was read.
+    let mut opt = Optim::new(AdamW::new(1e-2)).unwrap();
+    opt.load_state_dict(state.optimizer.clone()).unwrap();
+    opt.check_params(&loaded).unwrap();
+    GradScaler::new().load_state_dict(&state.scaler).unwrap();
+
+    // Saved again from the typed state, the file has the same layout: the same keys and
+    // values (f32 fields are now written in f32's shortest form, `0.1` where the JSON values
+    // had `0.10000000149011612`: the same f32 either way), and reads back the same.
+    save_checkpoint(&dir, &loaded, &state).unwrap();
+    let mut again: Value = serde_json::from_slice(&std::fs::read(dir.join(STATE_FILE)).unwrap()).unwrap();
+    let before: Value = serde_json::from_str(STATE_BEFORE_TYPED).unwrap();
+    assert_eq!(again["weights"], "model-00000001-1.safetensors");
+    again["weights"] = before["weights"].clone();
+    assert_eq!(as_f32(&again), as_f32(&before));
+    assert_ne!(again, before, "the f32 values are written shorter");
+    let (reread, _): (TrainingState<OptimizerState<AdamState>, GradScalerState, Value>, _) =
+        read_checkpoint_state(&dir).unwrap();
+    assert_eq!(reread, state);
+
+    // A state without optimizer, scaler and extra (JSON null): fine where the type takes null,
+    // refused naming the part where it does not.
+    let mut bare = before.clone();
+    bare["weights"] = Value::from("model-00000001-1.safetensors");
+    for part in ["optimizer", "scaler", "extra"] {
+        bare["state"].as_object_mut().unwrap().remove(part);
+    }
+    std::fs::write(dir.join(STATE_FILE), serde_json::to_vec(&bare).unwrap()).unwrap();
+    let (ok, _) = read_checkpoint_state::<Value, (), Option<RunInfo>>(&dir).unwrap();
+    assert_eq!((ok.optimizer, ok.extra), (Value::Null, None));
+    let err = read_checkpoint_state::<OptimizerState<AdamState>, (), ()>(&dir).unwrap_err().to_string();
+    assert!(err.contains(STATE_FILE) && err.contains("`state.optimizer` does not hold"), "{err}");
+    assert!(err.contains("invalid type: null"), "{err}");
 }

@@ -90,7 +90,7 @@ fn readme_loading_snippet_runs() {
     let export = dir.join("export.safetensors");
     save_tensors(&export, &file).unwrap();
     let mut data = TensorFile::new();
-    data.insert("x", &Tensor::<f32>::randn(&[4, 8], &mut rng));
+    data.insert("x", Tensor::<f32>::randn(&[4, 8], &mut rng));
     data.insert("y", Indices::from_vec(vec![0, 2, 1, 2], &[4]));
     let train = dir.join("train.safetensors");
     save_tensors(&train, &data).unwrap();

@@ -39,7 +39,7 @@
 //! # fn demo(model: &mut impl amp_core::Params) -> amp_core::Result<()> {
 //! let opts = LoadOptions::new().strict(false).strip_prefix("module.").rename("fc1", "mlp.fc");
 //! let report = load_weights_with("pytorch_export.safetensors", model, &opts)?;
-//! println!("{report}"); // loaded 10 tensors; missing 0; unexpected 1 (`lm_head.bias`); ...
+//! println!("{report}"); // loaded 10 tensors; missing 0; unexpected 1 (`module.lm_head.bias`); ...
 //! # Ok(()) }
 //! ```
 //!
@@ -60,8 +60,8 @@
 //!   parameter) before writing any, so a refused load leaves the model as it was. f16, bf16
 //!   and f64 files are converted to f32. A strict load ([`load_weights`], the default of
 //!   [`LoadOptions`]) refuses a parameter the file lacks and a tensor the model lacks; a
-//!   non-strict one loads the rest and returns them in a [`LoadReport`]. A wrong shape or an
-//!   integer tensor under a parameter's name is refused either way.
+//!   non-strict one loads the tensors that match and lists the others in a [`LoadReport`]. A
+//!   wrong shape or an integer tensor under a parameter's name is refused either way.
 //! - [`read_tensors`] reads every tensor of a file: floating point as f32, integers (I64; I32,
 //!   I16, I8, U64, U32, U16 and U8 widened; BOOL as 0/1) as [`Indices`], so data and labels
 //!   stored in safetensors load; [`save_tensors`] writes f32 and I64 tensors with the same

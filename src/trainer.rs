@@ -27,10 +27,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
+use serde::de::IgnoredAny;
+
 use crate::checkpoint::{self, TrainingState};
 use crate::data::{AdditionConfig, AdditionDataset, AdditionTask, CharTextDataset, DataLoader, TokenBatch};
 use crate::nn::{Gpt, GptConfig};
-use crate::optim::{AdamW, Optim, Optimizer, ParamGroup, WarmupCosine};
+use crate::optim::{AdamState, AdamW, Optim, Optimizer, OptimizerState, ParamGroup, WarmupCosine};
 use crate::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale, any_non_finite};
 use crate::train_utils::{MetricsRow, MetricsWriter, Progress, format_table, plot_metrics};
 use crate::{Error, Indices, Params, Precision, Result, Rng, Tensor, bf16, f16, no_grad};
@@ -358,19 +360,36 @@ fn lock_out_dir(out_dir: &Path) -> Result<RunLock> {
 
 // ---- scalers, chosen by type ----------------------------------------------------------------
 
-/// How a run's scaler is made and checkpointed.
+/// How a run's scaler is made (it is checkpointed as its `LossScaler::State`).
 trait RunScaler: LossScaler + Sized {
     /// Whether the scaler itself stops a run whose steps keep overflowing (f16's floor rule).
     const STOPS_ON_COLLAPSE: bool;
     fn make(min_scale: f32, collapse_after: u32) -> Result<Self>;
-    fn save(&self) -> serde_json::Value {
-        serde_json::to_value(self.state_dict()).expect("scaler state serialises")
-    }
-    fn load(&mut self, v: &serde_json::Value) -> Result<()> {
-        let state: Self::State = serde_json::from_value(v.clone())
-            .map_err(|e| Error::State { context: "checkpoint scaler state".into(), detail: e.to_string() })?;
-        self.load_state_dict(&state)
-    }
+}
+
+/// What must match for a checkpoint to continue a run (the checkpoint's `extra`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct RunIdentity {
+    model: GptConfig,
+    precision: RunPrecision,
+    steps: u64,
+    lr: f64,
+    batch_size: usize,
+    task: String,
+    seed: u64,
+    /// The text itself, not just its path (`--data` runs only): the same file name with
+    /// other content would resume into another data order (or fail on a vocabulary of the
+    /// same size but other characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    data_hash: Option<String>,
+}
+
+/// A run's checkpointed state: AdamW's, the scaler's, and the run's identity.
+type RunState<K> = TrainingState<OptimizerState<AdamState>, <K as LossScaler>::State, RunIdentity>;
+
+/// As JSON, for messages.
+fn to_json(v: &impl serde::Serialize) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| format!("<not serialisable: {e}>"))
 }
 
 impl RunScaler for GradScaler {
@@ -557,17 +576,23 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         .with_schedule(WarmupCosine::with_min(cfg.steps.min(100), cfg.steps, 0.1)?);
     let mut scaler = K::make(cfg.min_scale, cfg.collapse_after)?;
     let mut rng = Rng::seed(cfg.seed ^ 0x5EED);
-    // What must match for a checkpoint to continue this run.
-    let mut identity = serde_json::json!({
-        "model": model_cfg, "precision": cfg.precision, "steps": cfg.steps, "lr": cfg.lr,
-        "batch_size": cfg.batch_size, "task": task.name(), "seed": cfg.seed,
-    });
-    // The text itself, not just its path: the same file name with other content would resume
-    // into another data order (or fail on a vocabulary of the same size but other characters).
-    if let Some(path) = &cfg.data {
-        let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
-        identity["data_hash"] = serde_json::Value::from(format!("fnv1a64:{:016x}", fnv1a64(&bytes)));
-    }
+    let data_hash = match &cfg.data {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+            Some(format!("fnv1a64:{:016x}", fnv1a64(&bytes)))
+        }
+        None => None,
+    };
+    let identity = RunIdentity {
+        model: model_cfg,
+        precision: cfg.precision,
+        steps: cfg.steps,
+        lr: cfg.lr,
+        batch_size: cfg.batch_size,
+        task: task.name(),
+        seed: cfg.seed,
+        data_hash,
+    };
 
     let mut start = 0;
     if cfg.resume {
@@ -577,30 +602,33 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                 detail: "--resume given but there is no checkpoint here".into(),
             });
         }
-        let state = checkpoint::load_checkpoint(&ckpt_dir, &mut model)?;
-        if let (Some(path), Some(then)) = (&cfg.data, state.extra.get("data_hash"))
-            && Some(then) != identity.get("data_hash")
+        // The identity first, the rest unread: a checkpoint of another configuration (another
+        // precision keeps another scaler state) is refused as such, not as a state of the
+        // wrong type.
+        let (then, _) = checkpoint::read_checkpoint_state::<IgnoredAny, IgnoredAny, RunIdentity>(&ckpt_dir)?;
+        if let (Some(path), Some(hash_then), Some(hash_now)) = (&cfg.data, &then.extra.data_hash, &identity.data_hash)
+            && hash_then != hash_now
         {
             return Err(Error::State {
                 context: ckpt_dir.display().to_string(),
                 detail: format!(
-                    "{} is not the text this checkpoint was trained on (content hash {} then, {} now): resume \
-                     with the original file, or start a new run (--overwrite, or another --out)",
+                    "{} is not the text this checkpoint was trained on (content hash {hash_then} then, {hash_now} \
+                     now): resume with the original file, or start a new run (--overwrite, or another --out)",
                     path.display(),
-                    then,
-                    identity["data_hash"]
                 ),
             });
         }
-        if state.extra != identity {
+        if then.extra != identity {
             return Err(Error::State {
                 context: ckpt_dir.display().to_string(),
                 detail: format!(
                     "the checkpoint belongs to a different run configuration:\n  checkpoint: {}\n  this run:   {}",
-                    state.extra, identity
+                    to_json(&then.extra),
+                    to_json(&identity)
                 ),
             });
         }
+        let state: RunState<K> = checkpoint::load_checkpoint(&ckpt_dir, &mut model)?;
         // Every refusal names the state file; the errors of the parts name the tensor.
         let state_file = ckpt_dir.join(checkpoint::STATE_FILE);
         let bad = |what: &str, e: String| Error::State {
@@ -611,17 +639,14 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
             Error::State { detail, .. } => detail,
             other => other.to_string(),
         };
-        opt.load_state_dict(
-            serde_json::from_value(state.optimizer.clone()).map_err(|e| bad("optimizer state", e.to_string()))?,
-        )
-        .map_err(|e| bad("optimizer state", detail(e)))?;
+        opt.load_state_dict(state.optimizer).map_err(|e| bad("optimizer state", detail(e)))?;
         opt.check_params(&model).map_err(|e| bad("optimizer state", detail(e)))?;
         check_optimizer_state(&opt, state.step).map_err(|e| bad("optimizer state", e))?;
         if let Some(what) = non_finite_state(&model, &opt) {
             return Err(bad("weights", format!("{what} is inf or NaN in the checkpoint")));
         }
-        scaler.load(&state.scaler).map_err(|e| bad("scaler state", detail(e)))?;
-        rng = state.rng.clone().ok_or_else(|| bad("rng", "missing".into()))?;
+        scaler.load_state_dict(&state.scaler).map_err(|e| bad("scaler state", detail(e)))?;
+        rng = state.rng.ok_or_else(|| bad("rng", "missing".into()))?;
         let position = state.loader.as_ref().ok_or_else(|| bad("data loader position", "missing".into()))?;
         task.restore(position).map_err(|e| bad("data loader position", detail(e)))?;
         start = state.step;
@@ -646,13 +671,12 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
     let mut interrupted_at = None;
     let mut losses = Vec::new();
     let save = |model: &Gpt, opt: &Optim<AdamW>, scaler: &K, rng: &Rng, task: &Task, step: u64| -> Result<()> {
-        let state = TrainingState {
+        let state: RunState<K> = TrainingState {
             step,
             loader: Some(task.position()),
             rng: Some(rng.clone()),
-            optimizer: serde_json::to_value(opt.state_dict())
-                .map_err(|e| Error::State { context: "optimizer state".into(), detail: e.to_string() })?,
-            scaler: scaler.save(),
+            optimizer: opt.state_dict(),
+            scaler: scaler.state_dict(),
             extra: identity.clone(),
         };
         checkpoint::save_checkpoint(&ckpt_dir, model, &state).map(|_| ())

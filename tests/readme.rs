@@ -1,5 +1,9 @@
-//! The README's "library in one screen" snippet, compiled and run.
+//! The README's "library in one screen" snippet and its key-mapped loading snippet, compiled
+//! and run.
 
+use std::path::Path;
+
+use amp::checkpoint::{LoadReport, TensorFile, save_tensors};
 use amp::nn::Linear;
 use amp::prelude::*;
 
@@ -47,4 +51,61 @@ fn readme_snippet_trains() {
     let after = model.loss(&x, &y).item();
     assert!(after < 0.5 * before, "loss {before} -> {after}");
     assert_eq!(model.loss(&x, &y).dtype(), DType::F32);
+}
+
+/// The README's loading snippet, as it is there.
+fn load_export(mut model: Mlp, export: &Path, train: &Path) -> amp::Result<(Mlp, LoadReport, Tensor<f32>, Indices)> {
+    use amp::checkpoint::{LoadOptions, load_weights_with, read_tensors};
+
+    // Strip the wrapper's prefix, rename whole name components, drop buffers; load what matches
+    // and report the rest. Strict (the default) refuses any missing or unexpected tensor.
+    let opts = LoadOptions::new()
+        .strict(false)
+        .strip_prefix("module.")
+        .rename("fc_in", "fc1")
+        .map_keys(|name| (!name.ends_with(".mask")).then(|| name.to_string()));
+    let report = load_weights_with(export, &mut model, &opts)?;
+    println!("{report}"); // loaded 3 tensors; missing 1 (`fc2.bias`); unexpected 1 (`module.extra`); dropped 1 (..)
+
+    // Data and labels: f32 tensors, and integer ones (int64, int32, uint8, bool) as Indices.
+    let data = read_tensors(train)?;
+    let (x, y) = (data.tensor("x")?, data.indices("y")?);
+    Ok((model, report, x, y))
+}
+
+#[test]
+fn readme_loading_snippet_runs() {
+    let dir = std::env::temp_dir().join(format!("amp-readme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut rng = Rng::seed(1);
+    // A PyTorch-style export: other names, a prefix, a mask buffer, an extra tensor, no fc2.bias.
+    let (w1, b1, w2) =
+        (Tensor::<f32>::randn(&[32, 8], &mut rng), Tensor::randn(&[32], &mut rng), Tensor::randn(&[3, 32], &mut rng));
+    let mut file = TensorFile::new();
+    file.insert("module.fc_in.weight", &w1);
+    file.insert("module.fc_in.bias", &b1);
+    file.insert("module.fc2.weight", &w2);
+    file.insert("module.extra", Tensor::<f32>::zeros(&[2]));
+    file.insert("module.attn.mask", Indices::from_vec(vec![0, 1, 0, 0], &[2, 2]));
+    let export = dir.join("export.safetensors");
+    save_tensors(&export, &file).unwrap();
+    let mut data = TensorFile::new();
+    data.insert("x", Tensor::<f32>::randn(&[4, 8], &mut rng));
+    data.insert("y", Indices::from_vec(vec![0, 2, 1, 2], &[4]));
+    let train = dir.join("train.safetensors");
+    save_tensors(&train, &data).unwrap();
+
+    let model = Mlp { fc1: Linear::new(8, 32, true, &mut rng), fc2: Linear::new(32, 3, true, &mut rng) };
+    let bias_before = model.fc2.bias.as_ref().unwrap().to_vec();
+    let (model, report, x, y) = load_export(model, &export, &train).unwrap();
+    assert_eq!(
+        report.to_string(),
+        "loaded 3 tensors; missing 1 (`fc2.bias`); unexpected 1 (`module.extra`); dropped 1 (`module.attn.mask`)"
+    );
+    assert_eq!(model.fc1.weight.to_vec(), w1.to_vec());
+    assert_eq!(model.fc1.bias.as_ref().unwrap().to_vec(), b1.to_vec());
+    assert_eq!(model.fc2.weight.to_vec(), w2.to_vec());
+    assert_eq!(model.fc2.bias.as_ref().unwrap().to_vec(), bias_before);
+    assert_eq!((x.shape(), y.as_slice()), (&[4, 8][..], &[0, 2, 1, 2][..]));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use amp::checkpoint::{checkpoint_exists, read_checkpoint_state, read_weights};
+use amp::checkpoint::{TrainingState, checkpoint_exists, read_checkpoint_state, read_weights};
+use amp::optim::{AdamState, OptimizerState};
 use amp::train_utils::read_metrics;
 use amp::trainer::{LOCK_FILE, ModelSize, RunPrecision, TrainConfig, run};
 
@@ -28,6 +29,12 @@ fn small(out: &Path, precision: RunPrecision) -> TrainConfig {
         progress: false,
         ..TrainConfig::default()
     }
+}
+
+/// The step of the checkpoint in `dir`.
+fn checkpoint_step(dir: &Path) -> amp::Result<u64> {
+    let (state, _): (TrainingState, _) = read_checkpoint_state(dir)?;
+    Ok(state.step)
 }
 
 fn weights_bits(out: &Path) -> Vec<(String, Vec<u32>)> {
@@ -160,12 +167,12 @@ fn a_fresh_run_refuses_to_replace_another_unless_told() {
     let err = run(&small(&out, RunPrecision::F32)).unwrap_err().to_string();
     assert!(err.contains("--resume") && err.contains("--overwrite"), "{err}");
     assert_eq!(read_metrics(out.join("metrics.csv")).unwrap().len(), 12, "the first run's metrics are intact");
-    assert_eq!(read_checkpoint_state(out.join("checkpoint")).unwrap().0.step, 12);
+    assert_eq!(checkpoint_step(&out.join("checkpoint")).unwrap(), 12);
 
     let report = run(&TrainConfig { overwrite: true, stop_after: Some(3), ..small(&out, RunPrecision::F32) }).unwrap();
     assert_eq!(report.steps, 3);
     assert_eq!(read_metrics(out.join("metrics.csv")).unwrap().len(), 3);
-    assert_eq!(read_checkpoint_state(out.join("checkpoint")).unwrap().0.step, 3);
+    assert_eq!(checkpoint_step(&out.join("checkpoint")).unwrap(), 3);
     assert!(!out.join(LOCK_FILE).exists(), "the lock is released at the end");
 }
 
@@ -219,10 +226,10 @@ fn spawn_child(cfg: &TrainConfig) -> Child {
 fn wait_for_checkpoint(child: &mut Child, dir: &Path, min_step: u64) -> u64 {
     let t0 = Instant::now();
     loop {
-        if let Ok((state, _)) = read_checkpoint_state(dir)
-            && state.step >= min_step
+        if let Ok(step) = checkpoint_step(dir)
+            && step >= min_step
         {
-            return state.step;
+            return step;
         }
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the child exited ({status}) before a checkpoint at step {min_step}");
@@ -252,7 +259,7 @@ fn metrics_survive_a_sigkill_and_the_resumed_run_has_one_row_per_step() {
     let seen = wait_for_checkpoint(&mut child, &out.join("checkpoint"), 8);
     child.kill().unwrap(); // SIGKILL, right after a checkpoint or a few steps past it
     child.wait().unwrap();
-    let at = read_checkpoint_state(out.join("checkpoint")).unwrap().0.step;
+    let at = checkpoint_step(&out.join("checkpoint")).unwrap();
     assert!(at >= seen);
     // The killed trainer's lock is stale; the resumed run takes it over, keeps the rows up to
     // the checkpoint and drops any past it.
@@ -274,7 +281,7 @@ fn sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_exits_cleanly() {
     assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) }, 0);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(3), "the child saw the interrupt and returned normally: {status}");
-    let at = read_checkpoint_state(out.join("checkpoint")).unwrap().0.step;
+    let at = checkpoint_step(&out.join("checkpoint")).unwrap();
     assert_one_row_per_step(&out, at); // the checkpoint is at the last step taken
     assert!(!out.join(LOCK_FILE).exists(), "the lock was released");
     run(&TrainConfig { resume: true, stop_after: Some(at + 2), ..endless(&out) }).unwrap();
@@ -289,6 +296,15 @@ fn resume_refuses_a_different_configuration_and_a_missing_checkpoint() {
     run(&TrainConfig { stop_after: Some(2), ..small(&out, RunPrecision::F32) }).unwrap();
     let err = run(&TrainConfig { resume: true, lr: 1e-2, ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
     assert!(err.contains("different run configuration"), "{err}");
+    // The checkpoint's parts are AdamW's state, NoScale's (none) and the run's identity.
+    let (state, _) =
+        read_checkpoint_state::<OptimizerState<AdamState>, (), serde_json::Value>(out.join("checkpoint")).unwrap();
+    assert_eq!((state.step, state.optimizer.kind.as_str(), state.optimizer.steps), (2, "adamw", 2));
+    assert_eq!(state.extra["precision"], "F32");
+    // Another precision keeps another scaler state (f16: GradScaler's), but the refusal says
+    // what differs rather than that the scaler state has the wrong type.
+    let err = run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F16) }).unwrap_err().to_string();
+    assert!(err.contains("different run configuration") && err.contains(r#""precision":"F32""#), "{err}");
 }
 
 #[test]

@@ -1,19 +1,26 @@
 //! Checkpoints: round trip of weights and training state, refusal of missing, unexpected,
 //! misshapen, mistyped, corrupt and truncated files (naming file and tensor, model untouched),
 //! PyTorch-style f16/bf16/f64 exports, and atomicity (failed writer, stray temp files, a crash
-//! between the two files, and a process killed while saving).
+//! between the two files, and a process killed while saving). Key mapping and non-strict loads
+//! of PyTorch-named files into a GPT, integer tensors as `Indices`, typed training state, and
+//! state files in the format written before the state was typed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use amp_core::checkpoint::{
-    STATE_FILE, TrainingState, checkpoint_exists, load_checkpoint, load_weights, read_checkpoint_state, read_weights,
-    save_checkpoint, save_weights, write_atomic, write_atomic_with,
+    LoadOptions, LoadReport, STATE_FILE, StoredTensor, TensorFile, TrainingState, checkpoint_exists, load_checkpoint,
+    load_weights, load_weights_with, read_checkpoint_state, read_tensors, read_weights, save_checkpoint, save_tensors,
+    save_weights, write_atomic, write_atomic_with,
 };
 use amp_core::data::{DataLoader, Dataset};
-use amp_core::{Param, Params, Rng, Tensor};
+use amp_core::nn::{Gpt, GptConfig};
+use amp_core::optim::{AdamState, AdamW, Optim, OptimizerState, Sgd, SgdState};
+use amp_core::scaler::{GradScaler, GradScalerState};
+use amp_core::{Indices, Param, Params, Rng, Tensor};
 use safetensors::tensor::Dtype;
+use serde_json::Value;
 
 #[derive(Params)]
 struct Linear {
@@ -96,7 +103,7 @@ fn round_trip_restores_weights_and_state_and_keeps_one_pair() {
 
     let mut other = net(2, &[4, 8, 3]);
     assert_ne!(values(&other), values(&model));
-    let state = load_checkpoint(&dir, &mut other).unwrap();
+    let state: TrainingState = load_checkpoint(&dir, &mut other).unwrap();
     assert_eq!(values(&other), values(&model));
     assert_eq!(state, full_state(100));
     let names: Vec<String> = read_weights(&files.weights).unwrap().into_keys().collect();
@@ -106,13 +113,13 @@ fn round_trip_restores_weights_and_state_and_keeps_one_pair() {
     let model2 = net(3, &[4, 8, 3]);
     save_checkpoint(&dir, &model2, &full_state(200)).unwrap();
     assert_eq!(files_in(&dir), ["model-00000200.safetensors", STATE_FILE]);
-    let state = load_checkpoint(&dir, &mut other).unwrap();
+    let state: TrainingState = load_checkpoint(&dir, &mut other).unwrap();
     assert_eq!((state.step, values(&other)), (200, values(&model2)));
     // Saving the same step again never overwrites the live weights file.
     let files = save_checkpoint(&dir, &model, &full_state(200)).unwrap();
     assert_eq!(files.weights, dir.join("model-00000200-1.safetensors"));
     assert_eq!(files_in(&dir), ["model-00000200-1.safetensors", STATE_FILE]);
-    load_checkpoint(&dir, &mut other).unwrap();
+    let _: TrainingState = load_checkpoint(&dir, &mut other).unwrap();
     assert_eq!(values(&other), values(&model));
 }
 
@@ -167,8 +174,10 @@ fn mismatched_files_are_refused_naming_file_and_tensor() {
     assert_refused(
         &int_path,
         &mut net(2, &[4, 8, 3]),
-        &[int_path.to_str().unwrap(), "tensor `layers.1.bias` has dtype I32", "floating point"],
+        &[int_path.to_str().unwrap(), "tensor `layers.1.bias` holds I32 values; parameters are floating point"],
     );
+    let err = read_weights(&int_path).unwrap_err().to_string();
+    assert!(err.contains("`layers.1.bias` holds I32 values") && err.contains("read_tensors"), "{err}");
 }
 
 #[test]
@@ -257,7 +266,7 @@ fn corrupt_state_files_are_refused() {
     let check = |text: &str, needle: &str, model: &mut Net| {
         std::fs::write(&state_path, text).unwrap();
         let before = values(model);
-        let err = load_checkpoint(&dir, model).unwrap_err().to_string();
+        let err = load_checkpoint::<Value, Value, Value>(&dir, model).unwrap_err().to_string();
         assert!(err.contains(state_path.to_str().unwrap()) && err.contains(needle), "{err}");
         assert_eq!(values(model), before);
     };
@@ -275,7 +284,8 @@ fn corrupt_state_files_are_refused() {
         &mut model,
     );
     std::fs::write(&state_path, &good).unwrap();
-    assert_eq!(load_checkpoint(&dir, &mut model).unwrap().step, 7);
+    let state: TrainingState = load_checkpoint(&dir, &mut model).unwrap();
+    assert_eq!(state.step, 7);
 }
 
 /// Writes a safetensors file the way `safetensors.torch.save_file` does (metadata
@@ -350,7 +360,7 @@ fn failed_writer_and_stray_temp_files_leave_the_previous_checkpoint() {
     std::fs::write(dir.join(".training_state.json.tmp-999-0"), b"{\"format\": \"amp-chec").unwrap();
     save_weights(dir.join("model-00000020.safetensors"), &net(7, &[4, 8, 3])).unwrap();
     let mut loaded = net(2, &[4, 8, 3]);
-    assert_eq!(load_checkpoint(&dir, &mut loaded).unwrap(), full_state(10));
+    assert_eq!(load_checkpoint::<Value, Value, Value>(&dir, &mut loaded).unwrap(), full_state(10));
     assert_eq!(values(&loaded), values(&model));
 
     // The next save clears both leftovers.
@@ -406,10 +416,10 @@ fn killed_while_saving_leaves_a_loadable_checkpoint() {
         child.kill().unwrap();
         child.wait().unwrap();
 
-        let (state, weights) = read_checkpoint_state(&dir).unwrap();
+        let (state, weights): (TrainingState, _) = read_checkpoint_state(&dir).unwrap();
         let mut model =
             Linear { weight: Param::new(Tensor::zeros(&[1000, 1000])), bias: Param::new(Tensor::zeros(&[1000])) };
-        let loaded = load_checkpoint(&dir, &mut model).unwrap();
+        let loaded: TrainingState = load_checkpoint(&dir, &mut model).unwrap();
         assert_eq!(loaded, state);
         assert!(state.step >= 1);
         // Weights and state belong to the same save.
@@ -422,4 +432,590 @@ fn killed_while_saving_leaves_a_loadable_checkpoint() {
         }
         assert!(weights.exists());
     }
+}
+
+// ---- key mapping and non-strict loads ------------------------------------------------------
+
+/// Writes a safetensors file as PyTorch would (metadata `format = pt`, no checksum).
+fn write_plain(path: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    std::fs::write(path, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn gpt(seed: u64) -> Gpt {
+    let cfg = GptConfig { vocab_size: 7, block_size: 5, d_model: 8, n_layers: 2, n_heads: 2, dropout: 0.0 };
+    Gpt::new(cfg, &mut Rng::seed(seed))
+}
+
+/// The name a PyTorch GPT of another layout gives a parameter of `amp_core::nn::Gpt`, behind a
+/// `model.` prefix (a Lightning module): `tok.weight`, `ln.bias`, `blocks.0.fc1.weight`, ...
+fn pytorch_name(ours: &str) -> String {
+    let name = ours
+        .replace("tok_emb.", "tok.")
+        .replace("pos_emb.", "pos.")
+        .replace("ln_f.", "ln.")
+        .replace(".mlp.fc.", ".fc1.")
+        .replace(".mlp.proj.", ".fc2.");
+    format!("model.{name}")
+}
+
+/// `source`'s parameters under PyTorch names, minus `skip`, plus each block's causal-mask
+/// buffer (BOOL) and `extra` tensors.
+fn pytorch_gpt_file(path: &Path, source: &Gpt, skip: &[&str], extra: &[(String, Dtype, Vec<usize>, Vec<u8>)]) {
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = source
+        .named_params()
+        .into_iter()
+        .filter(|(n, _)| !skip.contains(&n.as_str()))
+        .map(|(n, p)| (pytorch_name(&n), Dtype::F32, p.shape().to_vec(), f32_bytes(p.data())))
+        .collect();
+    for i in 0..source.blocks.len() {
+        let mask: Vec<u8> = (0..25).map(|k| u8::from(k % 5 > k / 5)).collect();
+        tensors.push((format!("model.blocks.{i}.attn.mask"), Dtype::BOOL, vec![5, 5], mask));
+    }
+    tensors.extend(extra.iter().cloned());
+    write_plain(path, &tensors);
+}
+
+/// The mapping from `pytorch_name`s to ours, built from the conveniences.
+fn gpt_mapping() -> LoadOptions {
+    LoadOptions::new()
+        .strip_prefix("model.")
+        .rename("tok", "tok_emb")
+        .rename("pos", "pos_emb")
+        .rename("ln", "ln_f")
+        .rename("fc1", "mlp.fc")
+        .rename("fc2", "mlp.proj")
+        .map_keys(|n| (!n.ends_with(".attn.mask")).then(|| n.to_string()))
+}
+
+#[test]
+fn a_pytorch_named_gpt_loads_through_a_key_mapping() {
+    let dir = fresh_dir("mapping");
+    let path = dir.join("gpt.safetensors");
+    let source = gpt(1);
+    let names: Vec<String> = source.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names[..8],
+        [
+            "tok_emb.weight",
+            "pos_emb.weight",
+            "blocks.0.ln1.weight",
+            "blocks.0.ln1.bias",
+            "blocks.0.attn.qkv.weight",
+            "blocks.0.attn.qkv.bias",
+            "blocks.0.attn.proj.weight",
+            "blocks.0.attn.proj.bias"
+        ]
+    );
+    assert!(names.contains(&"blocks.1.mlp.fc.weight".to_string()) && names.contains(&"ln_f.bias".to_string()));
+    pytorch_gpt_file(&path, &source, &[], &[]);
+    let file_names: Vec<String> = read_tensors(&path).unwrap().names().map(str::to_string).collect();
+    assert!(file_names.contains(&"model.blocks.0.fc1.weight".to_string()), "{file_names:?}");
+    assert!(
+        file_names.contains(&"model.ln.weight".to_string()) && file_names.contains(&"model.tok.weight".to_string())
+    );
+
+    // Names as they are: a strict load refuses, naming what is missing and unexpected.
+    let mut model = gpt(2);
+    let before = values(&model);
+    let err = load_weights(&path, &mut model).unwrap_err().to_string();
+    for needle in [
+        path.to_str().unwrap(),
+        "tensor `tok_emb.weight` is missing: the model has this parameter (shape [7, 8]), the file does not",
+        "unexpected tensor `model.blocks.0.attn.mask`: the model has no parameter of that name",
+        "and 24 more missing parameters",
+        "and 26 more unexpected tensors",
+        "strict(false)",
+        "(nothing was loaded)",
+    ] {
+        assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+    }
+    assert_eq!(values(&model), before);
+
+    // Mapped, strictly: everything loads; the dropped buffers are reported.
+    let report = load_weights_with(&path, &mut model, &gpt_mapping()).unwrap();
+    assert_eq!(
+        report,
+        LoadReport {
+            loaded: names.len(),
+            missing: vec![],
+            unexpected: vec![],
+            dropped: vec!["model.blocks.0.attn.mask".into(), "model.blocks.1.attn.mask".into()],
+        }
+    );
+    assert!(report.is_exact());
+    assert_eq!(values(&model), values(&source));
+
+    // The same mapping as one hook.
+    let hook = LoadOptions::new().map_keys(|name| {
+        let name = name.strip_prefix("model.").unwrap_or(name);
+        if name.ends_with(".attn.mask") {
+            return None;
+        }
+        let mut parts: Vec<String> = name.split('.').map(str::to_string).collect();
+        match parts.as_slice() {
+            [first, ..] if first == "tok" || first == "pos" || first == "ln" => {
+                parts[0] = format!("{}{}", parts[0], if parts[0] == "ln" { "_f" } else { "_emb" });
+            }
+            [b, _, fc, ..] if b == "blocks" && (fc == "fc1" || fc == "fc2") => {
+                parts[2] = if fc == "fc1" { "mlp.fc".into() } else { "mlp.proj".into() };
+            }
+            _ => {}
+        }
+        Some(parts.join("."))
+    });
+    let mut other = gpt(3);
+    assert_eq!(load_weights_with(&path, &mut other, &hook).unwrap(), report);
+    assert_eq!(values(&other), values(&source));
+}
+
+#[test]
+fn a_non_strict_load_reports_missing_and_unexpected_tensors() {
+    let dir = fresh_dir("non_strict");
+    let path = dir.join("gpt.safetensors");
+    let source = gpt(1);
+    let extra = [
+        ("model.lm_head.weight".to_string(), Dtype::F32, vec![7, 8], f32_bytes(&[0.25; 56])),
+        ("model.step_count".to_string(), Dtype::I64, vec![1], 41i64.to_le_bytes().to_vec()),
+    ];
+    pytorch_gpt_file(&path, &source, &["head.bias", "ln_f.bias"], &extra);
+
+    // Strict: refused, every mismatch named with its mapped name, the model untouched.
+    let mut model = gpt(2);
+    let before = values(&model);
+    let err = load_weights_with(&path, &mut model, &gpt_mapping()).unwrap_err().to_string();
+    for needle in [
+        path.to_str().unwrap(),
+        "tensor `ln_f.bias` is missing: the model has this parameter (shape [8]), the file does not",
+        "tensor `head.bias` is missing: the model has this parameter (shape [7]), the file does not",
+        "unexpected tensor `model.lm_head.weight` (mapped to `lm_head.weight`): the model has no parameter",
+        "unexpected tensor `model.step_count` (mapped to `step_count`)",
+        "LoadOptions::new().strict(false)",
+        "(nothing was loaded)",
+    ] {
+        assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+    }
+    assert_eq!(values(&model), before);
+
+    // Not strict: the rest loads, the missing parameters keep their values.
+    let report = load_weights_with(&path, &mut model, &gpt_mapping().strict(false)).unwrap();
+    assert_eq!(report.missing, ["ln_f.bias", "head.bias"], "model names, in the model's order");
+    assert_eq!(report.unexpected, ["model.lm_head.weight", "model.step_count"], "file names, sorted");
+    assert_eq!(report.dropped.len(), 2);
+    assert_eq!(report.loaded, before.len() - 2);
+    assert!(!report.is_exact());
+    let text = report.to_string();
+    assert!(text.starts_with(&format!("loaded {} tensors; missing 2 (`ln_f.bias`, `head.bias`)", report.loaded)));
+    assert!(text.contains("unexpected 2 (`model.lm_head.weight`, `model.step_count`)"), "{text}");
+    for ((name, got), ((_, want), (_, old))) in values(&model).iter().zip(values(&source).iter().zip(&before)) {
+        let expected = if name == "ln_f.bias" || name == "head.bias" { old } else { want };
+        assert_eq!(got, expected, "{name}");
+    }
+}
+
+#[test]
+fn collisions_bad_shapes_and_integer_parameters_refuse_even_a_non_strict_load() {
+    let dir = fresh_dir("refused_mapping");
+    let source = gpt(1);
+    let mut model = gpt(2);
+    let before = values(&model);
+    let lenient = gpt_mapping().strict(false);
+
+    // `model.head.bias` and `head.bias` both become `head.bias`.
+    let path = dir.join("collision.safetensors");
+    pytorch_gpt_file(&path, &source, &[], &[("head.bias".into(), Dtype::F32, vec![7], f32_bytes(&[1.0; 7]))]);
+    let err = load_weights_with(&path, &mut model, &lenient).unwrap_err().to_string();
+    assert!(err.contains(path.to_str().unwrap()), "{err}");
+    assert!(err.contains("tensors `head.bias` and `model.head.bias` both map to `head.bias`"), "{err}");
+    assert_eq!(values(&model), before);
+
+    // A wrong shape: refused naming both shapes, and no other tensor was written.
+    let path = dir.join("shape.safetensors");
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = source
+        .named_params()
+        .into_iter()
+        .map(|(n, p)| (pytorch_name(&n), Dtype::F32, p.shape().to_vec(), f32_bytes(p.data())))
+        .collect();
+    let head = tensors.iter_mut().find(|t| t.0 == "model.head.weight").unwrap();
+    (head.2, head.3) = (vec![8, 7], f32_bytes(&[0.5; 56]));
+    write_plain(&path, &tensors);
+    let err = load_weights_with(&path, &mut model, &lenient).unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "tensor `model.head.weight` (mapped to `head.weight`) has shape [8, 7] in the file, but the model's \
+             parameter has shape [7, 8]"
+        ),
+        "{err}"
+    );
+    assert_eq!(values(&model), before, "the tensors that matched were not written either");
+
+    // Integers under a parameter's name.
+    let path = dir.join("int.safetensors");
+    let ln = tensors.iter_mut().find(|t| t.0 == "model.ln.bias").unwrap();
+    (ln.1, ln.3) = (Dtype::I64, (0..8i64).flat_map(|v| v.to_le_bytes()).collect());
+    let head = tensors.iter_mut().find(|t| t.0 == "model.head.weight").unwrap();
+    (head.2, head.3) = (vec![7, 8], f32_bytes(&[0.5; 56]));
+    write_plain(&path, &tensors);
+    let err = load_weights_with(&path, &mut model, &lenient).unwrap_err().to_string();
+    assert!(
+        err.contains("tensor `model.ln.bias` (mapped to `ln_f.bias`) holds I64 values; parameters are floating point"),
+        "{err}"
+    );
+    assert_eq!(values(&model), before);
+
+    // A file saved from a wrapped model: the strict error suggests the prefix to strip.
+    let path = dir.join("prefixed.safetensors");
+    let prefixed: Vec<_> = source
+        .named_params()
+        .into_iter()
+        .map(|(n, p)| (format!("module.{n}"), Dtype::F32, p.shape().to_vec(), f32_bytes(p.data())))
+        .collect();
+    write_plain(&path, &prefixed);
+    let err = load_weights(&path, &mut model).unwrap_err().to_string();
+    assert!(err.contains(r#"LoadOptions::strip_prefix("module.") removes it"#), "{err}");
+    assert_eq!(values(&model), before);
+    let report = load_weights_with(&path, &mut model, &LoadOptions::new().strip_prefix("module.")).unwrap();
+    assert!(report.is_exact() && report.dropped.is_empty());
+    assert_eq!(values(&model), values(&source));
+}
+
+// ---- integer tensors -----------------------------------------------------------------------
+
+#[test]
+fn integer_tensors_read_as_indices() {
+    let dir = fresh_dir("integers");
+    let path = dir.join("ints.safetensors");
+    let le = |v: &[i64], size: usize| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()[..size].to_vec()).collect() };
+    let signed = [-3i64, 0, 7, -128, 127, 100];
+    let tensors = vec![
+        ("i64".to_string(), Dtype::I64, vec![2, 2], le(&[-1, 5_000_000_000, i64::MIN, i64::MAX], 8)),
+        ("i32".to_string(), Dtype::I32, vec![6], le(&[-3, 0, 7, -128, 127, i64::from(i32::MIN)], 4)),
+        ("i16".to_string(), Dtype::I16, vec![3, 2], le(&signed, 2)),
+        ("i8".to_string(), Dtype::I8, vec![6], le(&signed, 1)),
+        ("u8".to_string(), Dtype::U8, vec![3], vec![0, 200, 255]),
+        ("u16".to_string(), Dtype::U16, vec![2], le(&[65535, 1], 2)),
+        ("u32".to_string(), Dtype::U32, vec![1], le(&[4_000_000_000], 4)),
+        ("u64".to_string(), Dtype::U64, vec![1], le(&[i64::MAX], 8)),
+        ("mask".to_string(), Dtype::BOOL, vec![2, 2], vec![1, 0, 0, 1]),
+        ("x".to_string(), Dtype::F32, vec![2], f32_bytes(&[0.5, -1.5])),
+        ("empty".to_string(), Dtype::I64, vec![0, 3], vec![]),
+    ];
+    write_plain(&path, &tensors);
+    let file = read_tensors(&path).unwrap();
+    assert_eq!(file.path(), Some(path.as_path()));
+    assert_eq!(file.len(), tensors.len());
+    let ints = |n: &str| file.indices(n).unwrap();
+    assert_eq!(ints("i64"), Indices::from_vec(vec![-1, 5_000_000_000, i64::MIN, i64::MAX], &[2, 2]));
+    assert_eq!(ints("i32").to_vec(), [-3, 0, 7, -128, 127, i64::from(i32::MIN)]);
+    assert_eq!(ints("i16"), Indices::from_vec(signed.to_vec(), &[3, 2]));
+    assert_eq!(ints("i8").to_vec(), signed);
+    assert_eq!(ints("u8").to_vec(), [0, 200, 255]);
+    assert_eq!(ints("u16").to_vec(), [65535, 1]);
+    assert_eq!(ints("u32").to_vec(), [4_000_000_000]);
+    assert_eq!(ints("u64").to_vec(), [i64::MAX]);
+    assert_eq!(ints("mask"), Indices::from_vec(vec![1, 0, 0, 1], &[2, 2]));
+    assert_eq!(ints("empty").shape(), &[0, 3]);
+    assert_eq!(file.get("i32").unwrap().file_dtype(), "I32");
+    assert_eq!(file.get("mask").unwrap().file_dtype(), "BOOL");
+    assert_eq!(file.tensor("x").unwrap().to_vec(), [0.5, -1.5]);
+    assert_eq!(file.get("x").unwrap().shape(), &[2]);
+
+    // Asking for the wrong kind, or a name that is not there, names the file and the tensor.
+    let file_name = path.to_str().unwrap();
+    let err = file.tensor("i32").unwrap_err().to_string();
+    assert!(err.contains(file_name) && err.contains("tensor `i32` holds I32 values (integers)"), "{err}");
+    let err = file.indices("x").unwrap_err().to_string();
+    assert!(err.contains(file_name) && err.contains("tensor `x` holds F32 values (floating point)"), "{err}");
+    let err = file.indices("labels").unwrap_err().to_string();
+    assert!(err.contains("there is no tensor `labels` (the tensors are `empty`, `i16`"), "{err}");
+    // read_weights wants parameters: the first integer tensor is refused.
+    let err = read_weights(&path).unwrap_err().to_string();
+    assert!(err.contains("tensor `empty` holds I64 values; parameters are floating point"), "{err}");
+
+    // Values an i64 cannot hold, bytes that are no bool, and dtypes not read here.
+    let refused = |name: &str, dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8>, needle: &str| {
+        let path = dir.join(format!("{name}.safetensors"));
+        write_plain(&path, &[(name.to_string(), dtype, shape, bytes)]);
+        let err = read_tensors(&path).unwrap_err().to_string();
+        assert!(err.contains(path.to_str().unwrap()) && err.contains(needle), "{err:?} lacks {needle:?}");
+    };
+    let mut big = 1u64.to_le_bytes().to_vec();
+    big.extend(u64::MAX.to_le_bytes());
+    refused("big", Dtype::U64, vec![2], big, "tensor `big` (U64) holds 18446744073709551615 at position 1");
+    refused("flags", Dtype::BOOL, vec![3], vec![1, 0, 2], "tensor `flags` is BOOL but holds the byte 2 at position 2");
+    refused("fp8", Dtype::F8_E4M3, vec![2], vec![0, 0], "tensor `fp8` has dtype F8_E4M3, which is not read here");
+}
+
+#[test]
+fn a_dataset_of_floats_and_integers_round_trips() {
+    let dir = fresh_dir("dataset");
+    let path = dir.join("data.safetensors");
+    let mut rng = Rng::seed(3);
+    let x = Tensor::<f32>::randn(&[6, 4], &mut rng);
+    let y = Indices::from_vec(vec![0, 2, 1, -100, 2, 5_000_000_000], &[6]);
+    let mut data = TensorFile::new();
+    assert!(data.is_empty());
+    data.insert("x", &x);
+    data.insert("y", &y);
+    assert!(data.insert("z", Indices::from_vec(vec![1], &[1])).is_none());
+    assert!(matches!(data.insert("z", Indices::from_vec(vec![2], &[1])), Some(StoredTensor::Int { .. })));
+    assert!(data.remove("z").is_some());
+    save_tensors(&path, &data).unwrap();
+    let back = read_tensors(&path).unwrap();
+    assert_eq!(back.names().collect::<Vec<_>>(), ["x", "y"]);
+    assert_eq!(back.tensor("x").unwrap().to_vec(), x.to_vec());
+    assert_eq!(back.tensor("x").unwrap().shape(), &[6, 4]);
+    assert_eq!(back.indices("y").unwrap(), y);
+    assert_eq!(back.tensors(), data.tensors());
+    assert_eq!(std::fs::read(&path).unwrap(), data.to_bytes(), "deterministic bytes");
+
+    // The format's own parser reads it: I64 first (8-byte aligned), then F32.
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!((st.tensor("y").unwrap().dtype(), st.tensor("x").unwrap().dtype()), (Dtype::I64, Dtype::F32));
+    // Written with the checksum: a flipped bit in the labels is refused.
+    let mut bad = bytes.clone();
+    let header_len = u64::from_le_bytes(bad[..8].try_into().unwrap()) as usize;
+    bad[8 + header_len + 3] ^= 0x01;
+    std::fs::write(&path, &bad).unwrap();
+    let err = read_tensors(&path).unwrap_err().to_string();
+    assert!(err.contains("is corrupt (its header or tensor data changed): checksum"), "{err}");
+}
+
+// ---- typed training state ------------------------------------------------------------------
+
+/// What a run keeps besides optimizer and scaler.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct RunInfo {
+    name: String,
+    lr: f64,
+}
+
+/// Net(1) after one AdamW step with a GradScaler, and the optimizer and scaler.
+fn stepped(seed: u64) -> (Net, Optim<AdamW>, GradScaler) {
+    let mut model = net(seed, &[4, 3]);
+    let mut opt = Optim::new(AdamW::new(1e-2)).unwrap();
+    let mut scaler = GradScaler::new();
+    let loss = model.layers[0].weight.tensor().mul(&model.embed.tensor().sum_all()).sum_all();
+    let grads = scaler.scale(loss).backward().unscale();
+    grads.step(&mut opt, &mut model).update().unwrap();
+    (model, opt, scaler)
+}
+
+type Typed = TrainingState<OptimizerState<AdamState>, GradScalerState, RunInfo>;
+
+#[test]
+fn typed_state_round_trips_and_a_part_of_another_type_is_refused_naming_it() {
+    let dir = fresh_dir("typed");
+    let (model, opt, scaler) = stepped(1);
+    let info = RunInfo { name: "typed".into(), lr: 1e-2 };
+    let mut state = TrainingState::with_parts(1, opt.state_dict(), scaler.state_dict(), info.clone());
+    state.rng = Some(Rng::seed(4));
+    save_checkpoint(&dir, &model, &state).unwrap();
+
+    let mut other = net(2, &[4, 3]);
+    let back: Typed = load_checkpoint(&dir, &mut other).unwrap();
+    assert_eq!(back, state);
+    assert_eq!(values(&other), values(&model));
+    let mut opt2 = Optim::new(AdamW::new(1e-2)).unwrap();
+    opt2.load_state_dict(back.optimizer).unwrap();
+    assert_eq!(opt2.state_dict(), opt.state_dict());
+    let mut scaler2 = GradScaler::new();
+    scaler2.load_state_dict(&back.scaler).unwrap();
+    assert_eq!(scaler2.state_dict(), scaler.state_dict());
+
+    // Untyped, the same file is JSON.
+    let (json, _): (TrainingState, _) = read_checkpoint_state(&dir).unwrap();
+    assert_eq!(json.optimizer["kind"], "adamw");
+    assert_eq!(json.extra, serde_json::json!({"name": "typed", "lr": 0.01}));
+
+    // Another optimizer's, scaler's or run's type: refused naming the part and the file, the
+    // model untouched.
+    let state_file = dir.join(STATE_FILE);
+    let before = values(&other);
+    let check = |err: amp_core::Error, needles: &[&str], model: &Net| {
+        let err = err.to_string();
+        assert!(err.contains(state_file.to_str().unwrap()), "{err}");
+        for needle in needles {
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+        assert_eq!(values(model), before);
+    };
+    let err = load_checkpoint::<OptimizerState<SgdState>, GradScalerState, RunInfo>(&dir, &mut other).unwrap_err();
+    check(
+        err,
+        &["`state.optimizer` does not hold a `amp_core::optim::OptimizerState<", "SgdState", "unknown field"],
+        &other,
+    );
+    let err = load_checkpoint::<OptimizerState<AdamState>, (), RunInfo>(&dir, &mut other).unwrap_err();
+    check(err, &["`state.scaler` does not hold a `()`", "another optimizer, loss scaler or state type"], &other);
+    let err = load_checkpoint::<OptimizerState<AdamState>, GradScalerState, u32>(&dir, &mut other).unwrap_err();
+    check(err, &["`state.extra` does not hold a `u32`"], &other);
+
+    // An SGD checkpoint read as AdamW's.
+    let mut sgd = Optim::new(Sgd::new(0.1).momentum(0.9)).unwrap();
+    let mut m = net(1, &[4, 3]);
+    let loss = m.embed.tensor().sum_all();
+    GradScaler::new().scale(loss).backward().unscale().step(&mut sgd, &mut m).update().unwrap();
+    save_checkpoint(&dir, &m, &TrainingState::with_parts(1, sgd.state_dict(), (), ())).unwrap();
+    let err = read_checkpoint_state::<OptimizerState<AdamState>, (), ()>(&dir).unwrap_err();
+    check(err, &["`state.optimizer` does not hold", "AdamState", "unknown field `momentum_buffer`"], &other);
+    let (ok, _) = read_checkpoint_state::<OptimizerState<SgdState>, (), ()>(&dir).unwrap();
+    assert_eq!(ok.optimizer, sgd.state_dict());
+}
+
+/// `training_state.json` as the code before typed state wrote it (optimizer, scaler and extra
+/// stored as `serde_json::Value`), for Net-like weights `w` [2, 2] and `b` [2] after one AdamW
+/// step with a GradScaler.
+const STATE_BEFORE_TYPED: &str = r#"{
+  "format": "amp-checkpoint",
+  "version": 1,
+  "weights": "model-00000001.safetensors",
+  "state": {
+    "step": 1,
+    "loader": {
+      "seed": 5,
+      "epoch": 0,
+      "index": 3,
+      "dataset_len": 10,
+      "batch_size": 3,
+      "drop_last": false,
+      "shuffle": true
+    },
+    "rng": {
+      "s": [
+        11991771301521844838,
+        3273821458927322032,
+        18013965594730293714,
+        15078123125932622355
+      ]
+    },
+    "optimizer": {
+      "kind": "adamw",
+      "params": {
+        "b": {
+          "exp_avg": [
+            0.10000000149011612,
+            0.10000000149011612
+          ],
+          "exp_avg_sq": [
+            0.0010000000474974513,
+            0.0010000000474974513
+          ],
+          "step": 1
+        },
+        "w": {
+          "exp_avg": [
+            0.10000000149011612,
+            -0.25,
+            0.4000000059604645,
+            0.699999988079071
+          ],
+          "exp_avg_sq": [
+            0.0010000000474974513,
+            0.006250000558793545,
+            0.01600000075995922,
+            0.049000002443790436
+          ],
+          "step": 1
+        }
+      },
+      "steps": 1
+    },
+    "scaler": {
+      "_growth_tracker": 1,
+      "backoff_factor": 0.5,
+      "growth_factor": 2.0,
+      "growth_interval": 2000,
+      "scale": 65536.0
+    },
+    "extra": {
+      "note": "before typed state"
+    }
+  }
+}"#;
+
+/// `v` with every non-integer number rounded to f32.
+fn as_f32(v: &Value) -> Value {
+    match v {
+        Value::Number(n) if !(n.is_u64() || n.is_i64()) => Value::from(n.as_f64().unwrap() as f32),
+        Value::Array(a) => Value::Array(a.iter().map(as_f32).collect()),
+        Value::Object(o) => Value::Object(o.iter().map(|(k, v)| (k.clone(), as_f32(v))).collect()),
+        other => other.clone(),
+    }
+}
+
+#[derive(Params)]
+struct WB {
+    w: Param,
+    b: Param,
+}
+
+#[test]
+fn state_files_written_before_the_state_was_typed_still_load() {
+    let dir = fresh_dir("before_typed");
+    let model = WB {
+        w: Param::new(Tensor::from_vec(vec![0.5, -1.25, 2.0, 3.5], &[2, 2])),
+        b: Param::new(Tensor::from_vec(vec![0.125, -0.0], &[2])),
+    };
+    save_weights(dir.join("model-00000001.safetensors"), &model).unwrap();
+    std::fs::write(dir.join(STATE_FILE), STATE_BEFORE_TYPED).unwrap();
+
+    let mut loaded = WB { w: Param::new(Tensor::zeros(&[2, 2])), b: Param::new(Tensor::zeros(&[2])) };
+    let state: TrainingState<OptimizerState<AdamState>, GradScalerState, Value> =
+        load_checkpoint(&dir, &mut loaded).unwrap();
+    assert_eq!(values(&loaded), values(&model));
+    assert_eq!((state.optimizer.kind.as_str(), state.optimizer.steps), ("adamw", 1));
+    let w = &state.optimizer.params["w"];
+    assert_eq!((w.step, w.exp_avg.clone()), (1, vec![0.1, -0.25, 0.4, 0.7]));
+    let sq = [0.0010000000474974513, 0.006250000558793545, 0.01600000075995922, 0.049000002443790436];
+    assert_eq!(w.exp_avg_sq, sq.map(|v: f64| v as f32));
+    assert_eq!((state.scaler.scale, state.scaler.growth_tracker, state.scaler.hysteresis_tracker), (65536.0, 1, None));
+    let loader = state.loader.clone().unwrap();
+    assert_eq!((loader.seed, loader.index, loader.dataset_len), (5, 3, 10));
+    let mut rng = Rng::seed(9);
+    rng.next_u64();
+    assert_eq!(state.rng, Some(rng));
+    assert_eq!(state.extra, serde_json::json!({"note": "before typed state"}));
+    // The optimizer and scaler accept what was read.
+    let mut opt = Optim::new(AdamW::new(1e-2)).unwrap();
+    opt.load_state_dict(state.optimizer.clone()).unwrap();
+    opt.check_params(&loaded).unwrap();
+    GradScaler::new().load_state_dict(&state.scaler).unwrap();
+
+    // Saved again from the typed state, the file has the same layout: the same keys and
+    // values (f32 fields are now written in f32's shortest form, `0.1` where the JSON values
+    // had `0.10000000149011612`: the same f32 either way), and reads back the same.
+    save_checkpoint(&dir, &loaded, &state).unwrap();
+    let mut again: Value = serde_json::from_slice(&std::fs::read(dir.join(STATE_FILE)).unwrap()).unwrap();
+    let before: Value = serde_json::from_str(STATE_BEFORE_TYPED).unwrap();
+    assert_eq!(again["weights"], "model-00000001-1.safetensors");
+    again["weights"] = before["weights"].clone();
+    assert_eq!(as_f32(&again), as_f32(&before));
+    assert_ne!(again, before, "the f32 values are written shorter");
+    let (reread, _): (TrainingState<OptimizerState<AdamState>, GradScalerState, Value>, _) =
+        read_checkpoint_state(&dir).unwrap();
+    assert_eq!(reread, state);
+
+    // A state without optimizer, scaler and extra (JSON null): fine where the type takes null,
+    // refused naming the part where it does not.
+    let mut bare = before.clone();
+    bare["weights"] = Value::from("model-00000001-1.safetensors");
+    for part in ["optimizer", "scaler", "extra"] {
+        bare["state"].as_object_mut().unwrap().remove(part);
+    }
+    std::fs::write(dir.join(STATE_FILE), serde_json::to_vec(&bare).unwrap()).unwrap();
+    let (ok, _) = read_checkpoint_state::<Value, (), Option<RunInfo>>(&dir).unwrap();
+    assert_eq!((ok.optimizer, ok.extra), (Value::Null, None));
+    let err = read_checkpoint_state::<OptimizerState<AdamState>, (), ()>(&dir).unwrap_err().to_string();
+    assert!(err.contains(STATE_FILE) && err.contains("`state.optimizer` does not hold"), "{err}");
+    assert!(err.contains("invalid type: null"), "{err}");
 }

@@ -88,8 +88,10 @@ macro_rules! builder {
 builder!(Adam);
 builder!(AdamW);
 
-/// Adam's state for one parameter (PyTorch's `step`, `exp_avg`, `exp_avg_sq`).
+/// Adam's state for one parameter (PyTorch's `step`, `exp_avg`, `exp_avg_sq`). Other fields
+/// are refused when read, so another rule's state (SGD's) does not pass for Adam's.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AdamState {
     /// Steps this parameter has taken.
     pub step: u64,

@@ -66,8 +66,10 @@ impl Sgd {
 }
 
 /// SGD's state for one parameter: the momentum buffer, created at its first step (absent
-/// without momentum).
+/// without momentum). Other fields are refused when read, so another rule's state (Adam's)
+/// does not pass for SGD's.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SgdState {
     /// `momentum_buffer` in PyTorch.
     pub momentum_buffer: Option<Vec<f32>>,

@@ -26,7 +26,8 @@
 //!   it carry `amp.data_checksum` (the data section only), which is still verified; files
 //!   without either (exported from PyTorch) load unchecked.
 //! - Loading checks every tensor (present, expected, shape, dtype) before writing any, so a
-//!   refused load leaves the model as it was. f16, bf16 and f64 files are converted to f32.
+//!   refused load leaves the model as it was. Files of any float dtype are converted to the
+//!   model's element type (f32, or bf16 for a pure-bf16 model; saved in it too).
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -39,6 +40,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
 use crate::param::Params;
+use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::tensor::Tensor;
 
@@ -186,8 +188,9 @@ fn checksum(bytes: &[u8]) -> u64 {
     h ^ bytes.len() as u64
 }
 
-/// The model's parameters as a safetensors file: f32, PyTorch names, metadata
-/// `format = pt` (what `safetensors.torch` writes) and the data checksum.
+/// The model's parameters as a safetensors file: in their element type (`F32`, or `BF16` for a
+/// pure-bf16 model), PyTorch names, metadata `format = pt` (what `safetensors.torch` writes)
+/// and the data checksum.
 ///
 /// The bytes are a function of the parameters alone (tensors sorted by name, metadata keys in
 /// a fixed order), so saving the same model twice gives the same file. The `safetensors`
@@ -195,7 +198,7 @@ fn checksum(bytes: &[u8]) -> u64 {
 /// the header is written here; the layout is the format's own (8-byte little-endian header
 /// length, JSON header padded with spaces to 8 bytes, then the data) and every test reads the
 /// result back through the `safetensors` parser (and Python's).
-pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
+pub fn weights_to_bytes<E: Precision>(model: &impl Params<E>) -> Result<Vec<u8>> {
     let mut named = model.named_params();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
@@ -209,11 +212,12 @@ pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
     let mut entries = Vec::with_capacity(named.len());
     for (name, p) in &named {
         let start = data.len();
-        data.extend(p.to_vec().iter().flat_map(|v| v.to_le_bytes()));
+        crate::precision::extend_le_bytes(p.data(), &mut data);
         let shape: Vec<String> = p.shape().iter().map(usize::to_string).collect();
         entries.push(format!(
-            "{}:{{\"dtype\":\"F32\",\"shape\":[{}],\"data_offsets\":[{start},{}]}}",
+            "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{start},{}]}}",
             json(name),
+            E::DTYPE.name().to_uppercase(),
             shape.join(","),
             data.len()
         ));
@@ -240,8 +244,9 @@ pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Saves the model's parameters to `path` (safetensors, f32, PyTorch names), atomically.
-pub fn save_weights(path: impl AsRef<Path>, model: &impl Params) -> Result<()> {
+/// Saves the model's parameters to `path` (safetensors in their element type, PyTorch names),
+/// atomically.
+pub fn save_weights<E: Precision>(path: impl AsRef<Path>, model: &impl Params<E>) -> Result<()> {
     write_atomic(path.as_ref(), &weights_to_bytes(model)?)
 }
 
@@ -349,14 +354,19 @@ fn to_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>> {
 /// Loads a safetensors file into the model's parameters, by name. Refuses, naming the file
 /// and the tensor, a tensor the model lacks, a parameter the file lacks, a shape or dtype
 /// mismatch, and a truncated or corrupt file; nothing is written unless everything matches.
-/// f16/bf16/f64 files (PyTorch exports) are converted to f32.
-pub fn load_weights(path: impl AsRef<Path>, model: &mut impl Params) -> Result<()> {
+/// Files of any float dtype (PyTorch exports in f16/bf16/f64) are converted to the model's
+/// element type: f32, or bf16 (rounded to nearest) for a pure-bf16 model.
+pub fn load_weights<E: Precision>(path: impl AsRef<Path>, model: &mut impl Params<E>) -> Result<()> {
     let path = path.as_ref();
     let tensors = read_weights(path)?;
     assign(path, tensors, model)
 }
 
-fn assign(path: &Path, mut tensors: BTreeMap<String, LoadedTensor>, model: &mut impl Params) -> Result<()> {
+fn assign<E: Precision>(
+    path: &Path,
+    mut tensors: BTreeMap<String, LoadedTensor>,
+    model: &mut impl Params<E>,
+) -> Result<()> {
     let mut params = model.named_params_mut();
     for (name, p) in &params {
         let Some(t) = tensors.get(name) else {
@@ -385,7 +395,7 @@ fn assign(path: &Path, mut tensors: BTreeMap<String, LoadedTensor>, model: &mut 
     }
     for (name, p) in &mut params {
         let t = tensors.remove(name.as_str()).expect("checked above");
-        p.data_mut().copy_from_slice(&t.values);
+        E::from_f32_slice(&t.values, p.data_mut());
     }
     Ok(())
 }

@@ -435,6 +435,19 @@ pub fn convert_slice<A: Precision, B: Precision>(src: &[A], dst: &mut [B]) {
     }
 }
 
+/// Appends the values' little-endian bytes (the safetensors layout) to `out`.
+pub(crate) fn extend_le_bytes<E: Precision>(values: &[E], out: &mut Vec<u8>) {
+    if let Some(v) = as_same::<E, f32>(values) {
+        out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    } else if let Some(v) = as_same::<E, bf16>(values) {
+        out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    } else if let Some(v) = as_same::<E, f16>(values) {
+        out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    } else if let Some(v) = as_same::<E, f64>(values) {
+        out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    }
+}
+
 /// `n` zeros, allocated zeroed: the allocator's fresh pages come zeroed from the OS, so a
 /// kernel's output buffer is written once (by the kernel), not twice (memset, then kernel).
 /// All-zero bits are +0.0 in every precision.

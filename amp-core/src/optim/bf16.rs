@@ -37,7 +37,7 @@ pub enum Bf16Rounding {
         /// Seed of the rounding bits.
         seed: u64,
     },
-    /// Round to nearest even, as a plain `.to(torch.bfloat16)` of the update does: updates
+    /// Round to nearest even, as PyTorch's in-place update of a bf16 parameter does: updates
     /// below half a bf16 ulp of the weight are lost. For comparison; not for training.
     Nearest,
 }

@@ -31,9 +31,16 @@
 //!   step the bf16 weight and its bf16 gradient are widened to f32, the rule's own f32 kernel
 //!   runs on them (the same arithmetic as for f32 weights), and the result is written back to
 //!   bf16 as [`Bf16Rounding`] says.
-//! - Plain round to nearest loses every update smaller than half a bf16 ulp of the weight (for
-//!   a weight near 1, an update below 2⁻⁸ ≈ 0.0039: late in a cosine schedule, and the decay
-//!   term `lr·wd·w` always): the weight stalls. [`Bf16Rounding::Nearest`] is offered to show it.
+//! - The element type is a parameter of the optimizer type, not only of the trait: each
+//!   `Optim<R, E>` has exactly one `Optimizer` impl, so `opt.step(&mut model, &grads)`,
+//!   `opt.steps()` and the training step's `.step(&mut opt, &mut model)` infer `E` with no
+//!   annotation, and an f32 optimizer handed a bf16 model is a compile error. The bf16 one
+//!   carries its rounding and compensation, and its checkpoint is a [`Bf16OptimizerState`]
+//!   ([`OptimizerState`] is unchanged).
+//! - Plain round to nearest loses every update smaller than half a bf16 ulp of the weight (an
+//!   update below 2⁻⁸ ≈ 0.0039 for a weight just above 1, 2⁻⁹ just below: the warmup's first
+//!   steps, the end of a cosine schedule, and the decay term `lr·wd·w` always): the weight
+//!   stalls. [`Bf16Rounding::Nearest`] is offered to show it.
 //! - The default, [`Bf16Rounding::Kahan`], keeps a compensation buffer per parameter: the
 //!   rounding error of each write is carried into the next update (Kahan summation), so small
 //!   updates accumulate until they move the weight. The buffer is bf16, 2 bytes per value:
@@ -48,8 +55,9 @@
 //!   (unbiased in expectation), with no buffer at all (2 bytes per weight). Its random bits
 //!   are a hash of (seed, parameter name, applied step, element), counter-based, so a resumed
 //!   run draws the same bits. It adds noise of up to one bf16 ulp per write where Kahan's error
-//!   is bounded and deterministic, which is why Kahan is the default; the pure-bf16 test on the
-//!   addition task measures both against f32 master weights (`amp-core/tests/pure_bf16.rs`).
+//!   is bounded and deterministic, which is why Kahan is the default.
+//!   `amp-core/tests/pure_bf16.rs` measures Kahan, stochastic rounding and round to nearest
+//!   against f32 master weights on the addition task (figures in the README).
 //! - f16 parameters have no optimizer: [`Optimizer`] is implemented for f32 and bf16 only, so
 //!   stepping a `Params<f16>` model does not compile (f16's 5-bit exponent needs the f32 master
 //!   copy and loss scaling of mixed precision; pure f16 training is not supported).

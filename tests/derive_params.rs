@@ -1,8 +1,9 @@
 //! `#[derive(Params)]` through the facade: PyTorch `state_dict` names for nested structs,
-//! `Vec`/`Option`/`Box` fields, tuple structs, generics, `skip` and `rename`; and the
-//! compile errors for misuse (trybuild cases in tests/ui/derive_params/).
+//! `Vec`/`Option`/`Box` fields, tuple structs, generics, `skip` and `rename`, element types
+//! other than f32 (pure bf16); and the compile errors for misuse (trybuild cases in
+//! tests/ui/derive_params/).
 
-use amp::{Param, Params, Rng, Tensor};
+use amp::{Param, Params, Precision, Rng, Tensor, bf16};
 
 fn param(shape: &[usize], rng: &mut Rng) -> Param {
     Param::new(Tensor::<f32>::randn(shape, rng))
@@ -69,7 +70,8 @@ struct Gpt {
 #[derive(Params)]
 struct Pair(Linear, #[param(skip)] u8, Linear);
 
-/// A generic wrapper: the derive bounds `M: Params`.
+/// A generic wrapper: the derive bounds `M: Params<E>`, for any element type `E` (every field
+/// is generic).
 #[derive(Params)]
 struct Wrapped<M> {
     module: M,
@@ -169,6 +171,57 @@ fn tuple_generic_and_unit_structs() {
     let mut empty = Empty;
     assert!(empty.named_params().is_empty());
     assert!(empty.named_params_mut().is_empty());
+}
+
+/// Generic over its weight precision: `Params<W>`.
+#[derive(Params)]
+struct Scale<W: Precision = f32> {
+    weight: Param<W>,
+    #[param(skip)]
+    dim: usize,
+}
+
+/// `bf16` named in its fields' types: `Params<bf16>`. (`nn::Dropout` has no parameters of any
+/// element type.)
+#[derive(Params)]
+struct Bf16Head {
+    scale: Scale<bf16>,
+    bias: Param<bf16>,
+    drop: amp::nn::Dropout,
+}
+
+/// A type alias hides `bf16` from the derive: the struct says it.
+type Half = bf16;
+#[derive(Params)]
+#[param(precision = bf16)]
+struct Aliased {
+    w: Param<Half>,
+}
+
+fn names<E: Precision>(m: &dyn Params<E>) -> Vec<String> {
+    m.named_params().into_iter().map(|(n, _)| n).collect()
+}
+
+#[test]
+fn element_type_from_a_precision_parameter_a_bf16_field_or_the_struct() {
+    let mut rng = Rng::seed(4);
+    let f32_scale = Scale { weight: param(&[3], &mut rng), dim: 3 };
+    let _: Vec<(String, &Param<f32>)> = f32_scale.named_params(); // the default: f32
+    let mut head = Bf16Head {
+        scale: Scale { weight: f32_scale.weight.to_precision(), dim: f32_scale.dim },
+        bias: param(&[3], &mut rng).to_precision(),
+        drop: amp::nn::Dropout::new(0.1),
+    };
+    assert_eq!(names::<bf16>(&head), ["scale.weight", "bias"]);
+    assert!(head.named_params().iter().all(|(_, p)| p.dtype() == amp::DType::BF16));
+    head.eval();
+    assert!(!head.drop.is_training());
+    assert_eq!(head.num_params(), 6);
+
+    let wrapped = Wrapped { module: head, tag: "bf16" };
+    assert_eq!(names::<bf16>(&wrapped), ["module.scale.weight", "module.bias"]);
+    let aliased = Aliased { w: param(&[2], &mut rng).to_precision() };
+    assert_eq!(names::<bf16>(&aliased), ["w"]);
 }
 
 #[test]

@@ -57,8 +57,9 @@
 //!   it carry `amp.data_checksum` (the data section only), which is still verified; files
 //!   without either (exported from PyTorch) load unchecked.
 //! - Loading checks every tensor (name, shape, dtype, and that no two file names map to one
-//!   parameter) before writing any, so a refused load leaves the model as it was. f16, bf16
-//!   and f64 files are converted to f32. A strict load ([`load_weights`], the default of
+//!   parameter) before writing any, so a refused load leaves the model as it was. Files of
+//!   any float dtype are converted to the model's element type (f32, or bf16 for a pure-bf16
+//!   model, which is saved as BF16 too). A strict load ([`load_weights`], the default of
 //!   [`LoadOptions`]) refuses a parameter the file lacks and a tensor the model lacks; a
 //!   non-strict one loads the tensors that match and lists the others in a [`LoadReport`]. A
 //!   wrong shape or an integer tensor under a parameter's name is refused either way.
@@ -86,6 +87,7 @@ use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
 use crate::indices::Indices;
 use crate::param::Params;
+use crate::precision::{Precision, as_same};
 use crate::rng::Rng;
 use crate::tensor::Tensor;
 
@@ -309,6 +311,9 @@ fn checksum(bytes: &[u8]) -> u64 {
 /// The values of one tensor to write, borrowed.
 enum Values<'a> {
     F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+    F64(&'a [f64]),
     I64(&'a [i64]),
 }
 
@@ -316,25 +321,52 @@ impl Values<'_> {
     fn dtype(&self) -> &'static str {
         match self {
             Values::F32(_) => "F32",
+            Values::BF16(_) => "BF16",
+            Values::F16(_) => "F16",
+            Values::F64(_) => "F64",
             Values::I64(_) => "I64",
         }
     }
     fn elem_size(&self) -> usize {
         match self {
             Values::F32(_) => 4,
-            Values::I64(_) => 8,
+            Values::BF16(_) | Values::F16(_) => 2,
+            Values::F64(_) | Values::I64(_) => 8,
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Values::F32(v) => v.len(),
+            Values::BF16(v) => v.len(),
+            Values::F16(v) => v.len(),
+            Values::F64(v) => v.len(),
+            Values::I64(v) => v.len(),
         }
     }
     fn byte_len(&self) -> usize {
-        match self {
-            Values::F32(v) => 4 * v.len(),
-            Values::I64(v) => 8 * v.len(),
-        }
+        self.elem_size() * self.len()
     }
     fn write_le(&self, out: &mut Vec<u8>) {
         match self {
             Values::F32(v) => out.extend(v.iter().flat_map(|x| x.to_le_bytes())),
+            Values::BF16(v) => out.extend(v.iter().flat_map(|x| x.to_le_bytes())),
+            Values::F16(v) => out.extend(v.iter().flat_map(|x| x.to_le_bytes())),
+            Values::F64(v) => out.extend(v.iter().flat_map(|x| x.to_le_bytes())),
             Values::I64(v) => out.extend(v.iter().flat_map(|x| x.to_le_bytes())),
+        }
+    }
+    /// A parameter's values in their own element type.
+    fn of<E: Precision>(data: &[E]) -> Values<'_> {
+        if let Some(v) = as_same::<E, f32>(data) {
+            Values::F32(v)
+        } else if let Some(v) = as_same::<E, bf16>(data) {
+            Values::BF16(v)
+        } else if let Some(v) = as_same::<E, f16>(data) {
+            Values::F16(v)
+        } else if let Some(v) = as_same::<E, f64>(data) {
+            Values::F64(v)
+        } else {
+            unreachable!("every Precision is f32, bf16, f16 or f64")
         }
     }
 }
@@ -759,10 +791,10 @@ pub fn save_tensors(path: impl AsRef<Path>, tensors: &TensorFile) -> Result<()> 
 
 // ---- weights -----------------------------------------------------------------------------
 
-/// The model's parameters as a safetensors file: f32, PyTorch names, metadata
-/// `format = pt` (what `safetensors.torch` writes) and the checksum. Saving the same model
-/// twice gives the same bytes.
-pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
+/// The model's parameters as a safetensors file: in their element type (`F32`, or `BF16` for a
+/// pure-bf16 model), PyTorch names, metadata `format = pt` (what `safetensors.torch` writes)
+/// and the checksum. Saving the same model twice gives the same bytes.
+pub fn weights_to_bytes<E: Precision>(model: &impl Params<E>) -> Result<Vec<u8>> {
     let mut named = model.named_params();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
@@ -771,11 +803,12 @@ pub fn weights_to_bytes(model: &impl Params) -> Result<Vec<u8>> {
             detail: format!("the model has two parameters named `{}`", w[0].0),
         });
     }
-    Ok(encode(named.iter().map(|(name, p)| (name.as_str(), p.shape(), Values::F32(p.data()))).collect()))
+    Ok(encode(named.iter().map(|(name, p)| (name.as_str(), p.shape(), Values::of(p.data()))).collect()))
 }
 
-/// Saves the model's parameters to `path` (safetensors, f32, PyTorch names), atomically.
-pub fn save_weights(path: impl AsRef<Path>, model: &impl Params) -> Result<()> {
+/// Saves the model's parameters to `path` (safetensors in their element type, PyTorch names),
+/// atomically.
+pub fn save_weights<E: Precision>(path: impl AsRef<Path>, model: &impl Params<E>) -> Result<()> {
     write_atomic(path.as_ref(), &weights_to_bytes(model)?)
 }
 
@@ -984,9 +1017,10 @@ impl std::fmt::Display for LoadReport {
 /// Loads a safetensors file into the model's parameters, by name, strictly. Refuses, naming
 /// the file and the tensor, a tensor the model lacks, a parameter the file lacks, a shape or
 /// dtype mismatch, and a truncated or corrupt file; nothing is written unless everything
-/// matches. f16/bf16/f64 files (PyTorch exports) are converted to f32. For other names or a
-/// partial load, see [`load_weights_with`].
-pub fn load_weights(path: impl AsRef<Path>, model: &mut impl Params) -> Result<()> {
+/// matches. Files of any float dtype (PyTorch exports in f16/bf16/f64) are converted to the
+/// model's element type: f32, or bf16 (rounded to nearest) for a pure-bf16 model. For other
+/// names or a partial load, see [`load_weights_with`].
+pub fn load_weights<E: Precision>(path: impl AsRef<Path>, model: &mut impl Params<E>) -> Result<()> {
     load_weights_with(path, model, &LoadOptions::new()).map(|_| ())
 }
 
@@ -996,7 +1030,11 @@ pub fn load_weights(path: impl AsRef<Path>, model: &mut impl Params) -> Result<(
 /// written: a refused load (a strict mismatch, a wrong shape, an integer tensor under a
 /// parameter's name, two file tensors mapped to one name, a corrupt file) leaves the model as
 /// it was, and its error names the file and every tensor at fault.
-pub fn load_weights_with(path: impl AsRef<Path>, model: &mut impl Params, opts: &LoadOptions) -> Result<LoadReport> {
+pub fn load_weights_with<E: Precision>(
+    path: impl AsRef<Path>,
+    model: &mut impl Params<E>,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
     let path = path.as_ref();
     let tensors = parse_tensors(path, &read_bytes(path, "cannot read the weights")?)?;
     assign(path, tensors, model, opts)
@@ -1005,10 +1043,10 @@ pub fn load_weights_with(path: impl AsRef<Path>, model: &mut impl Params, opts: 
 /// Problems of one kind listed in a refusal: at most this many, then a count.
 const MAX_LISTED: usize = 6;
 
-fn assign(
+fn assign<E: Precision>(
     path: &Path,
     tensors: BTreeMap<String, StoredTensor>,
-    model: &mut impl Params,
+    model: &mut impl Params<E>,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     let mut params = model.named_params_mut();
@@ -1098,7 +1136,7 @@ fn assign(
     }
     let loaded = plan.len();
     for (i, values) in plan {
-        params[i].1.data_mut().copy_from_slice(&values);
+        E::from_f32_slice(&values, params[i].1.data_mut());
     }
     Ok(LoadReport {
         loaded,
@@ -1139,9 +1177,9 @@ fn is_weights_name(name: &str) -> bool {
 
 /// Saves `model` and `state` into the directory `dir` (created if needed), atomically as a
 /// pair: a crash at any point leaves either the previous checkpoint or this one, complete.
-pub fn save_checkpoint<O: Serialize, S: Serialize, X: Serialize>(
+pub fn save_checkpoint<O: Serialize, S: Serialize, X: Serialize, E: Precision>(
     dir: impl AsRef<Path>,
-    model: &impl Params,
+    model: &impl Params<E>,
     state: &TrainingState<O, S, X>,
 ) -> Result<CheckpointFiles> {
     let dir = dir.as_ref();
@@ -1227,11 +1265,12 @@ pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: Deseri
 }
 
 /// Loads the checkpoint in `dir` into `model` and returns its training state, with its parts
-/// read as `O`, `S` and `X` (see [`read_checkpoint_state`]). The model is untouched if
-/// anything is refused (see [`load_weights`]).
-pub fn load_checkpoint<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned>(
+/// read as `O`, `S` and `X` (see [`read_checkpoint_state`]); `E` is the model's element type
+/// (f32, or bf16 for a pure-bf16 model), inferred (`load_checkpoint::<O, S, X, _>`). The model
+/// is untouched if anything is refused (see [`load_weights`]).
+pub fn load_checkpoint<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned, E: Precision>(
     dir: impl AsRef<Path>,
-    model: &mut impl Params,
+    model: &mut impl Params<E>,
 ) -> Result<TrainingState<O, S, X>> {
     let (state, weights) = read_checkpoint_state(dir)?;
     load_weights(&weights, model)?;

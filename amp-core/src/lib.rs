@@ -62,7 +62,7 @@ pub use tensor::Tensor;
 
 /// The names most programs need.
 pub mod prelude {
-    pub use crate::optim::{Adam, AdamW, Optim, Optimizer, ParamGroup, Sgd, WarmupCosine};
+    pub use crate::optim::{Adam, AdamW, Bf16Rounding, Optim, Optimizer, ParamGroup, Sgd, WarmupCosine};
     pub use crate::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale, ScalerFor};
     pub use crate::{DType, Grads, Indices, Mask, Param, Params, Precision, Rng, Tensor, bf16, f16, no_grad};
     pub use crate::{autocast, autocast_off};

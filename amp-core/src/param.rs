@@ -1,8 +1,13 @@
 //! Parameters: named, trainable leaf tensors, and the [`Params`] trait that enumerates them.
 //!
-//! Design notes: a [`Param`] is a leaf tensor with a stable [`TensorId`], so the gradients from
-//! any backward pass are found by it, and optimizers keep their state by it. Updates write in
-//! place when no graph still holds the old values (copy on write otherwise).
+//! Design notes:
+//! - A [`Param`] is a leaf tensor with a stable [`TensorId`], so the gradients from any backward
+//!   pass are found by it, and optimizers keep their state by it. Updates write in place when no
+//!   graph still holds the old values (copy on write otherwise).
+//! - [`Params<E>`] enumerates the parameters of one element type `E`, f32 by default, so
+//!   `impl Params` and `dyn Params` mean f32 master weights. A pure-bf16 model (see
+//!   [`crate::optim`]) is `Params<bf16>`. One module has one element type: its parameters are
+//!   listed as one `Vec<(String, &Param<E>)>`, which is what checkpoints and optimizers walk.
 
 use std::ops::Deref;
 
@@ -10,7 +15,8 @@ use crate::autograd::TensorId;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-/// A trainable tensor (master weights are `Param<f32>`, the default).
+/// A trainable tensor: master weights are `Param<f32>` (the default); pure-bf16 training uses
+/// `Param<bf16>` (see [`crate::optim`]).
 ///
 /// Cloning a `Param` makes a new parameter: the same values (shared until either is updated,
 /// then copied on write) under a new id, so gradients and optimizer state of the copy are its
@@ -63,6 +69,12 @@ impl<E: Precision> Param<E> {
         let v = value.to_vec();
         self.data_mut().copy_from_slice(&v);
     }
+    /// A new parameter (with its own id) holding these values rounded once to precision `P`
+    /// (round to nearest even; exact when widening). For pure-bf16 training,
+    /// `Param::to_precision::<bf16>()` makes the bf16 weight from an f32 initialisation.
+    pub fn to_precision<P: Precision>(&self) -> Param<P> {
+        Param::new(crate::autograd::no_grad(|| self.tensor.cast::<P>()))
+    }
 }
 
 impl<E: Precision> Deref for Param<E> {
@@ -72,13 +84,24 @@ impl<E: Precision> Deref for Param<E> {
     }
 }
 
-/// Anything that holds parameters: enumerates them with PyTorch `state_dict` names
-/// (`blocks.0.ln1.weight`), in a stable order.
-pub trait Params {
+/// Anything that holds parameters of element type `E` (f32 unless said otherwise): enumerates
+/// them with PyTorch `state_dict` names (`blocks.0.ln1.weight`), in a stable order.
+///
+/// `#[derive(Params)]` finds `E` from the struct (see the derive's docs): a type parameter
+/// bounded by [`Precision`] (`struct Linear<W: Precision = f32>`), `bf16` named in a field's
+/// type, `#[param(precision = ..)]`, or f32. Modules without parameters (dropout) implement it
+/// for every `E`, so they fit in a module of any precision.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` holds no parameters of element type `{E}`",
+    label = "not `Params<{E}>`",
+    note = "`#[derive(Params)]` implements `Params` for a struct of parameters; one module's parameters share one element type (f32 master weights by default, `bf16` for pure-bf16 training)",
+    note = "when stepping a model, the optimizer's element type must be the model's: `Optim::new(rule)` steps f32 parameters, `.for_bf16(Bf16Rounding::Kahan)` makes it step bf16 ones, and none steps f16 parameters (pure f16 training is not supported: keep f32 master weights and autocast to f16)"
+)]
+pub trait Params<E: Precision = f32> {
     /// Every parameter with its dotted name.
-    fn named_params(&self) -> Vec<(String, &Param)>;
+    fn named_params(&self) -> Vec<(String, &Param<E>)>;
     /// Every parameter with its dotted name, mutably.
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)>;
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)>;
     /// Total number of scalar parameters.
     fn num_params(&self) -> usize {
         self.named_params().iter().map(|(_, p)| p.numel()).sum()
@@ -110,20 +133,20 @@ fn prefixed<'a, T: 'a>(prefix: String, items: Vec<(String, T)>) -> impl Iterator
     items.into_iter().map(move |(n, p)| (join_name(&prefix, &n), p))
 }
 
-impl Params for Param {
-    fn named_params(&self) -> Vec<(String, &Param)> {
+impl<E: Precision> Params<E> for Param<E> {
+    fn named_params(&self) -> Vec<(String, &Param<E>)> {
         vec![(String::new(), self)]
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
         vec![(String::new(), self)]
     }
 }
 
-impl<T: Params> Params for Vec<T> {
-    fn named_params(&self) -> Vec<(String, &Param)> {
+impl<E: Precision, T: Params<E>> Params<E> for Vec<T> {
+    fn named_params(&self) -> Vec<(String, &Param<E>)> {
         self.iter().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params())).collect()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
         self.iter_mut().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params_mut())).collect()
     }
     fn set_training(&mut self, training: bool) {
@@ -131,11 +154,11 @@ impl<T: Params> Params for Vec<T> {
     }
 }
 
-impl<T: Params> Params for Option<T> {
-    fn named_params(&self) -> Vec<(String, &Param)> {
+impl<E: Precision, T: Params<E>> Params<E> for Option<T> {
+    fn named_params(&self) -> Vec<(String, &Param<E>)> {
         self.as_ref().map(|m| m.named_params()).unwrap_or_default()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
         self.as_mut().map(|m| m.named_params_mut()).unwrap_or_default()
     }
     fn set_training(&mut self, training: bool) {
@@ -145,11 +168,11 @@ impl<T: Params> Params for Option<T> {
     }
 }
 
-impl<T: Params + ?Sized> Params for Box<T> {
-    fn named_params(&self) -> Vec<(String, &Param)> {
+impl<E: Precision, T: Params<E> + ?Sized> Params<E> for Box<T> {
+    fn named_params(&self) -> Vec<(String, &Param<E>)> {
         (**self).named_params()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
         (**self).named_params_mut()
     }
     fn set_training(&mut self, training: bool) {

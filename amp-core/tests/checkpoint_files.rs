@@ -266,7 +266,7 @@ fn corrupt_state_files_are_refused() {
     let check = |text: &str, needle: &str, model: &mut Net| {
         std::fs::write(&state_path, text).unwrap();
         let before = values(model);
-        let err = load_checkpoint::<Value, Value, Value>(&dir, model).unwrap_err().to_string();
+        let err = load_checkpoint::<Value, Value, Value, _>(&dir, model).unwrap_err().to_string();
         assert!(err.contains(state_path.to_str().unwrap()) && err.contains(needle), "{err}");
         assert_eq!(values(model), before);
     };
@@ -360,7 +360,7 @@ fn failed_writer_and_stray_temp_files_leave_the_previous_checkpoint() {
     std::fs::write(dir.join(".training_state.json.tmp-999-0"), b"{\"format\": \"amp-chec").unwrap();
     save_weights(dir.join("model-00000020.safetensors"), &net(7, &[4, 8, 3])).unwrap();
     let mut loaded = net(2, &[4, 8, 3]);
-    assert_eq!(load_checkpoint::<Value, Value, Value>(&dir, &mut loaded).unwrap(), full_state(10));
+    assert_eq!(load_checkpoint::<Value, Value, Value, _>(&dir, &mut loaded).unwrap(), full_state(10));
     assert_eq!(values(&loaded), values(&model));
 
     // The next save clears both leftovers.
@@ -849,15 +849,15 @@ fn typed_state_round_trips_and_a_part_of_another_type_is_refused_naming_it() {
         }
         assert_eq!(values(model), before);
     };
-    let err = load_checkpoint::<OptimizerState<SgdState>, GradScalerState, RunInfo>(&dir, &mut other).unwrap_err();
+    let err = load_checkpoint::<OptimizerState<SgdState>, GradScalerState, RunInfo, _>(&dir, &mut other).unwrap_err();
     check(
         err,
         &["`state.optimizer` does not hold a `amp_core::optim::OptimizerState<", "SgdState", "unknown field"],
         &other,
     );
-    let err = load_checkpoint::<OptimizerState<AdamState>, (), RunInfo>(&dir, &mut other).unwrap_err();
+    let err = load_checkpoint::<OptimizerState<AdamState>, (), RunInfo, _>(&dir, &mut other).unwrap_err();
     check(err, &["`state.scaler` does not hold a `()`", "another optimizer, loss scaler or state type"], &other);
-    let err = load_checkpoint::<OptimizerState<AdamState>, GradScalerState, u32>(&dir, &mut other).unwrap_err();
+    let err = load_checkpoint::<OptimizerState<AdamState>, GradScalerState, u32, _>(&dir, &mut other).unwrap_err();
     check(err, &["`state.extra` does not hold a `u32`"], &other);
 
     // An SGD checkpoint read as AdamW's.

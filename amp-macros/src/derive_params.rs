@@ -8,13 +8,28 @@
 //!   skipping it would let a forgotten `Params` impl drop weights from checkpoints and
 //!   optimizers. The check is a trait bound spanned on the field's type, so the compiler's
 //!   error points at the field, with a message that names it and the fix.
+//! - The impl is `Params<E>` for one element type `E`, found from the struct's syntax, first
+//!   match wins: `#[param(precision = T)]` on the struct; its one type parameter bounded by
+//!   `Precision` (`struct Linear<W: Precision = f32>` gives `impl<W: Precision> Params<W>`);
+//!   `bf16` named in a visited field's type (`lin: Linear<bf16>`, `w: Param<bf16>`); every
+//!   visited field's type mentioning a type parameter (`struct Wrap<M> { inner: M }` gives
+//!   `impl<__AmpE, M: Params<__AmpE>> Params<__AmpE>`, a wrapper of any precision); otherwise
+//!   f32, so every struct written before element types existed derives what it did.
+//! - Why not always `impl<__E> Params<__E> for S where FieldTy: Params<__E>, ..`: a where clause
+//!   on a concrete field type (`rate: f32`) makes the impl compile and never apply, so the error
+//!   would appear only where the struct is used (or never), naming no field. With `E` fixed by
+//!   the syntax, each field's check is a plain bound inside the impl, and a field of the wrong
+//!   type (a `Param<f32>` in a bf16 module, a rate without `skip`) is an error on that field.
+//! - f16 anywhere in a visited field's type (`Param<f16>`, `Linear<f16>`) is refused: no
+//!   optimizer updates f16 parameters (pure f16 training is not supported), and `#[param(skip)]`
+//!   would freeze the weight, so the message says to keep it f32 and autocast.
 //! - Generated code reaches the library through `::amp_core` or, for users who depend only on
 //!   the facade, `::amp::amp_core` (found with `proc-macro-crate`).
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{Data, DeriveInput, Fields, GenericParam, LitStr, Type, parse_quote};
+use syn::{Data, DeriveInput, Fields, LitStr, Type, parse_quote};
 
 /// What `#[param(...)]` says about one field.
 #[derive(Default)]
@@ -127,7 +142,112 @@ pub fn expand(input: DeriveInput) -> TokenStream {
     }
 }
 
-fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
+/// Where the element type of the generated `Params<E>` impl came from (see the module notes).
+enum Elem {
+    /// `#[param(precision = T)]` on the struct.
+    Attribute(Type),
+    /// The struct's one type parameter bounded by `Precision`.
+    TypeParam(syn::Ident),
+    /// `bf16`, named in the type of this field.
+    Bf16Field(String),
+    /// Every visited field's type mentions a type parameter: the impl is generic over `__AmpE`.
+    Generic,
+    /// f32 master weights.
+    F32,
+}
+
+impl Elem {
+    /// The element type as it is written in the impl.
+    fn tokens(&self, krate: &TokenStream) -> TokenStream {
+        match self {
+            Elem::Attribute(ty) => quote!(#ty),
+            Elem::TypeParam(ident) => quote!(#ident),
+            Elem::Bf16Field(_) => quote!(#krate::bf16),
+            Elem::Generic => quote!(__AmpE),
+            Elem::F32 => quote!(f32),
+        }
+    }
+    /// The type parameter that is the element type, if one is (it is not bounded `Params`).
+    fn type_param(&self) -> Option<&syn::Ident> {
+        match self {
+            Elem::TypeParam(ident) => Some(ident),
+            Elem::Attribute(Type::Path(tp)) if tp.qself.is_none() => tp.path.get_ident(),
+            _ => None,
+        }
+    }
+    fn is_f32(&self) -> bool {
+        match self {
+            Elem::F32 => true,
+            Elem::Attribute(Type::Path(tp)) => tp.path.is_ident("f32"),
+            _ => false,
+        }
+    }
+    /// Why the parameters have this element type, for the field check's note.
+    fn reason(&self, struct_name: &str) -> String {
+        match self {
+            Elem::Attribute(ty) => {
+                format!(
+                    "`{struct_name}`'s parameters have element type `{}`, as its `#[param(precision = ..)]` says",
+                    quote!(#ty)
+                )
+            }
+            Elem::TypeParam(ident) => format!(
+                "`{struct_name}`'s parameters have element type `{ident}`, its type parameter bounded by `Precision`"
+            ),
+            Elem::Bf16Field(field) => {
+                format!("`{struct_name}`'s parameters are bf16 because the type of field `{field}` names `bf16`")
+            }
+            Elem::Generic => format!("`{struct_name}`'s parameters have the element type of its type parameters"),
+            Elem::F32 => format!("`{struct_name}`'s parameters are f32"),
+        }
+    }
+}
+
+/// Parses `#[param(precision = T)]` on the struct; other keys are field options, misplaced.
+fn struct_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> Option<Type> {
+    let mut precision: Option<Type> = None;
+    for attr in attrs.iter().filter(|a| a.path().is_ident("param")) {
+        let res = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("precision") {
+                if precision.is_some() {
+                    return Err(meta.error("duplicate `precision`"));
+                }
+                precision = Some(meta.value()?.parse()?);
+                Ok(())
+            } else {
+                Err(meta.error(
+                    "on the struct, `#[param(...)]` takes only `precision = <type>` (the parameters' element type); \
+                     `skip` and `rename = \"...\"` belong on fields",
+                ))
+            }
+        });
+        if let Err(e) = res {
+            errors.push(e);
+        }
+    }
+    precision
+}
+
+/// The type parameters bounded by `Precision` (`W: Precision`, `W: amp::Precision`, or in the
+/// where clause).
+fn precision_params(generics: &syn::Generics) -> Vec<syn::Ident> {
+    let is_precision = |b: &syn::TypeParamBound| matches!(b, syn::TypeParamBound::Trait(t) if t.path.segments.last().is_some_and(|s| s.ident == "Precision"));
+    let mut out: Vec<syn::Ident> =
+        generics.type_params().filter(|t| t.bounds.iter().any(is_precision)).map(|t| t.ident.clone()).collect();
+    for pred in generics.where_clause.iter().flat_map(|w| &w.predicates) {
+        if let syn::WherePredicate::Type(pt) = pred
+            && let Type::Path(tp) = &pt.bounded_ty
+            && let Some(ident) = tp.path.get_ident()
+            && pt.bounds.iter().any(is_precision)
+            && !out.contains(ident)
+        {
+            out.push(ident.clone());
+        }
+    }
+    out
+}
+
+fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
     let krate = core_path();
     let fields = match &input.data {
         Data::Struct(s) => s.fields.clone(),
@@ -142,12 +262,7 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
         }
     };
     let mut errors = Vec::new();
-    for attr in input.attrs.iter().filter(|a| a.path().is_ident("param")) {
-        errors.push(syn::Error::new(
-            attr.span(),
-            "`#[param(...)]` belongs on fields (`skip`, `rename = \"...\"`), not on the struct",
-        ));
-    }
+    let attr_precision = struct_opts(&input.attrs, &mut errors);
 
     // (member, name, type) of every visited field.
     let mut visited = Vec::new();
@@ -175,16 +290,8 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
         if opts.skip.is_some() {
             continue;
         }
-        if let Some(low) = low_precision_param(&field.ty) {
-            errors.push(syn::Error::new(
-                field.ty.span(),
-                format!(
-                    "`Param<{low}>` cannot be trained here: master weights are f32 (`Param`, i.e. `Param<f32>`), and \
-                     `#[autocast]` (or `.cast::<{low}>()` in the forward pass) makes the {low} copy at each use, with \
-                     f32 gradients for the optimizer. Do not mark it `#[param(skip)]`: that would freeze the weight \
-                     and leave it out of checkpoints"
-                ),
-            ));
+        if names_f16(&field.ty) {
+            errors.push(syn::Error::new(field.ty.span(), F16_REFUSED));
             continue;
         }
         let (name, name_span) = match &opts.rename {
@@ -198,6 +305,24 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
         }
         visited.push((member, name, field.ty.clone()));
     }
+    if let Some(ty) = &attr_precision
+        && names_f16(ty)
+    {
+        errors.push(syn::Error::new(ty.span(), F16_REFUSED));
+    }
+
+    let type_params: Vec<syn::Ident> = input.generics.type_params().map(|t| t.ident.clone()).collect();
+    let precision_params = precision_params(&input.generics);
+    if attr_precision.is_none() && precision_params.len() > 1 {
+        errors.push(syn::Error::new(
+            precision_params[1].span(),
+            format!(
+                "`{}` and `{}` are both bounded by `Precision`: say which is the parameters' element type with \
+                 `#[param(precision = ...)]` on the struct",
+                precision_params[0], precision_params[1]
+            ),
+        ));
+    }
     if let Some(combined) = errors.into_iter().reduce(|mut a, b| {
         a.combine(b);
         a
@@ -205,31 +330,42 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
         return Err(combined);
     }
 
+    let elem = if let Some(ty) = attr_precision {
+        Elem::Attribute(ty)
+    } else if let Some(p) = precision_params.first() {
+        Elem::TypeParam(p.clone())
+    } else if let Some((_, name, _)) = visited.iter().find(|(_, _, ty)| names_ident(ty, "bf16")) {
+        Elem::Bf16Field(name.clone())
+    } else if !visited.is_empty() && visited.iter().all(|(_, _, ty)| type_params.iter().any(|p| mentions(ty, p))) {
+        Elem::Generic
+    } else {
+        Elem::F32
+    };
+    let e = elem.tokens(&krate);
+
     // Bound every type parameter a visited field mentions (`struct Wrap<M> { inner: M }`
-    // needs `M: Params`), as serde bounds its type parameters.
-    let type_params: Vec<syn::Ident> = input
-        .generics
-        .params
-        .iter()
-        .filter_map(|p| match p {
-            GenericParam::Type(t) => Some(t.ident.clone()),
-            _ => None,
-        })
-        .collect();
-    let where_clause = input.generics.make_where_clause();
+    // needs `M: Params<E>`), as serde bounds its type parameters; the element type itself is
+    // not a module.
+    let mut impl_generics_src = input.generics.clone();
+    let where_clause = impl_generics_src.make_where_clause();
     for param in &type_params {
-        if visited.iter().any(|(_, _, ty)| mentions(ty, param)) {
-            where_clause.predicates.push(parse_quote!(#param: #krate::Params));
+        if Some(param) != elem.type_param() && visited.iter().any(|(_, _, ty)| mentions(ty, param)) {
+            where_clause.predicates.push(parse_quote!(#param: #krate::Params<#e>));
         }
+    }
+    if let Elem::Generic = elem {
+        impl_generics_src.params.push(parse_quote!(__AmpE: #krate::Precision));
     }
 
     let ident = &input.ident;
-    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    let (impl_generics, _, where_clause) = impl_generics_src.split_for_impl();
+    let (_, ty_generics, _) = input.generics.split_for_impl();
     let struct_name = ident.to_string();
 
     // One check trait per field, so its message can name the field. Its blanket impl over
-    // `Params` means the bound fails exactly when the field's type holds no parameters, and
-    // the call is spanned on the field's type, so the error lands on the field.
+    // `Params<E>` means the bound fails exactly when the field's type holds no parameters of
+    // the struct's element type, and the call is spanned on the field's type, so the error
+    // lands on the field.
     let mut checks = Vec::new();
     let mut visit = Vec::new();
     let mut visit_mut = Vec::new();
@@ -242,40 +378,62 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
             }
             syn::Member::Unnamed(index) => format_ident!("field_{}_holds_params", index.index),
         };
-        let message = format!("field `{name}` of `{struct_name}` has type `{{Self}}`, which holds no parameters");
+        // f32 modules keep the plain message; otherwise it says which element type and why.
+        let (message, notes) = if elem.is_f32() {
+            (
+                format!("field `{name}` of `{struct_name}` has type `{{Self}}`, which holds no parameters"),
+                vec![
+                    "mark the field `#[param(skip)]` if it is not a parameter (a rate, a config), or implement `Params` \
+                     for its type (`#[derive(Params)]`)"
+                        .to_string(),
+                ],
+            )
+        } else {
+            (
+                format!(
+                    "field `{name}` of `{struct_name}` has type `{{Self}}`, which holds no parameters of element type `{{E}}`"
+                ),
+                vec![
+                    elem.reason(&struct_name),
+                    "one module's parameters share one element type: convert a submodule with `.to_precision::<..>()`, \
+                     or mark the field `#[param(skip)]` if it is not a parameter (a rate, a config)"
+                        .to_string(),
+                ],
+            )
+        };
         checks.push(quote! {
             #[diagnostic::on_unimplemented(
                 message = #message,
                 label = "not a `Params` type",
-                note = "mark the field `#[param(skip)]` if it is not a parameter (a rate, a config), or implement `Params` for its type (`#[derive(Params)]`)"
+                #(note = #notes),*
             )]
-            trait #check {
-                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param)>;
-                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param)>;
+            trait #check<E: #krate::Precision> {
+                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<E>)>;
+                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<E>)>;
                 fn __amp_set_training(&mut self, training: bool);
             }
             // Report `f32: check` (with the message above), not the `Params` bound behind it.
             #[diagnostic::do_not_recommend]
-            impl<__AmpT: #krate::Params + ?::std::marker::Sized> #check for __AmpT {
-                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param)> {
-                    #krate::Params::named_params(self)
+            impl<E: #krate::Precision, __AmpT: #krate::Params<E> + ?::std::marker::Sized> #check<E> for __AmpT {
+                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<E>)> {
+                    #krate::Params::<E>::named_params(self)
                 }
-                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param)> {
-                    #krate::Params::named_params_mut(self)
+                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<E>)> {
+                    #krate::Params::<E>::named_params_mut(self)
                 }
                 fn __amp_set_training(&mut self, training: bool) {
-                    #krate::Params::set_training(self, training)
+                    #krate::Params::<E>::set_training(self, training)
                 }
             }
         });
-        let call = quote_spanned!(ty.span()=> <#ty as #check>::__amp_visit);
-        let call_mut = quote_spanned!(ty.span()=> <#ty as #check>::__amp_visit_mut);
+        let call = quote_spanned!(ty.span()=> <#ty as #check<#e>>::__amp_visit);
+        let call_mut = quote_spanned!(ty.span()=> <#ty as #check<#e>>::__amp_visit_mut);
         visit.push(quote! {
             for (__amp_name, __amp_param) in #call(&self.#member) {
                 __amp_out.push((#krate::param::join_name(#name, &__amp_name), __amp_param));
             }
         });
-        let call_training = quote_spanned!(ty.span()=> <#ty as #check>::__amp_set_training);
+        let call_training = quote_spanned!(ty.span()=> <#ty as #check<#e>>::__amp_set_training);
         set_training.push(quote! { #call_training(&mut self.#member, __amp_training); });
         visit_mut.push(quote! {
             for (__amp_name, __amp_param) in #call_mut(&mut self.#member) {
@@ -290,14 +448,14 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
         const _: () = {
             #(#checks)*
             #[automatically_derived]
-            impl #impl_generics #krate::Params for #ident #ty_generics #where_clause {
-                fn named_params(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param)> {
+            impl #impl_generics #krate::Params<#e> for #ident #ty_generics #where_clause {
+                fn named_params(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<#e>)> {
                     #[allow(unused_mut)]
                     let mut __amp_out = ::std::vec::Vec::new();
                     #(#visit)*
                     __amp_out
                 }
-                fn named_params_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param)> {
+                fn named_params_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<#e>)> {
                     #[allow(unused_mut)]
                     let mut __amp_out = ::std::vec::Vec::new();
                     #(#visit_mut)*
@@ -311,31 +469,26 @@ fn try_expand(mut input: DeriveInput) -> syn::Result<TokenStream> {
     })
 }
 
-/// `Param<f16>` / `Param<bf16>` anywhere in a field's type (`Option<Param<bf16>>`, `Vec<..>`):
-/// the low precision's name.
-fn low_precision_param(ty: &syn::Type) -> Option<&'static str> {
-    struct Find(Option<&'static str>);
-    impl<'ast> syn::visit::Visit<'ast> for Find {
-        fn visit_path_segment(&mut self, seg: &'ast syn::PathSegment) {
-            if seg.ident == "Param"
-                && let syn::PathArguments::AngleBracketed(args) = &seg.arguments
-            {
-                for arg in &args.args {
-                    if let syn::GenericArgument::Type(syn::Type::Path(tp)) = arg
-                        && let Some(last) = tp.path.segments.last()
-                    {
-                        if last.ident == "f16" {
-                            self.0 = Some("f16");
-                        } else if last.ident == "bf16" {
-                            self.0 = Some("bf16");
-                        }
-                    }
-                }
-            }
-            syn::visit::visit_path_segment(self, seg);
-        }
+/// The refusal of an f16 parameter (`Param<f16>`, `Linear<f16>`, `#[param(precision = f16)]`).
+const F16_REFUSED: &str = "f16 parameters cannot be trained: optimizers update f32 master weights (`Param`, i.e. \
+     `Param<f32>`) and, for pure low-precision training, bf16 weights (`Param<bf16>`), not f16 (f16 needs loss \
+     scaling, which works on f32 master weights). Keep the weight f32 and let `#[autocast]` (or `.cast::<f16>()` \
+     in the forward pass) make the f16 copy at each use, with f32 gradients for the optimizer. Do not mark it \
+     `#[param(skip)]`: that would freeze the weight and leave it out of checkpoints";
+
+/// Whether `ty` names `f16` anywhere (`Param<f16>`, `Option<Param<half::f16>>`, `Linear<f16>`).
+fn names_f16(ty: &Type) -> bool {
+    names_ident(ty, "f16")
+}
+
+/// Whether `ty` names the identifier `name` anywhere (a token walk).
+fn names_ident(ty: &Type, name: &str) -> bool {
+    fn walk(ts: TokenStream, name: &str) -> bool {
+        ts.into_iter().any(|tt| match tt {
+            proc_macro2::TokenTree::Ident(i) => i == name,
+            proc_macro2::TokenTree::Group(g) => walk(g.stream(), name),
+            _ => false,
+        })
     }
-    let mut f = Find(None);
-    syn::visit::Visit::visit_type(&mut f, ty);
-    f.0
+    walk(quote!(#ty), name)
 }

@@ -17,6 +17,12 @@ use quote::quote;
 /// `#[param(skip)]` for fields that hold no parameters (a rate, a config; required, so a
 /// forgotten impl is a compile error, not a weight missing from checkpoints) and
 /// `#[param(rename = "name")]`.
+///
+/// The impl is `Params<E>` for the parameters' element type `E`: the struct's type parameter
+/// bounded by `Precision` (`struct Linear<W: Precision = f32>`), else `bf16` if a field's type
+/// names it (`Param<bf16>`, `Linear<bf16>`), else generic when every field is generic
+/// (`struct Wrap<M> { inner: M }`), else f32; `#[param(precision = T)]` on the struct says it
+/// outright. f16 parameters are refused (no optimizer updates them).
 #[proc_macro_derive(Params, attributes(param))]
 pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
     derive_params::expand(syn::parse_macro_input!(input as syn::DeriveInput)).into()

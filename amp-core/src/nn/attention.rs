@@ -8,12 +8,13 @@ use crate::{Precision, Rng, Tensor};
 ///
 /// Scores `q kᵀ/√d` and the value product run in `L`; the masked softmax runs in f32 (the
 /// policy table's fp32 category), and the probabilities are cast back to `L` for `p v`.
+/// Its weights are `W` (f32 by default).
 #[derive(Params, Debug, Clone)]
-pub struct CausalSelfAttention {
+pub struct CausalSelfAttention<W: Precision = f32> {
     /// `[3 d, d]`: queries, keys and values in one GEMM.
-    pub qkv: Linear,
+    pub qkv: Linear<W>,
     /// `[d, d]` output projection.
-    pub proj: Linear,
+    pub proj: Linear<W>,
     /// Dropout on the attention probabilities.
     pub attn_dropout: Dropout,
     /// Dropout on the output.
@@ -37,6 +38,19 @@ impl CausalSelfAttention {
             attn_dropout: Dropout::new(dropout),
             resid_dropout: Dropout::new(dropout),
             n_heads,
+        }
+    }
+}
+
+impl<W: Precision> CausalSelfAttention<W> {
+    /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
+    pub fn to_precision<P: Precision>(&self) -> CausalSelfAttention<P> {
+        CausalSelfAttention {
+            qkv: self.qkv.to_precision(),
+            proj: self.proj.to_precision(),
+            attn_dropout: self.attn_dropout.clone(),
+            resid_dropout: self.resid_dropout.clone(),
+            n_heads: self.n_heads,
         }
     }
     /// `x: [B, T, d]` to `[B, T, d]` in precision `L`.

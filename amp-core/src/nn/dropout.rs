@@ -21,13 +21,28 @@ impl Dropout {
     pub fn forward<E: Precision>(&self, x: &Tensor<E>, rng: &mut Rng) -> Tensor<E> {
         x.dropout(self.p, self.training, rng)
     }
+    /// Switches dropout on or off. (Dropout is `Params<E>` for every element type `E`, so it
+    /// fits in a module of any precision; these inherent methods let `dropout.eval()` be
+    /// called without naming one.)
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+    /// Training mode: dropout active.
+    pub fn train(&mut self) {
+        self.training = true;
+    }
+    /// Evaluation mode: dropout is the identity.
+    pub fn eval(&mut self) {
+        self.training = false;
+    }
 }
 
-impl Params for Dropout {
-    fn named_params(&self) -> Vec<(String, &Param)> {
+/// No parameters, of any element type; `set_training` reaches it from the enclosing module.
+impl<E: Precision> Params<E> for Dropout {
+    fn named_params(&self) -> Vec<(String, &Param<E>)> {
         Vec::new()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
         Vec::new()
     }
     fn set_training(&mut self, training: bool) {

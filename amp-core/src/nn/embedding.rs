@@ -1,13 +1,13 @@
 use amp_macros::Params;
 
-use crate::{Indices, Param, Rng, Tensor};
+use crate::{Indices, Param, Precision, Rng, Tensor};
 
-/// A lookup table `[num_embeddings, dim]`; rows are gathered by index (f32 output: embedding
-/// is a pass-through op, and the table is an f32 master weight).
+/// A lookup table `[num_embeddings, dim]` of precision `W` (f32 by default); rows are gathered
+/// by index, as f32 (embedding is a pass-through op, and the residual stream is f32).
 #[derive(Params, Debug, Clone)]
-pub struct Embedding {
+pub struct Embedding<W: Precision = f32> {
     /// `[num_embeddings, dim]`.
-    pub weight: Param,
+    pub weight: Param<W>,
 }
 
 impl Embedding {
@@ -15,8 +15,16 @@ impl Embedding {
     pub fn new(num_embeddings: usize, dim: usize, std: f64, rng: &mut Rng) -> Self {
         Embedding { weight: Param::new(Tensor::<f32>::randn(&[num_embeddings, dim], rng).mul_scalar(std)) }
     }
-    /// Rows for `ids: [...]`, giving `[..., dim]`.
+}
+
+impl<W: Precision> Embedding<W> {
+    /// Rows for `ids: [...]`, giving `[..., dim]` in f32. A bf16 table is widened first, so its
+    /// gradient is summed over repeated ids in f32 and rounded to bf16 once.
     pub fn forward(&self, ids: &Indices) -> Tensor<f32> {
-        self.weight.embedding(ids)
+        self.weight.cast::<f32>().embedding(ids)
+    }
+    /// A copy with its table rounded to precision `P` (a new parameter: its own id).
+    pub fn to_precision<P: Precision>(&self) -> Embedding<P> {
+        Embedding { weight: self.weight.to_precision() }
     }
 }

@@ -40,16 +40,17 @@ impl GptConfig {
 }
 
 /// A pre-LayerNorm decoder block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`, residual in f32.
+/// Its weights are `W` (f32 by default).
 #[derive(Params, Debug, Clone)]
-pub struct Block {
+pub struct Block<W: Precision = f32> {
     /// Norm before attention.
-    pub ln1: LayerNorm,
+    pub ln1: LayerNorm<W>,
     /// Causal self-attention.
-    pub attn: CausalSelfAttention,
+    pub attn: CausalSelfAttention<W>,
     /// Norm before the MLP.
-    pub ln2: LayerNorm,
+    pub ln2: LayerNorm<W>,
     /// The MLP.
-    pub mlp: Mlp,
+    pub mlp: Mlp<W>,
 }
 
 impl Block {
@@ -62,6 +63,18 @@ impl Block {
             mlp: Mlp::new(d, 4 * d, dropout, rng),
         }
     }
+}
+
+impl<W: Precision> Block<W> {
+    /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
+    pub fn to_precision<P: Precision>(&self) -> Block<P> {
+        Block {
+            ln1: self.ln1.to_precision(),
+            attn: self.attn.to_precision(),
+            ln2: self.ln2.to_precision(),
+            mlp: self.mlp.to_precision(),
+        }
+    }
     /// `x: [B, T, d]` (f32 residual stream) to the same shape.
     pub fn forward<L: Precision>(&self, x: &Tensor<f32>, rng: &mut Rng) -> Tensor<f32> {
         let a = self.attn.forward::<L, f32>(&self.ln1.forward(x), rng);
@@ -71,21 +84,23 @@ impl Block {
     }
 }
 
-/// A small decoder-only transformer (GPT-2 layout, learned positions).
+/// A small decoder-only transformer (GPT-2 layout, learned positions), with weights of
+/// precision `W`: f32 master weights by default; `gpt.to_precision::<bf16>()` gives the
+/// pure-bf16 model (see [`crate::optim`]).
 #[derive(Params, Debug, Clone)]
-pub struct Gpt {
+pub struct Gpt<W: Precision = f32> {
     /// Token embeddings `[vocab, d]`.
-    pub tok_emb: Embedding,
+    pub tok_emb: Embedding<W>,
     /// Position embeddings `[block_size, d]`.
-    pub pos_emb: Embedding,
+    pub pos_emb: Embedding<W>,
     /// Dropout on the embeddings.
     pub drop: Dropout,
     /// The decoder blocks.
-    pub blocks: Vec<Block>,
+    pub blocks: Vec<Block<W>>,
     /// Final norm.
-    pub ln_f: LayerNorm,
+    pub ln_f: LayerNorm<W>,
     /// Output projection to the vocabulary.
-    pub head: Linear,
+    pub head: Linear<W>,
     /// The sizes.
     #[param(skip)]
     pub config: GptConfig,
@@ -111,6 +126,24 @@ impl Gpt {
     pub fn new(config: GptConfig, rng: &mut Rng) -> Self {
         crate::error::or_panic(Self::try_new(config, rng))
     }
+}
+
+impl<W: Precision> Gpt<W> {
+    /// A copy with every weight rounded to precision `P` (new parameters: their own ids, so an
+    /// optimizer of the original does not step the copy). `Gpt::new(config, rng)
+    /// .to_precision::<bf16>()` is the pure-bf16 model with the f32 model's initialisation,
+    /// rounded to nearest.
+    pub fn to_precision<P: Precision>(&self) -> Gpt<P> {
+        Gpt {
+            tok_emb: self.tok_emb.to_precision(),
+            pos_emb: self.pos_emb.to_precision(),
+            drop: self.drop.clone(),
+            blocks: self.blocks.iter().map(Block::to_precision).collect(),
+            ln_f: self.ln_f.to_precision(),
+            head: self.head.to_precision(),
+            config: self.config.clone(),
+        }
+    }
     /// Logits `[B, T, vocab]` in precision `L` for token ids `[B, T]`.
     #[track_caller]
     pub fn forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Tensor<L> {
@@ -120,7 +153,7 @@ impl Gpt {
             "Gpt::forward: sequence length {t} exceeds block_size {}",
             self.config.block_size
         );
-        let pos = self.pos_emb.weight.narrow(0, 0, t);
+        let pos = self.pos_emb.weight.narrow(0, 0, t).cast::<f32>();
         let mut x = self.drop.forward(&self.tok_emb.forward(ids).add(&pos), rng);
         for block in &self.blocks {
             x = block.forward::<L>(&x, rng);

@@ -2,14 +2,15 @@ use amp_macros::Params;
 
 use crate::{Param, Precision, Tensor};
 
-/// Layer normalisation over the last dim with learnable `weight` (ones) and `bias` (zeros).
-/// Always computed in f32 (fp32 category of the policy table), whatever the input precision.
+/// Layer normalisation over the last dim with learnable `weight` (ones) and `bias` (zeros) of
+/// precision `W` (f32 by default). Always computed in f32 (fp32 category of the policy table),
+/// whatever the input and weight precisions.
 #[derive(Params, Debug, Clone)]
-pub struct LayerNorm {
+pub struct LayerNorm<W: Precision = f32> {
     /// Scale, `[dim]`.
-    pub weight: Param,
+    pub weight: Param<W>,
     /// Shift, `[dim]`.
-    pub bias: Param,
+    pub bias: Param<W>,
     /// Added to the variance (PyTorch default 1e-5).
     #[param(skip)]
     pub eps: f64,
@@ -20,8 +21,15 @@ impl LayerNorm {
     pub fn new(dim: usize) -> Self {
         LayerNorm { weight: Param::new(Tensor::ones(&[dim])), bias: Param::new(Tensor::zeros(&[dim])), eps: 1e-5 }
     }
-    /// Normalises `x: [..., dim]`, returning f32.
+}
+
+impl<W: Precision> LayerNorm<W> {
+    /// Normalises `x: [..., dim]`, returning f32 (bf16 weights are widened to f32 first).
     pub fn forward<X: Precision>(&self, x: &Tensor<X>) -> Tensor<f32> {
-        x.cast::<f32>().layer_norm(Some(&self.weight), Some(&self.bias), self.eps)
+        x.cast::<f32>().layer_norm(Some(&self.weight.cast::<f32>()), Some(&self.bias.cast::<f32>()), self.eps)
+    }
+    /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
+    pub fn to_precision<P: Precision>(&self) -> LayerNorm<P> {
+        LayerNorm { weight: self.weight.to_precision(), bias: self.bias.to_precision(), eps: self.eps }
     }
 }

@@ -3,13 +3,15 @@ use amp_macros::Params;
 use crate::{Param, Precision, Rng, Tensor};
 
 /// `y = x Wᵀ + b` with `W: [out, in]` (PyTorch's layout and names: `weight`, `bias`).
-/// Runs in the compute precision `L` (lower-precision category of the policy table).
+/// Runs in the compute precision `L` (lower-precision category of the policy table). The
+/// weights are `W`: f32 master weights by default, bf16 for pure-bf16 training
+/// ([`Linear::to_precision`]).
 #[derive(Params, Debug, Clone)]
-pub struct Linear {
+pub struct Linear<W: Precision = f32> {
     /// `[out_features, in_features]`.
-    pub weight: Param,
+    pub weight: Param<W>,
     /// `[out_features]`, if the layer has a bias.
-    pub bias: Option<Param>,
+    pub bias: Option<Param<W>>,
 }
 
 impl Linear {
@@ -29,6 +31,13 @@ impl Linear {
             weight: Param::new(Tensor::<f32>::randn(&[out_features, in_features], rng).mul_scalar(std)),
             bias: bias.then(|| Param::new(Tensor::zeros(&[out_features]))),
         }
+    }
+}
+
+impl<W: Precision> Linear<W> {
+    /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
+    pub fn to_precision<P: Precision>(&self) -> Linear<P> {
+        Linear { weight: self.weight.to_precision(), bias: self.bias.as_ref().map(Param::to_precision) }
     }
     /// Applies the layer to `x: [..., in]`, giving `[..., out]` in precision `L` (one GEMM with
     /// the bias in the accumulator: the `linear` op, lower-precision category).

@@ -4,12 +4,13 @@ use super::{Dropout, Linear};
 use crate::{Precision, Rng, Tensor};
 
 /// The transformer MLP: `Linear(d, 4d) -> GELU -> Linear(4d, d) -> Dropout`.
+/// Its weights are `W` (f32 by default).
 #[derive(Params, Debug, Clone)]
-pub struct Mlp {
+pub struct Mlp<W: Precision = f32> {
     /// Expansion, `[hidden, d]`.
-    pub fc: Linear,
+    pub fc: Linear<W>,
     /// Projection back, `[d, hidden]`.
-    pub proj: Linear,
+    pub proj: Linear<W>,
     /// Residual dropout.
     pub dropout: Dropout,
 }
@@ -22,6 +23,13 @@ impl Mlp {
             proj: Linear::normal(hidden, d, true, 0.02, rng),
             dropout: Dropout::new(dropout),
         }
+    }
+}
+
+impl<W: Precision> Mlp<W> {
+    /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
+    pub fn to_precision<P: Precision>(&self) -> Mlp<P> {
+        Mlp { fc: self.fc.to_precision(), proj: self.proj.to_precision(), dropout: self.dropout.clone() }
     }
     /// `x: [..., d]` to `[..., d]` in precision `L` (GELU runs in `L`: a pass-through op).
     pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X>, rng: &mut Rng) -> Tensor<L> {

@@ -4,6 +4,12 @@
 //! Design notes:
 //! - Parameters are f32 master weights (`Param<f32>`) enumerated by `#[derive(Params)]` with
 //!   PyTorch's `state_dict` names (`blocks.0.ln1.weight`), so checkpoints interoperate.
+//! - Every module is generic over its weight precision `W`, f32 by default (`Linear` is
+//!   `Linear<f32>`), for pure-bf16 training: `gpt.to_precision::<bf16>()` is the same model
+//!   with bf16 weights (an `Optim::for_bf16` steps it; see [`crate::optim`]). Constructors
+//!   build f32 modules, so `Linear::new(..)` needs no annotation. The forward passes are the
+//!   same for every `W`: weights are cast to the compute precision `L` (a no-op when `W = L`),
+//!   and layer norm and embeddings widen theirs to f32, so their gradients arrive in `W`.
 //! - Each `forward` takes the low (compute) precision `L` as a type parameter and applies the
 //!   autocast policy table (`crate::policy`): matmul-like ops (Linear, attention scores and
 //!   values) run in `L` with f32 accumulation; layer norm, softmax and the loss run in f32; the

@@ -20,13 +20,60 @@
 //!   [`Optim::bind`]: stepping it on another model (a copy with the same names included) is an
 //!   error naming the parameter, so two models never share moments or step counts. A
 //!   [`Grads`] is applied once: stepping twice with one set (or a clone of it) is an error.
+//!
+//! # Pure bf16 training
+//!
+//! Large models are often trained with bf16 weights and no f32 master copy (PyTorch users
+//! write `model.to(torch.bfloat16)` with an optimizer that keeps f32 moments). Here that is a
+//! bf16 model (`gpt.to_precision::<bf16>()`, a `Params<bf16>`) stepped by an [`Optim<R, bf16>`]
+//! ([`Optim::for_bf16`]):
+//! - The rule's state is unchanged: moments and step counts are f32, as for f32 weights. At a
+//!   step the bf16 weight and its bf16 gradient are widened to f32, the rule's own f32 kernel
+//!   runs on them (the same arithmetic as for f32 weights), and the result is written back to
+//!   bf16 as [`Bf16Rounding`] says.
+//! - The element type is a parameter of the optimizer type, not only of the trait: each
+//!   `Optim<R, E>` has exactly one `Optimizer` impl, so `opt.step(&mut model, &grads)`,
+//!   `opt.steps()` and the training step's `.step(&mut opt, &mut model)` infer `E` with no
+//!   annotation, and an f32 optimizer handed a bf16 model is a compile error. The bf16 one
+//!   carries its rounding and compensation, and its checkpoint is a [`Bf16OptimizerState`]
+//!   ([`OptimizerState`] is unchanged).
+//! - Plain round to nearest loses every update smaller than half a bf16 ulp of the weight (an
+//!   update below 2⁻⁸ ≈ 0.0039 for a weight just above 1, 2⁻⁹ just below: the warmup's first
+//!   steps, the end of a cosine schedule, and the decay term `lr·wd·w` always): the weight
+//!   stalls. [`Bf16Rounding::Nearest`] is offered to show it.
+//! - The default, [`Bf16Rounding::Kahan`], keeps a compensation buffer per parameter: the
+//!   rounding error of each write is carried into the next update (Kahan summation), so small
+//!   updates accumulate until they move the weight. The buffer is bf16, 2 bytes per value:
+//!   weight and compensation then take 4 bytes, what an f32 master weight takes, but the
+//!   gradients are bf16 (2 bytes instead of 4) and no bf16 copy of the weights is made each
+//!   step. A bf16 compensation holds the lost part to 8 bits: updates down to about 2⁻¹⁷ of
+//!   the weight's magnitude (a thousandth of its bf16 ulp) still accumulate, and the weight
+//!   stays within about one bf16 ulp of the f32 trajectory (an f32 master keeps updates down to
+//!   2⁻²⁴; an f32 compensation would too, but at 4 bytes, 6 in all, more than the master it
+//!   replaces). It is part of [`Optim::state_dict`], so a resumed run continues bit for bit.
+//! - [`Bf16Rounding::Stochastic`] rounds up or down with probability given by the distance
+//!   (unbiased in expectation), with no buffer at all (2 bytes per weight). Its random bits
+//!   are a hash of (seed, parameter name, applied step, element), counter-based, so a resumed
+//!   run draws the same bits. It adds noise of up to one bf16 ulp per write where Kahan's error
+//!   is bounded and deterministic, which is why Kahan is the default.
+//!   `amp-core/tests/pure_bf16.rs` measures Kahan, stochastic rounding and round to nearest
+//!   against f32 master weights on the addition task (figures in the README).
+//! - f16 parameters have no optimizer: [`Optimizer`] is implemented for f32 and bf16 only, so
+//!   stepping a `Params<f16>` model does not compile (f16's 5-bit exponent needs the f32 master
+//!   copy and loss scaling of mixed precision; pure f16 training is not supported).
+//! - The binding and the one-step-per-`Grads` rule are the same for bf16 parameters, and so is
+//!   the training step: `scaler.scale(loss).backward().unscale().step(&mut opt, &mut model)`
+//!   with [`crate::scaler::NoScale`] (or a `GradScaler`); gradients of bf16 parameters are
+//!   bf16, and clipping and unscaling handle them.
 
 mod adam;
+mod bf16;
 mod schedule;
 mod sgd;
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -34,17 +81,28 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use adam::{Adam, AdamState, AdamW};
+pub use bf16::{Bf16OptimizerState, Bf16Rounding};
 pub use schedule::{Constant, LrSchedule, WarmupCosine};
 pub use sgd::{Sgd, SgdState};
 
 use crate::autograd::{Grads, TensorId};
 use crate::cpu::{CHUNK, PAR_MIN};
 use crate::error::{Error, Result};
-use crate::param::Params;
+use crate::param::{Param, Params};
+use crate::precision::Precision;
+use crate::tensor::Tensor;
 
-/// Anything that updates a model's parameters from gradients. Object safe, so several
-/// optimizers can be stepped together ([`crate::scaler::TrainStep::step_many`]).
-pub trait Optimizer {
+/// Anything that updates a model's parameters (of element type `E`, f32 by default) from
+/// gradients. Object safe, so several optimizers can be stepped together
+/// ([`crate::scaler::TrainStep::step_many`]). Implemented by [`Optim<R>`] for f32 parameters
+/// and by [`Optim<R, bf16>`](Optim::for_bf16) for pure-bf16 ones; by nothing for f16.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not update parameters of element type `{E}`",
+    label = "this optimizer cannot step `Param<{E}>` parameters",
+    note = "`Optim::new(rule)` (or `rule.build()`) updates f32 master weights (`Param`, i.e. `Param<f32>`); `.for_bf16(Bf16Rounding::Kahan)` makes it an optimizer for pure-bf16 parameters (`Param<bf16>`)",
+    note = "f16 parameters cannot be trained (pure f16 training is not supported): keep f32 master weights and autocast to f16 with a `GradScaler`"
+)]
+pub trait Optimizer<E: Precision = f32> {
     /// Updates every parameter of `params` that has a gradient in `grads`.
     ///
     /// In a training step this is called by `.step(..)` on unscaled, finite gradients; call it
@@ -53,15 +111,15 @@ pub trait Optimizer {
     /// changing nothing, if `params` are not the parameters this optimizer is bound to, if
     /// none of them has a gradient in a non-empty `grads`, or if this `grads` (or a clone of
     /// it) was already applied.
-    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()>;
+    fn step(&mut self, params: &mut dyn Params<E>, grads: &Grads) -> Result<()>;
     /// The learning rate of the default group that the next step will use (after the schedule).
     fn lr(&self) -> f64;
     /// Steps applied so far (skipped steps are not counted).
     fn steps(&self) -> u64;
 }
 
-impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
-    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()> {
+impl<E: Precision, T: Optimizer<E> + ?Sized> Optimizer<E> for Box<T> {
+    fn step(&mut self, params: &mut dyn Params<E>, grads: &Grads) -> Result<()> {
         (**self).step(params, grads)
     }
     fn lr(&self) -> f64 {
@@ -170,7 +228,8 @@ pub struct OptimizerState<S> {
 }
 
 /// An optimizer: update rule `R` plus parameter groups, a learning-rate schedule and state per
-/// parameter.
+/// parameter, for parameters of element type `E`: f32 master weights (the default, built by
+/// [`Optim::new`]) or pure-bf16 weights ([`Optim::for_bf16`], see the module notes).
 ///
 /// ```
 /// use amp_core::optim::{AdamW, Optim, ParamGroup, WarmupCosine};
@@ -181,7 +240,7 @@ pub struct OptimizerState<S> {
 /// assert_eq!(opt.lr_at(0), 3e-4 / 100.0);
 /// ```
 #[derive(Clone)]
-pub struct Optim<R: Rule> {
+pub struct Optim<R: Rule, E: Precision = f32> {
     rule: R,
     groups: Vec<ParamGroup>,
     schedule: Option<Arc<dyn LrSchedule>>,
@@ -191,16 +250,26 @@ pub struct Optim<R: Rule> {
     bound: Option<BTreeMap<String, TensorId>>,
     /// The generation of the last `Grads` applied (each set is applied once).
     last_grads: Option<u64>,
+    /// How updates are written into bf16 parameters (read by `Optim<R, bf16>` only).
+    rounding: Bf16Rounding,
+    /// The Kahan compensation of each bf16 parameter by name (empty unless `E` is bf16 and
+    /// `rounding` is Kahan).
+    compensation: BTreeMap<String, Vec<half::bf16>>,
+    _elem: PhantomData<fn() -> E>,
 }
 
-impl<R: Rule> fmt::Debug for Optim<R> {
+impl<R: Rule, E: Precision> fmt::Debug for Optim<R, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Optim")
-            .field("rule", &self.rule)
+        let mut d = f.debug_struct("Optim");
+        d.field("rule", &self.rule)
+            .field("params", &E::DTYPE)
             .field("groups", &self.groups)
             .field("steps", &self.steps)
-            .field("params_with_state", &self.state.len())
-            .finish_non_exhaustive()
+            .field("params_with_state", &self.state.len());
+        if E::DTYPE == crate::DType::BF16 {
+            d.field("rounding", &self.rounding);
+        }
+        d.finish_non_exhaustive()
     }
 }
 
@@ -217,8 +286,24 @@ impl<R: Rule> Optim<R> {
             state: BTreeMap::new(),
             bound: None,
             last_grads: None,
+            rounding: Bf16Rounding::default(),
+            compensation: BTreeMap::new(),
+            _elem: PhantomData,
         })
     }
+
+    /// The checkpoint: rule name, applied steps, state per parameter.
+    pub fn state_dict(&self) -> OptimizerState<R::State> {
+        self.base_state()
+    }
+    /// Restores a checkpoint written by an optimizer with the same rule. Shapes are checked
+    /// against the parameters at the next step (or now, with [`Optim::check_params`]).
+    pub fn load_state_dict(&mut self, state: OptimizerState<R::State>) -> Result<()> {
+        self.load_base_state(state)
+    }
+}
+
+impl<R: Rule, E: Precision> Optim<R, E> {
     /// Adds a parameter group (checked before the groups added after it).
     pub fn with_group(mut self, group: ParamGroup) -> Self {
         self.groups.push(group);
@@ -258,13 +343,10 @@ impl<R: Rule> Optim<R> {
         self.state.get(name)
     }
 
-    /// The checkpoint: rule name, applied steps, state per parameter.
-    pub fn state_dict(&self) -> OptimizerState<R::State> {
+    fn base_state(&self) -> OptimizerState<R::State> {
         OptimizerState { kind: self.rule.name().to_string(), steps: self.steps, params: self.state.clone() }
     }
-    /// Restores a checkpoint written by an optimizer with the same rule. Shapes are checked
-    /// against the parameters at the next step (or now, with [`Optim::check_params`]).
-    pub fn load_state_dict(&mut self, state: OptimizerState<R::State>) -> Result<()> {
+    fn load_base_state(&mut self, state: OptimizerState<R::State>) -> Result<()> {
         if state.kind != self.rule.name() {
             return Err(Error::State {
                 context: "Optim::load_state_dict".into(),
@@ -281,11 +363,11 @@ impl<R: Rule> Optim<R> {
     /// Binds this optimizer to `params` (replacing any binding): from now on it steps exactly
     /// these parameters. Without a call, the first step binds. Use it to move an optimizer to
     /// a model on purpose (its state follows the parameter names).
-    pub fn bind(&mut self, params: &dyn Params) {
+    pub fn bind(&mut self, params: &dyn Params<E>) {
         self.bound = Some(params.named_params().into_iter().map(|(n, p)| (n, p.id())).collect());
     }
     /// Checks that `params` are the bound parameters (or binds them, on the first step).
-    fn check_bound(&self, params: &[(String, &mut crate::Param)]) -> Result<()> {
+    fn check_bound(&self, params: &[(String, &mut Param<E>)]) -> Result<()> {
         let Some(bound) = &self.bound else { return Ok(()) };
         let bad = |detail: String| Err(Error::State { context: "optimizer step".into(), detail });
         for (name, p) in params {
@@ -321,7 +403,7 @@ impl<R: Rule> Optim<R> {
     }
     /// Checks that every stored state belongs to a parameter of `params` and fits its size, so a
     /// mismatched checkpoint is refused before training resumes.
-    pub fn check_params(&self, params: &dyn Params) -> Result<()> {
+    pub fn check_params(&self, params: &dyn Params<E>) -> Result<()> {
         let named = params.named_params();
         for (name, st) in &self.state {
             let Some((_, p)) = named.iter().find(|(n, _)| n == name) else {
@@ -337,15 +419,37 @@ impl<R: Rule> Optim<R> {
                 });
             }
         }
+        for (name, c) in &self.compensation {
+            match named.iter().find(|(n, _)| n == name) {
+                None => {
+                    return Err(Error::State {
+                        context: "optimizer state".into(),
+                        detail: format!("a Kahan compensation for `{name}`, which is not a parameter of the model"),
+                    });
+                }
+                Some((_, p)) if p.numel() != c.len() => {
+                    return Err(Error::State {
+                        context: "optimizer state".into(),
+                        detail: format!(
+                            "the Kahan compensation of `{name}` has {} values, its parameter {} (shape {:?})",
+                            c.len(),
+                            p.numel(),
+                            p.shape()
+                        ),
+                    });
+                }
+                Some(_) => {}
+            }
+        }
         Ok(())
     }
-}
 
-impl<R: Rule> Optimizer for Optim<R> {
-    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()> {
-        let t = self.steps;
-        let mut work = Vec::new();
-        // Check everything first, so an error leaves parameters and state untouched.
+    /// Checks a step before anything changes, so an error leaves parameters and state
+    /// untouched: the gradients are new to this optimizer, `named` are its bound parameters,
+    /// and each parameter with a gradient has a gradient of its own precision and shape, and
+    /// state that fits. Returns those parameters with their gradients, and the binding to make
+    /// if this is the first step.
+    fn plan<'a>(&self, named: Vec<(String, &'a mut Param<E>)>, grads: &'a Grads) -> Result<Plan<'a, E>> {
         if self.last_grads == Some(grads.generation()) {
             return Err(Error::State {
                 context: "optimizer step".into(),
@@ -354,7 +458,6 @@ impl<R: Rule> Optimizer for Optim<R> {
                     .into(),
             });
         }
-        let named = params.named_params_mut();
         self.check_bound(&named)?;
         if !grads.is_empty() && !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
             return Err(Error::State {
@@ -369,14 +472,11 @@ impl<R: Rule> Optimizer for Optim<R> {
         // The first step binds (later steps were checked against the binding above).
         let binding: Option<BTreeMap<String, TensorId>> =
             self.bound.is_none().then(|| named.iter().map(|(n, p)| (n.clone(), p.id())).collect());
+        let mut work = Vec::new();
         for (name, param) in named {
             let Some(any) = grads.get_by_id(param.id()) else { continue };
-            let Some(grad) = any.as_tensor::<f32>() else {
-                return Err(Error::GradPrecision {
-                    op: "optimizer step",
-                    expected: crate::DType::F32,
-                    found: any.dtype(),
-                });
+            let Some(grad) = any.as_tensor::<E>() else {
+                return Err(Error::GradPrecision { op: "optimizer step", expected: E::DTYPE, found: any.dtype() });
             };
             if grad.shape() != param.shape() {
                 return Err(Error::Shape {
@@ -393,8 +493,41 @@ impl<R: Rule> Optimizer for Optim<R> {
                     detail: format!("the state of `{name}` does not fit its shape {:?}", param.shape()),
                 });
             }
+            if let Some(c) = self.compensation.get(&name)
+                && c.len() != param.numel()
+            {
+                return Err(Error::State {
+                    context: "optimizer step".into(),
+                    detail: format!("the Kahan compensation of `{name}` does not fit its shape {:?}", param.shape()),
+                });
+            }
             work.push((name, param, grad));
         }
+        Ok(Plan { work, binding })
+    }
+
+    /// Ends an applied step: counts it, binds on the first one, marks `grads` as applied.
+    fn finish_step(&mut self, binding: Option<BTreeMap<String, TensorId>>, grads: &Grads) {
+        self.steps += 1;
+        if binding.is_some() {
+            self.bound = binding;
+        }
+        self.last_grads = Some(grads.generation());
+    }
+}
+
+/// What a checked step will update (from [`Optim::plan`]).
+struct Plan<'a, E: Precision> {
+    /// Each parameter with a gradient, by name, with its gradient.
+    work: Vec<(String, &'a mut Param<E>, &'a Tensor<E>)>,
+    /// The binding to make at the end of the step (the first step only).
+    binding: Option<BTreeMap<String, TensorId>>,
+}
+
+impl<R: Rule> Optimizer for Optim<R> {
+    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()> {
+        let t = self.steps;
+        let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
         for (name, param, grad) in work {
             let hyper = self.hyper_for(&name, t);
             let numel = param.numel();
@@ -402,11 +535,7 @@ impl<R: Rule> Optimizer for Optim<R> {
             let g = grad.contiguous_data();
             self.rule.update(hyper, param.data_mut(), &g, state);
         }
-        self.steps += 1;
-        if binding.is_some() {
-            self.bound = binding;
-        }
-        self.last_grads = Some(grads.generation());
+        self.finish_step(binding, grads);
         Ok(())
     }
     fn lr(&self) -> f64 {
@@ -447,9 +576,9 @@ pub(crate) fn for_chunks(
 
 /// A state buffer in chunks matching the parameter's; an empty buffer ("no state") gives an
 /// empty slice per chunk.
-fn split_state(s: &mut [f32], n: usize) -> Vec<&mut [f32]> {
+fn split_state<T>(s: &mut [T], n: usize) -> Vec<&mut [T]> {
     if s.is_empty() {
-        (0..n.div_ceil(CHUNK)).map(|_| <&mut [f32]>::default()).collect()
+        (0..n.div_ceil(CHUNK)).map(|_| <&mut [T]>::default()).collect()
     } else {
         s.chunks_mut(CHUNK).collect()
     }

@@ -449,13 +449,19 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     /// Applies `optimizer` to `model`'s parameters, or skips it (leaving parameters and
     /// optimizer state bit-identical) if any of their gradients was inf or NaN. Parameters are
     /// updated in place (the forward graph was freed by `.backward()`).
-    pub fn try_step<O, M>(self, optimizer: &mut O, model: &mut M) -> Result<Stepped<'s, K>>
+    ///
+    /// The model's parameters are of element type `E`: f32 master weights with an
+    /// [`crate::optim::Optim`], or pure-bf16 weights with an `Optim<R, bf16>`
+    /// ([`crate::optim::Optim::for_bf16`]); an optimizer for another element type does not
+    /// compile.
+    pub fn try_step<O, M, E>(self, optimizer: &mut O, model: &mut M) -> Result<Stepped<'s, K>>
     where
         S: CanStep,
-        O: Optimizer + ?Sized,
-        M: Params + ?Sized,
+        E: Precision,
+        O: Optimizer<E> + ?Sized,
+        M: Params<E> + ?Sized,
     {
-        let mut pairs: [(&mut dyn Optimizer, &mut dyn Params); 1] =
+        let mut pairs: [(&mut dyn Optimizer<E>, &mut dyn Params<E>); 1] =
             [(&mut DynOptimizer(optimizer), &mut DynParams(model))];
         self.try_step_many(&mut pairs)
     }
@@ -463,19 +469,24 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     /// gradient or optimizer state whose shape does not match its parameter, an optimizer
     /// bound to another model's parameters).
     #[track_caller]
-    pub fn step<O, M>(self, optimizer: &mut O, model: &mut M) -> Stepped<'s, K>
+    pub fn step<O, M, E>(self, optimizer: &mut O, model: &mut M) -> Stepped<'s, K>
     where
         S: CanStep,
-        O: Optimizer + ?Sized,
-        M: Params + ?Sized,
+        E: Precision,
+        O: Optimizer<E> + ?Sized,
+        M: Params<E> + ?Sized,
     {
         or_panic(self.try_step(optimizer, model))
     }
     /// Steps several optimizers, each over its own parameters, on this step's gradients. Each
     /// skips on its own overflow (an inf/NaN among its parameters' gradients); the scale backs
     /// off once in `.update()` however many skipped, as in PyTorch. A pair whose parameters
-    /// have no gradient at all is left alone (its optimizer does not count a step).
-    pub fn try_step_many(mut self, pairs: &mut [(&mut dyn Optimizer, &mut dyn Params)]) -> Result<Stepped<'s, K>>
+    /// have no gradient at all is left alone (its optimizer does not count a step). Every pair
+    /// has parameters of one element type `E` (f32, or bf16 for pure-bf16 models).
+    pub fn try_step_many<E: Precision>(
+        mut self,
+        pairs: &mut [(&mut dyn Optimizer<E>, &mut dyn Params<E>)],
+    ) -> Result<Stepped<'s, K>>
     where
         S: CanStep,
     {
@@ -509,7 +520,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     }
     /// Steps several optimizers; panics where [`TrainStep::try_step_many`] errs.
     #[track_caller]
-    pub fn step_many(self, pairs: &mut [(&mut dyn Optimizer, &mut dyn Params)]) -> Stepped<'s, K>
+    pub fn step_many<E: Precision>(self, pairs: &mut [(&mut dyn Optimizer<E>, &mut dyn Params<E>)]) -> Stepped<'s, K>
     where
         S: CanStep,
     {
@@ -692,23 +703,23 @@ fn unscale_generic<E: Precision>(data: &mut [E], inv: f32) -> bool {
     found
 }
 
-/// `&mut M` for any `M: Params + ?Sized`, as a sized `Params`.
-struct DynParams<'a, M: Params + ?Sized>(&'a mut M);
+/// `&mut M` for any `M: Params<E> + ?Sized`, as a sized `Params<E>`.
+struct DynParams<'a, M: ?Sized>(&'a mut M);
 
-impl<M: Params + ?Sized> Params for DynParams<'_, M> {
-    fn named_params(&self) -> Vec<(String, &Param)> {
+impl<E: Precision, M: Params<E> + ?Sized> Params<E> for DynParams<'_, M> {
+    fn named_params(&self) -> Vec<(String, &Param<E>)> {
         self.0.named_params()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
         self.0.named_params_mut()
     }
 }
 
-/// `&mut O` for any `O: Optimizer + ?Sized`, as a sized `Optimizer`.
-struct DynOptimizer<'a, O: Optimizer + ?Sized>(&'a mut O);
+/// `&mut O` for any `O: Optimizer<E> + ?Sized`, as a sized `Optimizer<E>`.
+struct DynOptimizer<'a, O: ?Sized>(&'a mut O);
 
-impl<O: Optimizer + ?Sized> Optimizer for DynOptimizer<'_, O> {
-    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()> {
+impl<E: Precision, O: Optimizer<E> + ?Sized> Optimizer<E> for DynOptimizer<'_, O> {
+    fn step(&mut self, params: &mut dyn Params<E>, grads: &Grads) -> Result<()> {
         self.0.step(params, grads)
     }
     fn lr(&self) -> f64 {

@@ -1,0 +1,299 @@
+//! The optimizer for pure-bf16 parameters: the rule's f32 update, written back to bf16 with
+//! Kahan compensation, stochastic rounding or round to nearest (see the module notes of
+//! [`crate::optim`]).
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+
+use half::bf16;
+use rayon::prelude::*;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{Optim, Optimizer, OptimizerState, Plan, Rule, split_state};
+use crate::autograd::Grads;
+use crate::cpu::{CHUNK, PAR_MIN};
+use crate::error::{Error, Result};
+use crate::param::Params;
+use crate::precision::Precision;
+
+/// How an [`Optim<R, bf16>`](Optim::for_bf16) writes the rule's f32 result into a bf16
+/// parameter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bf16Rounding {
+    /// Kahan summation (the default): a bf16 compensation buffer per parameter (2 bytes per
+    /// value) carries each write's rounding error into the next update, so updates far below
+    /// the weight's bf16 resolution still accumulate. Per element, with `p` the bf16 weight,
+    /// `c` its compensation and `w` the rule's f32 result for `p`:
+    /// `y = (w − p) + c; p' = bf16(p + y); c' = bf16(y − (p' − p))`.
+    #[default]
+    Kahan,
+    /// Stochastic rounding: `w` is rounded up or down to a neighbouring bf16 with probability
+    /// proportional to its closeness (16 random bits added below bf16's last bit, then
+    /// truncated), so the rounding is unbiased in expectation; no buffer. The bits are a hash
+    /// of (`seed`, parameter name, applied step, element index): a resumed run draws the same.
+    Stochastic {
+        /// Seed of the rounding bits.
+        seed: u64,
+    },
+    /// Round to nearest even, as PyTorch's in-place update of a bf16 parameter does: updates
+    /// below half a bf16 ulp of the weight are lost. For comparison; not for training.
+    Nearest,
+}
+
+/// The checkpoint of an [`Optim<R, bf16>`](Optim::for_bf16): the rule's state as for f32
+/// parameters, the rounding, and the Kahan compensation of each parameter (bf16 values,
+/// serialised as their bit patterns).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(bound(serialize = "S: Serialize", deserialize = "S: DeserializeOwned"))]
+pub struct Bf16OptimizerState<S> {
+    /// Rule name, applied steps, per-parameter state (moments in f32).
+    pub optimizer: OptimizerState<S>,
+    /// How updates were written back (a checkpoint loads only into the same rounding).
+    pub rounding: Bf16Rounding,
+    /// Kahan compensation per parameter name (empty for the other roundings).
+    pub compensation: BTreeMap<String, Vec<bf16>>,
+}
+
+impl<R: Rule> Optim<R> {
+    /// This optimizer for pure-bf16 parameters (`Params<bf16>`, e.g. a
+    /// `gpt.to_precision::<bf16>()`): the same rule, groups, schedule and state, with updates
+    /// written back to bf16 as `rounding` says ([`Bf16Rounding::Kahan`] is the default choice;
+    /// see the module notes). It binds afresh at its next step, and starts with no
+    /// compensation.
+    ///
+    /// ```
+    /// use amp_core::optim::{AdamW, Bf16Rounding, Optimizer};
+    /// use amp_core::{Param, Tensor, bf16};
+    ///
+    /// let mut w = Param::new(Tensor::<f32>::from_f32s(&[1.0, -2.0], &[2])).to_precision::<bf16>();
+    /// let mut opt = AdamW::new(1e-3).build().unwrap().for_bf16(Bf16Rounding::Kahan);
+    /// let grads = w.cast::<f32>().square().sum_all().backward(); // the gradient of w is bf16
+    /// opt.step(&mut w, &grads).unwrap();
+    /// assert_eq!(opt.steps(), 1);
+    /// ```
+    pub fn for_bf16(self, rounding: Bf16Rounding) -> Optim<R, bf16> {
+        Optim {
+            rule: self.rule,
+            groups: self.groups,
+            schedule: self.schedule,
+            steps: self.steps,
+            state: self.state,
+            bound: None,
+            last_grads: None,
+            rounding,
+            compensation: BTreeMap::new(),
+            _elem: PhantomData,
+        }
+    }
+}
+
+impl<R: Rule> Optim<R, bf16> {
+    /// How updates are written back to the bf16 parameters.
+    pub fn rounding(&self) -> Bf16Rounding {
+        self.rounding
+    }
+    /// The Kahan compensation of the parameter called `name`, if it has been stepped with
+    /// [`Bf16Rounding::Kahan`].
+    pub fn compensation(&self, name: &str) -> Option<&[bf16]> {
+        self.compensation.get(name).map(Vec::as_slice)
+    }
+    /// The checkpoint: the rule's state, the rounding and the Kahan compensation.
+    pub fn state_dict(&self) -> Bf16OptimizerState<R::State> {
+        Bf16OptimizerState {
+            optimizer: self.base_state(),
+            rounding: self.rounding,
+            compensation: self.compensation.clone(),
+        }
+    }
+    /// Restores a checkpoint written by an optimizer with the same rule and rounding (Kahan
+    /// compensation dropped, or a stochastic stream changed, would not continue the run).
+    /// Shapes are checked at the next step (or now, with [`Optim::check_params`]).
+    pub fn load_state_dict(&mut self, state: Bf16OptimizerState<R::State>) -> Result<()> {
+        let bad = |detail: String| Err(Error::State { context: "Optim::load_state_dict".into(), detail });
+        if state.rounding != self.rounding {
+            return bad(format!(
+                "the checkpoint was written with bf16 rounding {:?}, this optimizer uses {:?}",
+                state.rounding, self.rounding
+            ));
+        }
+        if self.rounding != Bf16Rounding::Kahan && !state.compensation.is_empty() {
+            return bad(format!("the checkpoint has Kahan compensation but its rounding is {:?}", state.rounding));
+        }
+        self.load_base_state(state.optimizer)?;
+        self.compensation = state.compensation;
+        Ok(())
+    }
+}
+
+impl<R: Rule> Optimizer<bf16> for Optim<R, bf16> {
+    /// Widens each bf16 parameter and its bf16 gradient to f32, runs the rule's f32 update
+    /// (f32 moments), and writes the result back as [`Optim::rounding`] says.
+    fn step(&mut self, params: &mut dyn Params<bf16>, grads: &Grads) -> Result<()> {
+        let t = self.steps;
+        let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
+        for (name, param, grad) in work {
+            let hyper = self.hyper_for(&name, t);
+            let numel = param.numel();
+            let mut w = vec![0f32; numel];
+            <bf16 as Precision>::to_f32_slice(param.data(), &mut w);
+            let mut g = vec![0f32; numel];
+            <bf16 as Precision>::to_f32_slice(&grad.contiguous_data(), &mut g);
+            let state = self.state.entry(name.clone()).or_insert_with(|| self.rule.init_state(numel));
+            self.rule.update(hyper, &mut w, &g, state);
+            match self.rounding {
+                Bf16Rounding::Kahan => {
+                    let c = self.compensation.entry(name).or_insert_with(|| vec![bf16::ZERO; numel]);
+                    write_kahan(&w, param.data_mut(), c);
+                }
+                Bf16Rounding::Stochastic { seed } => write_stochastic(&w, param.data_mut(), stream_key(seed, &name, t)),
+                Bf16Rounding::Nearest => write_nearest(&w, param.data_mut()),
+            }
+        }
+        self.finish_step(binding, grads);
+        Ok(())
+    }
+    fn lr(&self) -> f64 {
+        self.lr_at(self.steps)
+    }
+    fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
+/// Runs `f(offset, updated, param, comp)` over matching chunks (in parallel for large
+/// parameters); `comp` is empty per chunk when `comp` is. Elements are independent, so the
+/// result does not depend on the split.
+fn for_chunks_bf16(
+    updated: &[f32],
+    param: &mut [bf16],
+    comp: &mut [bf16],
+    f: impl Fn(usize, &[f32], &mut [bf16], &mut [bf16]) + Sync + Send,
+) {
+    let n = param.len();
+    debug_assert_eq!(updated.len(), n);
+    let comp = split_state(comp, n);
+    if n < PAR_MIN {
+        for (i, ((u, p), c)) in updated.chunks(CHUNK).zip(param.chunks_mut(CHUNK)).zip(comp).enumerate() {
+            f(i * CHUNK, u, p, c);
+        }
+    } else {
+        updated
+            .par_chunks(CHUNK)
+            .zip(param.par_chunks_mut(CHUNK))
+            .zip(comp)
+            .enumerate()
+            .for_each(|(i, ((u, p), c))| f(i * CHUNK, u, p, c));
+    }
+}
+
+/// Kahan-compensated write-back (see [`Bf16Rounding::Kahan`]). `w − p` is exact in f32 when
+/// the update is under the weight's magnitude (Sterbenz), and so is `p' − p`.
+fn write_kahan(updated: &[f32], param: &mut [bf16], comp: &mut [bf16]) {
+    for_chunks_bf16(updated, param, comp, |_, u, p, c| {
+        for ((&w, p), c) in u.iter().zip(p.iter_mut()).zip(c.iter_mut()) {
+            let old = p.to_f32();
+            let y = (w - old) + c.to_f32();
+            let new = bf16::from_f32(old + y);
+            *c = bf16::from_f32(y - (new.to_f32() - old));
+            *p = new;
+        }
+    });
+}
+
+/// Round-to-nearest write-back.
+fn write_nearest(updated: &[f32], param: &mut [bf16]) {
+    for_chunks_bf16(updated, param, &mut [], |_, u, p, _| {
+        for (&w, p) in u.iter().zip(p.iter_mut()) {
+            *p = bf16::from_f32(w);
+        }
+    });
+}
+
+/// Stochastic write-back: element `i` adds the low 16 bits of `hash(key, i)` to the f32 bit
+/// pattern's magnitude and keeps the top 16 bits (a carry rounds up, into the exponent when it
+/// must). inf and NaN are rounded as they are.
+fn write_stochastic(updated: &[f32], param: &mut [bf16], key: u64) {
+    for_chunks_bf16(updated, param, &mut [], |offset, u, p, _| {
+        for (j, (&w, p)) in u.iter().zip(p.iter_mut()).enumerate() {
+            *p = if w.is_finite() {
+                let r = (mix(key ^ ((offset + j) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)) & 0xFFFF) as u32;
+                // The magnitude is at most 0x7F7F_FFFF, so adding r never reaches the sign bit.
+                bf16::from_bits(((w.to_bits() + r) >> 16) as u16)
+            } else {
+                bf16::from_f32(w)
+            };
+        }
+    });
+}
+
+/// The key of one parameter's rounding bits at applied step `t`.
+fn stream_key(seed: u64, name: &str, t: u64) -> u64 {
+    // FNV-1a of the name: stable across runs and platforms.
+    let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    mix(mix(seed ^ name_hash).wrapping_add(t))
+}
+
+/// splitmix64's finaliser: a bijective mix of 64 bits.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` bf16 weights of `value` stepped `steps` times by `delta` each.
+    fn accumulate(rounding: Bf16Rounding, value: f32, delta: f32, steps: u64) -> Vec<f32> {
+        let n = 4096;
+        let mut p = vec![bf16::from_f32(value); n];
+        let mut c = vec![bf16::ZERO; n];
+        for t in 0..steps {
+            let w: Vec<f32> = p.iter().map(|v| v.to_f32() + delta).collect();
+            match rounding {
+                Bf16Rounding::Kahan => write_kahan(&w, &mut p, &mut c),
+                Bf16Rounding::Stochastic { seed } => write_stochastic(&w, &mut p, stream_key(seed, "w", t)),
+                Bf16Rounding::Nearest => write_nearest(&w, &mut p),
+            }
+        }
+        p.iter().map(|v| v.to_f32()).collect()
+    }
+
+    #[test]
+    fn small_updates_accumulate_with_kahan_and_in_expectation_with_stochastic_rounding() {
+        // 1e-4 is 1/39 of a bf16 ulp at 1 (2^-7): round to nearest loses every one of them.
+        let (value, delta, steps) = (1.0f32, -1e-4f32, 1000u64);
+        let exact = value as f64 + delta as f64 * steps as f64; // 0.9
+        assert!(accumulate(Bf16Rounding::Nearest, value, delta, steps).iter().all(|&v| v == 1.0));
+        let kahan = accumulate(Bf16Rounding::Kahan, value, delta, steps);
+        // Kahan is deterministic: every element lands within one bf16 ulp at 0.9 (2^-8).
+        assert!(kahan.iter().all(|&v| (v as f64 - exact).abs() <= 2f64.powi(-8)), "{:?}", &kahan[..4]);
+        let sr = accumulate(Bf16Rounding::Stochastic { seed: 7 }, value, delta, steps);
+        let mean = sr.iter().map(|&v| v as f64).sum::<f64>() / sr.len() as f64;
+        assert!((mean - exact).abs() < 2e-3, "stochastic rounding mean {mean}, exact {exact}");
+        assert!(sr.iter().any(|&v| v != sr[0]), "the rounding is random per element");
+    }
+
+    #[test]
+    fn stochastic_rounding_is_reproducible_and_exact_on_representable_values() {
+        let w: Vec<f32> = (0..1000).map(|i| 1.0 + i as f32 * 1e-5).collect();
+        let (mut a, mut b) = (vec![bf16::ZERO; 1000], vec![bf16::ZERO; 1000]);
+        write_stochastic(&w, &mut a, stream_key(1, "x", 5));
+        write_stochastic(&w, &mut b, stream_key(1, "x", 5));
+        assert_eq!(a, b);
+        for (&w, r) in w.iter().zip(&a) {
+            // One of the two bf16 neighbours of w.
+            let (lo, hi) =
+                (bf16::from_bits((w.to_bits() >> 16) as u16), bf16::from_bits((w.to_bits() >> 16) as u16 + 1));
+            assert!(*r == lo || *r == hi, "{w} -> {r}");
+        }
+        let exact = [1.0f32, -0.5, 3.0, f32::INFINITY];
+        let mut out = vec![bf16::ZERO; 4];
+        write_stochastic(&exact, &mut out, stream_key(2, "y", 0));
+        assert_eq!(out.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), exact);
+    }
+}

@@ -577,7 +577,7 @@ struct CacheKey {
 struct CacheEntry {
     /// Keeps the source storage alive (and shared), so its address cannot be reused and an
     /// in-place update copies on write instead of changing what this entry was cast from.
-    source: Arc<Vec<f32>>,
+    source: Arc<crate::cpu_memory::PooledVec<f32>>,
     /// The converted values (no autograd node): the whole storage, or the view made contiguous.
     cast: AnyTensor,
 }

@@ -8,7 +8,10 @@
 //! AdamW step, scaler update. Median of `--steps` timed steps after one warm-up step.
 //! A second table gives the minor page faults per timed step (the kernel's count for this
 //! process, from `/proc/self/stat`): a fault is a fresh page being mapped and zeroed, which is
-//! what allocating and freeing large buffers every step costs.
+//! what allocating and freeing large buffers every step costs, and what the CPU caching
+//! allocator removes. It also gives the allocator's figures for each workload: its peak bytes
+//! in use and the bytes it holds (in use plus cached) after the timed steps. Each workload
+//! starts with an empty cache (`cpu_memory::empty_cache`), so none holds another's buffers.
 
 use std::time::Instant;
 
@@ -46,15 +49,18 @@ fn minor_faults() -> Option<u64> {
     rest.split_whitespace().nth(7)?.parse().ok()
 }
 
-/// One workload's figures: median step seconds and minor page faults per timed step.
+/// One workload's figures: median step seconds, minor page faults per timed step, and the
+/// CPU allocator's peak bytes in use and bytes reserved (in use plus cached) at the end.
 #[derive(Clone, Copy)]
 struct Timing {
     secs: f64,
     faults: f64,
+    peak_bytes: usize,
+    reserved_bytes: usize,
 }
 
 impl Timing {
-    const SKIPPED: Timing = Timing { secs: f64::NAN, faults: f64::NAN };
+    const SKIPPED: Timing = Timing { secs: f64::NAN, faults: f64::NAN, peak_bytes: 0, reserved_bytes: 0 };
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -91,7 +97,13 @@ fn time_steps<M: Params, K: LossScaler>(
         (Some(a), Some(b)) => (b - a) as f64 / steps as f64,
         _ => f64::NAN,
     };
-    Timing { secs: median(times), faults }
+    let memory = amp::cpu_memory::memory_stats();
+    Timing {
+        secs: median(times),
+        faults,
+        peak_bytes: memory.peak_bytes_in_use,
+        reserved_bytes: memory.bytes_reserved(),
+    }
 }
 
 fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> Timing {
@@ -170,7 +182,15 @@ fn main() {
     }
     let want = |p: &str| precision.as_deref().is_none_or(|q| q == p);
     // Runs `f` when precision `p` is selected; NaN marks a cell left out.
-    let cell = |p: &str, f: &dyn Fn() -> Timing| if want(p) { f() } else { Timing::SKIPPED };
+    // Each cell starts with an empty cache and a fresh peak, so its figures are its own.
+    let cell = |p: &str, f: &dyn Fn() -> Timing| {
+        if !want(p) {
+            return Timing::SKIPPED;
+        }
+        amp::cpu_memory::empty_cache();
+        amp::cpu_memory::reset_peak_memory_stats();
+        f()
+    };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, median of {steps} steps",
@@ -219,13 +239,19 @@ fn main() {
         );
     }
     println!();
-    println!("Minor page faults per timed step");
+    println!("Minor page faults per timed step; CPU allocator: peak in use / reserved after the steps (MiB)");
     println!();
     println!("| workload | f32 | bf16 | f16 + GradScaler |");
     println!("| --- | --- | --- | --- |");
     for (name, ours, _) in &rows {
-        let faults = |t: &Timing| if t.faults.is_nan() { "-".to_string() } else { format!("{:.0}", t.faults) };
-        println!("| {name} | {} | {} | {} |", faults(&ours[0]), faults(&ours[1]), faults(&ours[2]));
+        let cell = |t: &Timing| {
+            if t.faults.is_nan() {
+                return "-".to_string();
+            }
+            let mib = |b: usize| b as f64 / (1 << 20) as f64;
+            format!("{:.0} faults; {:.0} / {:.0} MiB", t.faults, mib(t.peak_bytes), mib(t.reserved_bytes))
+        };
+        println!("| {name} | {} | {} | {} |", cell(&ours[0]), cell(&ours[1]), cell(&ours[2]));
     }
     if run("w2") {
         println!();
@@ -236,6 +262,7 @@ fn main() {
             ("f16", "f16", &|| w2_gemms::<f16>(steps)),
         ] {
             if want(p) {
+                amp::cpu_memory::empty_cache(); // the steps' buffers are not the products'
                 let (secs, gflop) = gemms();
                 println!("  {name}: {secs:.3} s for {gflop:.1} GFLOP ({:.0} GFLOP/s)", gflop / secs);
             }

@@ -848,7 +848,7 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
         let converted = if whole {
             // The storage as it lies, whatever view of it `t` is.
             let src: &[f32] = &source.storage;
-            let mut out = vec![T::default(); src.len()];
+            let mut out = crate::cpu::alloc::take::<T>(src.len()); // every chunk is converted
             crate::cpu::par_chunks_mut(&mut out, |ci, chunk| {
                 let start = ci * crate::cpu::CHUNK;
                 crate::precision::convert_slice(&src[start..start + chunk.len()], chunk);

@@ -13,8 +13,11 @@
 //!   never reinterpreted.
 //! - Size classes: a request of `n` elements is rounded up to the next class, eight classes
 //!   per octave (`m · 2^s` with `m` in 8..16), so a buffer wastes under 1/8 of its size and a
-//!   cached buffer fits every request of its class. A buffer coming back is filed under the
-//!   largest class its capacity covers (a `Vec` the user built has an exact capacity).
+//!   cached buffer fits every request of its class. A buffer coming back is cached only if its
+//!   capacity is a class size: every buffer the allocator made is; a `Vec` built elsewhere (a
+//!   user's `from_vec` data, a `collect`) usually is not, and is freed. So the buffers of a
+//!   class never outnumber the most that were live at once, and a loop that allocates the
+//!   same way every step holds a flat amount of memory: the cache cannot creep up to its cap.
 //! - Only buffers of at least [`POOL_MIN_BYTES`] are cached; malloc keeps smaller ones in its
 //!   own free lists, which never fault.
 //! - A cap on cached bytes ([`CachingAllocator::set_cache_limit`]; 4 GiB by default for the
@@ -60,13 +63,9 @@ pub(crate) fn class_of(n: usize) -> usize {
     n.div_ceil(1 << shift) << shift
 }
 
-/// The largest size class (in elements) that a buffer of capacity `cap` holds.
-fn class_below(cap: usize) -> usize {
-    if cap < 16 {
-        return cap;
-    }
-    let shift = usize::BITS - 1 - cap.leading_zeros() - 3;
-    (cap >> shift) << shift
+/// Whether `cap` elements is a size class (what every buffer the allocator makes has).
+fn is_class(cap: usize) -> bool {
+    class_of(cap) == cap
 }
 
 /// One size class's free buffers.
@@ -245,16 +244,15 @@ impl CachingAllocator {
         v
     }
 
-    /// Takes `v` into the cache (or frees it: small, over the cap).
+    /// Takes `v` into the cache (or frees it: small, not of a class size, over the cap).
     fn give<E: Precision>(&self, v: Vec<E>) {
-        let bytes = bytes_of::<E>(v.capacity());
-        if bytes < POOL_MIN_BYTES {
+        let (class, bytes) = (v.capacity(), bytes_of::<E>(v.capacity()));
+        if bytes < POOL_MIN_BYTES || !is_class(class) {
             return;
         }
         if bytes > self.limit.load(Ordering::Relaxed) {
             return; // would never fit: evicting others for it would only empty the cache
         }
-        let class = class_below(v.capacity());
         let mut evicted = Vec::new();
         let mut buckets = self.pool::<E>().lock();
         // Reserve room under the cap, evicting least recently used classes of this pool.
@@ -434,9 +432,7 @@ mod tests {
         for n in (1..5000).chain([8191, 8192, 8193, 1 << 20, (1 << 20) + 1, 3_000_000]) {
             let c = class_of(n);
             assert!(c >= n && (c - n) * 8 <= n, "{n} -> {c}");
-            assert_eq!(class_below(c), c, "a class is its own floor ({n} -> {c})");
-            assert_eq!(class_of(c), c);
-            assert!(class_below(n) <= n && class_of(class_below(n)) == class_below(n));
+            assert!(is_class(c), "{n} -> {c}");
         }
         // Eight classes per octave.
         let classes: std::collections::BTreeSet<_> = (1024..2048).map(class_of).collect();
@@ -464,6 +460,21 @@ mod tests {
         let other = a.adopt(a.take::<f32>(2 * n));
         assert_ne!(other.as_ptr(), ptr);
         assert_eq!(a.stats().misses, 2);
+    }
+
+    #[test]
+    fn only_buffers_of_a_class_size_are_cached() {
+        let a = fresh(1 << 30);
+        let n = (1 << 20) + 1; // not a class size
+        assert!(!is_class(n));
+        drop(a.adopt(vec![1.0f32; n]));
+        let s = a.stats();
+        assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "a foreign buffer is freed");
+        drop(a.adopt(vec![1.0f32; 1 << 20]));
+        assert_eq!(a.stats().bytes_cached, 4 << 20, "one whose capacity is a class is kept");
+        // Every buffer the allocator makes has a class capacity, whatever the request.
+        drop(a.adopt(a.take::<f32>(n)));
+        assert_eq!(a.stats().bytes_cached, (4 << 20) + bytes_of::<f32>(class_of(n)));
     }
 
     #[test]

@@ -6,6 +6,12 @@
 //! Cells left out by `--only` or `--precision` print as `-`.
 //! Each step is a full AMP step: forward, scaled backward, unscale, clip_grad_norm(1.0),
 //! AdamW step, scaler update. Median of `--steps` timed steps after one warm-up step.
+//! A second table gives the minor page faults per timed step (the kernel's count for this
+//! process, from `/proc/self/stat`): a fault is a fresh page being mapped and zeroed, which is
+//! what allocating and freeing large buffers every step costs, and what the CPU caching
+//! allocator removes. It also gives the allocator's figures for each workload: its peak bytes
+//! in use and the bytes it holds (in use plus cached) after the timed steps. Each workload
+//! starts with an empty cache (`cpu_memory::empty_cache`), so none holds another's buffers.
 
 use std::time::Instant;
 
@@ -34,21 +40,49 @@ impl Mlp {
     }
 }
 
+/// This process's minor page faults so far (field 10 of `/proc/self/stat`); `None` where that
+/// file does not exist (not Linux).
+fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3, in parentheses.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(7)?.parse().ok()
+}
+
+/// One workload's figures: median step seconds, minor page faults per timed step, and the
+/// CPU allocator's peak bytes in use and bytes reserved (in use plus cached) at the end.
+#[derive(Clone, Copy)]
+struct Timing {
+    secs: f64,
+    faults: f64,
+    peak_bytes: usize,
+    reserved_bytes: usize,
+}
+
+impl Timing {
+    const SKIPPED: Timing = Timing { secs: f64::NAN, faults: f64::NAN, peak_bytes: 0, reserved_bytes: 0 };
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-/// Times `steps` full AMP steps after one warm-up step; returns the median seconds.
+/// Times `steps` full AMP steps after one warm-up step; returns the median seconds and the
+/// page faults per timed step.
 fn time_steps<M: Params, K: LossScaler>(
     model: &mut M,
     scaler: &mut K,
     steps: usize,
     mut loss: impl FnMut(&M) -> Tensor<f32>,
-) -> f64 {
+) -> Timing {
     let mut opt: Optim<AdamW> = AdamW::default().build().expect("valid AdamW");
     let mut times = Vec::new();
+    let mut faults_before = None;
     for i in 0..=steps {
+        if i == 1 {
+            faults_before = minor_faults();
+        }
         let t = Instant::now();
         let l = loss(model);
         let scaled = scaler.scale(l);
@@ -59,10 +93,20 @@ fn time_steps<M: Params, K: LossScaler>(
             times.push(t.elapsed().as_secs_f64());
         }
     }
-    median(times)
+    let faults = match (faults_before, minor_faults()) {
+        (Some(a), Some(b)) => (b - a) as f64 / steps as f64,
+        _ => f64::NAN,
+    };
+    let memory = amp::cpu_memory::memory_stats();
+    Timing {
+        secs: median(times),
+        faults,
+        peak_bytes: memory.peak_bytes_in_use,
+        reserved_bytes: memory.bytes_reserved(),
+    }
 }
 
-fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> f64 {
+fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> Timing {
     let mut rng = Rng::seed(0);
     let mut model = Mlp::new(&mut rng);
     let x = Tensor::<f32>::randn(&[256, 1024], &mut rng);
@@ -70,7 +114,7 @@ fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> f64 {
     time_steps(&mut model, scaler, steps, |m| m.loss::<L>(&x, &y))
 }
 
-fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> f64 {
+fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> Timing {
     let mut rng = Rng::seed(0);
     let config = GptConfig { vocab_size: 128, block_size: 128, d_model: 256, n_layers: 4, n_heads: 4, dropout: 0.0 };
     let mut model = Gpt::new(config, &mut rng);
@@ -138,7 +182,15 @@ fn main() {
     }
     let want = |p: &str| precision.as_deref().is_none_or(|q| q == p);
     // Runs `f` when precision `p` is selected; NaN marks a cell left out.
-    let cell = |p: &str, f: &dyn Fn() -> f64| if want(p) { f() } else { f64::NAN };
+    // Each cell starts with an empty cache and a fresh peak, so its figures are its own.
+    let cell = |p: &str, f: &dyn Fn() -> Timing| {
+        if !want(p) {
+            return Timing::SKIPPED;
+        }
+        amp::cpu_memory::empty_cache();
+        amp::cpu_memory::reset_peak_memory_stats();
+        f()
+    };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, median of {steps} steps",
@@ -170,7 +222,8 @@ fn main() {
         "| workload | f32 (s) | bf16 (s) | f16 + GradScaler (s) | PyTorch f32 / bf16 / f16 (s) | bf16 vs PyTorch | f16 speed-up vs PyTorch |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for (name, ours, torch) in rows {
+    for &(name, ours, torch) in &rows {
+        let ours = ours.map(|t| t.secs);
         let secs = |t: f64| if t.is_nan() { "-".to_string() } else { format!("{t:.3}") };
         let ratio = |r: f64, digits: usize| if r.is_nan() { "-".to_string() } else { format!("{r:.digits$}") };
         println!(
@@ -185,6 +238,21 @@ fn main() {
             ratio(torch[2] / ours[2], 0)
         );
     }
+    println!();
+    println!("Minor page faults per timed step; CPU allocator: peak in use / reserved after the steps (MiB)");
+    println!();
+    println!("| workload | f32 | bf16 | f16 + GradScaler |");
+    println!("| --- | --- | --- | --- |");
+    for (name, ours, _) in &rows {
+        let cell = |t: &Timing| {
+            if t.faults.is_nan() {
+                return "-".to_string();
+            }
+            let mib = |b: usize| b as f64 / (1 << 20) as f64;
+            format!("{:.0} faults; {:.0} / {:.0} MiB", t.faults, mib(t.peak_bytes), mib(t.reserved_bytes))
+        };
+        println!("| {name} | {} | {} | {} |", cell(&ours[0]), cell(&ours[1]), cell(&ours[2]));
+    }
     if run("w2") {
         println!();
         println!("W2's GEMMs alone (forward and backward, no other op): a floor under the step");
@@ -194,6 +262,7 @@ fn main() {
             ("f16", "f16", &|| w2_gemms::<f16>(steps)),
         ] {
             if want(p) {
+                amp::cpu_memory::empty_cache(); // the steps' buffers are not the products'
                 let (secs, gflop) = gemms();
                 println!("  {name}: {secs:.3} s for {gflop:.1} GFLOP ({:.0} GFLOP/s)", gflop / secs);
             }

@@ -577,7 +577,7 @@ struct CacheKey {
 struct CacheEntry {
     /// Keeps the source storage alive (and shared), so its address cannot be reused and an
     /// in-place update copies on write instead of changing what this entry was cast from.
-    source: Arc<Vec<f32>>,
+    source: Arc<crate::cpu_memory::PooledVec<f32>>,
     /// The converted values (no autograd node): the whole storage, or the view made contiguous.
     cast: AnyTensor,
 }
@@ -848,7 +848,7 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
         let converted = if whole {
             // The storage as it lies, whatever view of it `t` is.
             let src: &[f32] = &source.storage;
-            let mut out = vec![T::default(); src.len()];
+            let mut out = crate::cpu::alloc::take::<T>(src.len()); // every chunk is converted
             crate::cpu::par_chunks_mut(&mut out, |ci, chunk| {
                 let start = ci * crate::cpu::CHUNK;
                 crate::precision::convert_slice(&src[start..start + chunk.len()], chunk);

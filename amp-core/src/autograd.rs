@@ -454,7 +454,7 @@ fn add_window(acc: Option<AnyTensor>, g: AnyTensor, shape: &[usize], dim: usize,
             // padding `g` and adding two full tensors.
             Some(a) => Tensor::from_parts(a.to_vec(), shape),
             None => {
-                let mut full = crate::precision::zeroed::<E>(shape.iter().product());
+                let mut full = crate::cpu::alloc::zeroed::<E>(shape.iter().product());
                 for o in 0..outer {
                     let (dst, src) = at(o);
                     full[dst..dst + run].copy_from_slice(&gd[src..src + run]);

@@ -2,9 +2,12 @@
 //!
 //! `Tensor<E, D = Cpu>` carries its device as a type, like its precision. The CPU backend is
 //! here; `amp-cuda` adds `Cuda` with its own storage type.
+//!
+//! Each device has a caching allocator; the CPU's is in [`crate::cpu_memory`].
 
 use std::sync::Arc;
 
+use crate::cpu_memory::PooledVec;
 use crate::precision::Precision;
 
 /// A device a tensor can live on.
@@ -15,12 +18,13 @@ pub trait Device: Clone + Send + Sync + std::fmt::Debug + Default + 'static {
     fn name(&self) -> String;
 }
 
-/// The CPU: storage is a shared vector, kernels run on rayon's thread pool.
+/// The CPU: storage is a shared buffer from the caching allocator ([`crate::cpu_memory`]),
+/// kernels run on rayon's thread pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Cpu;
 
 impl Device for Cpu {
-    type Storage<E: Precision> = Arc<Vec<E>>;
+    type Storage<E: Precision> = Arc<PooledVec<E>>;
     fn name(&self) -> String {
         "cpu".into()
     }

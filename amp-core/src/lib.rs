@@ -30,6 +30,7 @@ pub mod autograd;
 pub mod checkpoint;
 pub mod clip;
 pub(crate) mod cpu;
+pub mod cpu_memory;
 pub mod data;
 pub mod device;
 pub mod error;

@@ -12,7 +12,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::autograd::{AnyTensor, Backward, Grads, Node, TensorId, is_grad_enabled, run_backward};
-use crate::cpu;
+use crate::cpu::{self, alloc};
+use crate::cpu_memory::PooledVec;
 use crate::device::{Cpu, Device};
 use crate::error::{Error, Result, or_panic};
 use crate::layout::{Layout, check_dim, contiguous_strides};
@@ -83,10 +84,11 @@ impl<E: Precision, D: Device> Tensor<E, D> {
 // ---- construction -------------------------------------------------------------------------
 
 impl<E: Precision> Tensor<E> {
-    /// A contiguous tensor from raw parts; no autograd.
+    /// A contiguous tensor from raw parts; no autograd. The buffer becomes pooled storage: it
+    /// goes to the caching allocator when the last tensor holding it is dropped.
     pub(crate) fn from_parts(data: Vec<E>, shape: &[usize]) -> Self {
         debug_assert_eq!(data.len(), shape.iter().product::<usize>());
-        Tensor { storage: Arc::new(data), layout: Layout::contiguous(shape), node: None, device: Cpu }
+        Tensor { storage: Arc::new(PooledVec::from(data)), layout: Layout::contiguous(shape), node: None, device: Cpu }
     }
 
     /// A tensor holding `data` in row-major order.
@@ -116,13 +118,13 @@ impl<E: Precision> Tensor<E> {
     /// Like [`Tensor::from_vec`], rounding each f32 value once into `E` (vectorised).
     #[track_caller]
     pub fn from_f32s(data: &[f32], shape: &[usize]) -> Self {
-        let mut out = crate::precision::zeroed::<E>(data.len());
+        let mut out = alloc::take::<E>(data.len());
         convert_slice(data, &mut out);
         Self::from_vec(out, shape)
     }
     /// A tensor filled with `value` (rounded once into `E`).
     pub fn full(shape: &[usize], value: f64) -> Self {
-        Self::from_parts(vec![E::from_f64(value); shape.iter().product()], shape)
+        Self::from_parts(alloc::global().filled(shape.iter().product(), E::from_f64(value)), shape)
     }
     /// Zeros.
     pub fn zeros(shape: &[usize]) -> Self {
@@ -205,13 +207,14 @@ impl<E: Precision> Tensor<E> {
     pub fn item(&self) -> E {
         or_panic(self.try_item())
     }
-    /// The contiguous storage slice (copying first if the view is not contiguous).
-    pub(crate) fn contiguous_data(&self) -> std::borrow::Cow<'_, [E]> {
+    /// The contiguous storage slice (copying first, into a pooled buffer, if the view is not
+    /// contiguous).
+    pub(crate) fn contiguous_data(&self) -> Contiguous<'_, E> {
         if self.layout.is_contiguous() {
             let o = self.layout.offset;
-            std::borrow::Cow::Borrowed(&self.storage[o..o + self.numel()])
+            Contiguous::Borrowed(&self.storage[o..o + self.numel()])
         } else {
-            std::borrow::Cow::Owned(cpu::gather(&self.storage, &self.layout))
+            Contiguous::Copied(PooledVec::from(cpu::gather(&self.storage, &self.layout)))
         }
     }
     /// Mutable contiguous data, copying only if the storage is shared or the view is not the
@@ -220,10 +223,30 @@ impl<E: Precision> Tensor<E> {
         let whole = self.layout.is_contiguous() && self.layout.offset == 0 && self.storage.len() == self.numel();
         if !whole {
             let data = self.to_vec();
-            self.storage = Arc::new(data);
+            self.storage = Arc::new(PooledVec::from(data));
             self.layout = Layout::contiguous(&self.layout.shape.clone());
         }
         Arc::make_mut(&mut self.storage).as_mut_slice()
+    }
+}
+
+/// A tensor's values as one contiguous slice ([`Tensor::contiguous_data`]): borrowed from the
+/// storage, or a copy of a strided view whose buffer goes back to the caching allocator when
+/// dropped (a `Cow` would free it to the system).
+pub(crate) enum Contiguous<'a, E: Precision> {
+    /// The view is contiguous: its storage, in place.
+    Borrowed(&'a [E]),
+    /// The view was gathered into a pooled buffer.
+    Copied(PooledVec<E>),
+}
+
+impl<E: Precision> std::ops::Deref for Contiguous<'_, E> {
+    type Target = [E];
+    fn deref(&self) -> &[E] {
+        match self {
+            Contiguous::Borrowed(s) => s,
+            Contiguous::Copied(v) => v,
+        }
     }
 }
 

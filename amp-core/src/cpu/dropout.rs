@@ -22,7 +22,7 @@ pub(crate) fn apply<E: Precision>(x: &[E], p: f64, seed: u64) -> Vec<E> {
     let thr = threshold(p);
     let scale = E::Acc::c(1.0 / (1.0 - p));
     let zero = E::Acc::c(0.0);
-    let mut out = crate::precision::zeroed::<E>(x.len());
+    let mut out = super::alloc::take::<E>(x.len()); // every element is stored
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         let mut rng = Rng::seed(seed ^ (ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));

@@ -22,7 +22,7 @@ pub(crate) fn select<E: Precision>(
     let n: usize = out_shape.iter().product();
     let (lm, la, lb) = (lm.broadcast_to(out_shape), la.broadcast_to(out_shape), lb.broadcast_to(out_shape));
     let (shape, strides) = collapse(out_shape, [&lm.strides, &la.strides, &lb.strides]);
-    let mut out = crate::precision::zeroed::<E>(n);
+    let mut out = super::alloc::take::<E>(n); // every position of the walk is written
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         for_each_run(
@@ -64,7 +64,7 @@ pub(crate) fn select<E: Precision>(
 pub(crate) fn cat<E: Precision>(parts: &[(&[E], usize)], outer: usize, inner: usize) -> Vec<E> {
     let total: usize = parts.iter().map(|p| p.1).sum();
     let row = total * inner;
-    let mut out = crate::precision::zeroed::<E>(outer * row);
+    let mut out = super::alloc::take::<E>(outer * row); // every row is filled by its parts
     par_rows(&mut out, row, row, |o0, chunk| {
         for (k, dst) in chunk.chunks_mut(row).enumerate() {
             let o = o0 + k;
@@ -81,7 +81,7 @@ pub(crate) fn cat<E: Precision>(parts: &[(&[E], usize)], outer: usize, inner: us
 
 /// `out[r] = w[ids[r]]` for rows of `d` elements (ids already bounds-checked).
 pub(crate) fn gather_rows<E: Precision>(w: &[E], ids: &[i64], d: usize) -> Vec<E> {
-    let mut out = crate::precision::zeroed::<E>(ids.len() * d);
+    let mut out = super::alloc::take::<E>(ids.len() * d); // every row is copied
     par_rows(&mut out, d, d, |r0, chunk| {
         for (k, dst) in chunk.chunks_mut(d).enumerate() {
             let id = ids[r0 + k] as usize;
@@ -97,13 +97,14 @@ pub(crate) fn gather_rows<E: Precision>(w: &[E], ids: &[i64], d: usize) -> Vec<E
 pub(crate) fn scatter_add_rows<E: Precision>(g: &[E], ids: &[i64], vocab: usize, d: usize) -> Vec<E> {
     let mut order: Vec<usize> = (0..ids.len()).collect();
     order.sort_by_key(|&r| ids[r]);
-    let mut out = crate::precision::zeroed::<E>(vocab * d);
+    let mut out = super::alloc::take::<E>(vocab * d); // every block is stored or zeroed
     par_rows(&mut out, d, d, |v0, chunk| {
         let v1 = v0 + chunk.len() / d;
         let lo = order.partition_point(|&r| (ids[r] as usize) < v0);
         let hi = order.partition_point(|&r| (ids[r] as usize) < v1);
         if lo == hi {
-            return; // no id in this block: the gradient rows stay zero
+            chunk.fill(E::default()); // no id in this block: zero gradient rows
+            return;
         }
         let mut acc = vec![E::Acc::zero(); chunk.len()];
         let mut buf = vec![E::Acc::default(); d];

@@ -79,13 +79,14 @@ pub(crate) fn cross_entropy_backward<E: Precision>(
     let scale = E::Acc::c(scale);
     let hit = E::Acc::c(1.0 - spec.smoothing) * scale;
     let base = E::Acc::c(spec.smoothing / c as f64) * scale;
-    let mut out = crate::precision::zeroed::<E>(x.len());
+    let mut out = super::alloc::take::<E>(x.len()); // every row is stored
     par_rows(&mut out, c, c, |r0, chunk| {
         let mut buf = vec![E::Acc::default(); c];
         for (k, gx) in chunk.chunks_mut(c).enumerate() {
             let r = r0 + k;
             if spec.ignored(r) {
-                continue; // already zero
+                gx.fill(E::default()); // no gradient
+                continue;
             }
             E::load(&x[r * c..(r + 1) * c], &mut buf);
             for v in buf.iter_mut() {

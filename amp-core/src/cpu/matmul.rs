@@ -44,7 +44,8 @@ pub(crate) fn matmul_with<E: Precision>(
     let (ra, rb) = (la.shape.len(), lb.shape.len());
     let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
     let nb: usize = batch.iter().product();
-    let mut out = crate::precision::zeroed::<E>(nb * m * n);
+    // Every output is written (the k == 0 case below writes zeros).
+    let mut out = super::alloc::take::<E>(nb * m * n);
     if m * n == 0 {
         return out;
     }
@@ -77,7 +78,8 @@ pub(crate) fn matmul_with<E: Precision>(
             return;
         }
         if k == 0 {
-            return; // dst is already zero
+            dst.fill(E::default()); // an empty sum
+            return;
         }
         // Bounds: the last element each operand touches must be in its slice.
         assert!(oa + (m - 1) * a_rs as usize + (k - 1) * (a_cs as usize) < a.len());
@@ -158,7 +160,8 @@ pub(crate) fn linear_with<E: Precision>(
     if native && gemm_half::available::<E>() {
         let mut b32 = vec![0f32; bias.len()];
         E::to_f32_slice(bias, &mut b32);
-        let mut out = crate::precision::zeroed::<E>(rows * out_f);
+        // The kernel writes every output (bias plus the product).
+        let mut out = super::alloc::take::<E>(rows * out_f);
         let opx = Operand { data: x, offset: lx.offset, rs: lx.strides[0], cs: lx.strides[1] };
         let opw = Operand { data: w, offset: wt.offset, rs: wt.strides[0], cs: wt.strides[1] };
         assert!(gemm_half::gemm((rows, lx.shape[1], out_f), opx, opw, Some(&b32), &mut out, true));
@@ -171,9 +174,9 @@ pub(crate) fn linear_with<E: Precision>(
         E::to_f32_slice(bias, &mut b32);
         return super::convert_par(&linear(&x32, &lx32, &w32, &lw32, Some(&b32)));
     }
-    let mut out: Vec<E> = Vec::with_capacity(rows * out_f);
-    for _ in 0..rows {
-        out.extend_from_slice(bias);
+    let mut out = super::alloc::take::<E>(rows * out_f);
+    for row in out.chunks_exact_mut(out_f.max(1)) {
+        row.copy_from_slice(bias);
     }
     let (in_f, threads) = (lx.shape[1], rayon::current_num_threads());
     if rows * out_f == 0 || in_f == 0 {

@@ -8,7 +8,10 @@
 //!   once on store. That is how f16/bf16 get f32 arithmetic with vectorised conversions.
 //! - Strided (transposed, broadcast, narrowed) inputs are handled by [`for_each_run`], which
 //!   walks the output in row-major order and tracks each input's offset with an odometer.
+//! - Output buffers come from the caching allocator ([`alloc`]): `alloc::take` (values
+//!   unspecified) where the kernel writes every element, `alloc::zeroed` where it does not.
 
+pub(crate) mod alloc;
 pub(crate) mod dropout;
 pub(crate) mod fastmath;
 pub(crate) mod gemm_half;
@@ -44,7 +47,7 @@ pub(crate) fn par_chunks_mut<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T])
 /// A new buffer holding `src` rounded into precision `B`, converted in parallel chunks
 /// through the vectorised slice conversions.
 pub(crate) fn convert_par<A: Precision, B: Precision>(src: &[A]) -> Vec<B> {
-    let mut out = crate::precision::zeroed::<B>(src.len());
+    let mut out = alloc::take::<B>(src.len());
     convert_par_into(src, &mut out);
     out
 }
@@ -164,11 +167,12 @@ pub(crate) fn load_strided<E: Precision>(src: &[E], off: usize, stride: usize, d
 pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
     let n = layout.numel();
     if layout.is_contiguous() {
-        return src[layout.offset..layout.offset + n].to_vec();
+        return alloc::copy_of(&src[layout.offset..layout.offset + n]);
     }
     let (shape, [strides]) = collapse(&layout.shape, [&layout.strides]);
     let strides = [strides];
-    let mut out = crate::precision::zeroed::<E>(n);
+    // Every position of the walk is written.
+    let mut out = alloc::take::<E>(n);
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         for_each_run(&shape, &strides, [layout.offset], start, start + chunk.len(), |pos, [o], [s], len| {
@@ -189,7 +193,7 @@ pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
 
 /// `out[i] = f(x[i])` over contiguous data, computed in the accumulation type.
 pub(crate) fn map_unary<E: Precision>(x: &[E], f: impl Fn(E::Acc) -> E::Acc + Sync + Send) -> Vec<E> {
-    let mut out = crate::precision::zeroed::<E>(x.len());
+    let mut out = alloc::take::<E>(x.len());
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         let mut bx = [E::Acc::default(); BUF];
@@ -213,7 +217,7 @@ pub(crate) fn map_ternary<E: Precision>(
     c: &[E],
     f: impl Fn(E::Acc, E::Acc, E::Acc) -> E::Acc + Sync + Send,
 ) -> Vec<E> {
-    let mut out = crate::precision::zeroed::<E>(a.len());
+    let mut out = alloc::take::<E>(a.len());
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         let mut ba = [E::Acc::default(); BUF];
@@ -247,7 +251,7 @@ pub(crate) fn map_binary<E: Precision>(
     let la = la.broadcast_to(out_shape);
     let lb = lb.broadcast_to(out_shape);
     let (shape, strides) = collapse(out_shape, [&la.strides, &lb.strides]);
-    let mut out = crate::precision::zeroed::<E>(n);
+    let mut out = alloc::take::<E>(n);
     par_chunks_mut(&mut out, |ci, chunk| {
         let start = ci * CHUNK;
         let mut ba = [E::Acc::default(); BUF];

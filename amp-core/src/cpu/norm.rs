@@ -38,7 +38,7 @@ pub(crate) fn forward<E: Precision, const RMS: bool>(
     let (wa, ba) = (load_opt(w), load_opt(b));
     let eps = E::Acc::c(eps);
     let inv_d = E::Acc::c(1.0 / d as f64);
-    let mut out = crate::precision::zeroed::<E>(x.len());
+    let mut out = super::alloc::take::<E>(x.len()); // every row is stored
     let stats = par_rows(&mut out, d, d, |r0, chunk| {
         let mut buf = vec![E::Acc::default(); d];
         let mut st = Vec::with_capacity(chunk.len() / d);
@@ -93,7 +93,7 @@ pub(crate) fn backward<E: Precision, const RMS: bool>(
 ) -> (Vec<E>, Option<Vec<E>>, Option<Vec<E>>) {
     let wa = load_opt(w);
     let inv_d = E::Acc::c(1.0 / d as f64);
-    let mut gx = crate::precision::zeroed::<E>(x.len());
+    let mut gx = super::alloc::take::<E>(x.len()); // every row is stored
     let partials = par_rows(&mut gx, d, d, |r0, chunk| {
         let mut bx = vec![E::Acc::default(); d];
         let mut bg = vec![E::Acc::default(); d];
@@ -145,7 +145,7 @@ pub(crate) fn backward<E: Precision, const RMS: bool>(
                     *a += *v;
                 }
             }
-            let mut out = crate::precision::zeroed::<E>(d);
+            let mut out = super::alloc::take::<E>(d);
             E::store(&acc, &mut out);
             out
         })

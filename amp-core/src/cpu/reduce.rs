@@ -46,7 +46,8 @@ pub(crate) fn reduce_dim<E: Precision>(
     scale: f64,
 ) -> Vec<E> {
     let scale = E::Acc::c(scale);
-    let mut out = crate::precision::zeroed::<E>(outer * inner);
+    // Both loops below write every output.
+    let mut out = super::alloc::take::<E>(outer * inner);
     let big = x.len() >= PAR_MIN;
     if inner == 1 {
         let row = |(o, y): (usize, &mut E)| {

@@ -27,7 +27,7 @@ pub(crate) fn log_sum_exp<A: Accum>(row: &[A]) -> (A, A) {
 
 /// Softmax (or, with `LOG`, log-softmax) of each row of `x` (`rows * d` elements).
 pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E> {
-    let mut out = crate::precision::zeroed::<E>(x.len());
+    let mut out = super::alloc::take::<E>(x.len()); // every row is stored
     par_rows(&mut out, d, d, |r0, chunk| {
         let mut buf = vec![E::Acc::default(); d];
         for (k, y) in chunk.chunks_mut(d).enumerate() {
@@ -58,7 +58,7 @@ pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E
 /// The input gradient from the output `y` and its gradient `g` (both `rows * d`):
 /// softmax `y * (g - sum(g * y))`, log-softmax `g - exp(y) * sum(g)`.
 pub(crate) fn backward<E: Precision, const LOG: bool>(y: &[E], g: &[E], d: usize) -> Vec<E> {
-    let mut out = crate::precision::zeroed::<E>(y.len());
+    let mut out = super::alloc::take::<E>(y.len()); // every row is stored
     par_rows(&mut out, d, d, |r0, chunk| {
         let mut by = vec![E::Acc::default(); d];
         let mut bg = vec![E::Acc::default(); d];

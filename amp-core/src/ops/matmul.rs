@@ -127,7 +127,7 @@ impl<E: Precision> Tensor<E> {
         let rows = self.numel() / in_f.max(1);
         let x = if self.layout.is_contiguous() { self.clone() } else { self.contiguous() };
         let lx = crate::layout::Layout { shape: vec![rows, in_f], strides: vec![in_f, 1], offset: x.layout.offset };
-        let b = bias.map(|b| b.contiguous_data().into_owned());
+        let b = bias.map(|b| b.contiguous_data());
         let data = cpu::matmul::linear(&x.storage, &lx, &weight.storage, &weight.layout, b.as_deref());
         let mut shape = self.shape().to_vec();
         *shape.last_mut().unwrap() = out_f;

@@ -85,7 +85,7 @@ impl<E: Precision> Tensor<E> {
         let in_shape = self.shape().to_vec();
         Ok(out.record(op, vec![self.node.clone()], move |g| {
             let gd = g.contiguous_data();
-            let mut full = crate::precision::zeroed::<E>(outer * d * inner);
+            let mut full = crate::cpu::alloc::zeroed::<E>(outer * d * inner);
             for (oi, &j) in idx.iter().enumerate() {
                 full[(oi / inner) * d * inner + j * inner + oi % inner] = gd[oi];
             }

@@ -136,9 +136,12 @@ impl<R: Rule> Optimizer<bf16> for Optim<R, bf16> {
         for (name, param, grad) in work {
             let hyper = self.hyper_for(&name, t);
             let numel = param.numel();
-            let mut w = vec![0f32; numel];
+            // f32 working copies from the caching allocator (written whole before use), so a
+            // large parameter's widening does not fault in fresh pages every step.
+            let pool = crate::cpu::alloc::global();
+            let mut w = pool.adopt(pool.take::<f32>(numel));
             <bf16 as Precision>::to_f32_slice(param.data(), &mut w);
-            let mut g = vec![0f32; numel];
+            let mut g = pool.adopt(pool.take::<f32>(numel));
             <bf16 as Precision>::to_f32_slice(&grad.contiguous_data(), &mut g);
             let state = self.state.entry(name.clone()).or_insert_with(|| self.rule.init_state(numel));
             self.rule.update(hyper, &mut w, &g, state);

@@ -847,13 +847,9 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
         count_cast();
         let converted = if whole {
             // The storage as it lies, whatever view of it `t` is.
-            let src: &[f32] = &source.storage;
-            let mut out = crate::cpu::alloc::take::<T>(src.len()); // every chunk is converted
-            crate::cpu::par_chunks_mut(&mut out, |ci, chunk| {
-                let start = ci * crate::cpu::CHUNK;
-                crate::precision::convert_slice(&src[start..start + chunk.len()], chunk);
-            });
-            Tensor::<T>::from_parts(out, &[src.len()])
+            let all = crate::layout::Layout::contiguous(&[source.storage.len()]);
+            let cast = crate::backend::Device::cast::<f32, T>(&crate::Cpu, &source.storage, &all);
+            Tensor::<T>::from_storage(&crate::Cpu, cast, &[source.storage.len()])
         } else {
             source.detach().cast::<T>()
         };
@@ -868,7 +864,7 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
         converted
     });
     let layout = if whole { source.layout.clone() } else { values.layout.clone() };
-    let out = Tensor { storage: values.storage, layout, node: None, device: crate::device::Cpu };
+    let out = Tensor { storage: values.storage, layout, node: None, device: crate::Cpu };
     out.record("cast", vec![t.node.clone()], |g| vec![Some(g.cast::<E>().into())])
 }
 

@@ -26,7 +26,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::{bf16, f16};
 
+use crate::backend::{Cpu, Device};
 use crate::error::{Error, Result};
+use crate::layout::Layout;
 use crate::precision::{DType, Precision};
 use crate::tensor::Tensor;
 
@@ -42,17 +44,18 @@ impl TensorId {
     }
 }
 
-/// A type-erased CPU tensor of any precision: how gradients travel through a mixed graph.
+/// A type-erased tensor of any precision on device `D`: how gradients travel through a mixed
+/// graph.
 #[derive(Clone, Debug)]
-pub enum AnyTensor {
+pub enum AnyTensor<D: Device = Cpu> {
     /// An f16 tensor.
-    F16(Tensor<f16>),
+    F16(Tensor<f16, D>),
     /// A bf16 tensor.
-    BF16(Tensor<bf16>),
+    BF16(Tensor<bf16, D>),
     /// An f32 tensor.
-    F32(Tensor<f32>),
+    F32(Tensor<f32, D>),
     /// An f64 tensor.
-    F64(Tensor<f64>),
+    F64(Tensor<f64, D>),
 }
 
 /// Runs `$body` with `$t` bound to the typed tensor inside an [`AnyTensor`].
@@ -69,7 +72,7 @@ macro_rules! with_any {
     };
 }
 
-impl AnyTensor {
+impl<D: Device> AnyTensor<D> {
     /// The precision of the tensor inside.
     pub fn dtype(&self) -> DType {
         match self {
@@ -84,7 +87,7 @@ impl AnyTensor {
         with_any!(self, t => t.shape())
     }
     /// The typed tensor, if it has precision `E`.
-    pub fn downcast<E: Precision>(self) -> Result<Tensor<E>> {
+    pub fn downcast<E: Precision>(self) -> Result<Tensor<E, D>> {
         E::from_any(self).map_err(|other| Error::GradPrecision {
             op: "AnyTensor::downcast",
             expected: E::DTYPE,
@@ -92,11 +95,11 @@ impl AnyTensor {
         })
     }
     /// Borrows the typed tensor, if it has precision `E`.
-    pub fn as_tensor<E: Precision>(&self) -> Option<&Tensor<E>> {
+    pub fn as_tensor<E: Precision>(&self) -> Option<&Tensor<E, D>> {
         E::any_ref(self)
     }
     /// Mutably borrows the typed tensor, if it has precision `E`.
-    pub fn as_tensor_mut<E: Precision>(&mut self) -> Option<&mut Tensor<E>> {
+    pub fn as_tensor_mut<E: Precision>(&mut self) -> Option<&mut Tensor<E, D>> {
         E::any_mut(self)
     }
     /// The values widened to f64 (for tests and reports).
@@ -105,19 +108,19 @@ impl AnyTensor {
     }
 }
 
-impl<E: Precision> From<Tensor<E>> for AnyTensor {
-    fn from(t: Tensor<E>) -> Self {
+impl<E: Precision, D: Device> From<Tensor<E, D>> for AnyTensor<D> {
+    fn from(t: Tensor<E, D>) -> Self {
         E::into_any(t)
     }
 }
 
 /// A backward function: the output's gradient in, one optional gradient per parent out.
-pub(crate) type BackwardFn = Box<dyn Fn(AnyTensor) -> Vec<Option<AnyTensor>> + Send + Sync>;
+pub(crate) type BackwardFn<D> = Box<dyn Fn(AnyTensor<D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync>;
 
 /// How a node hands its gradient on to its parents.
-pub(crate) enum Backward {
+pub(crate) enum Backward<D: Device> {
     /// The general case: a closure from the output's gradient to one gradient per parent.
-    Fn(BackwardFn),
+    Fn(BackwardFn<D>),
     /// The output is entries `start..` of `dim` of its one parent (a narrow): the gradient is
     /// zero outside that window, so the engine adds it into the window of the parent's
     /// gradient buffer instead of materialising a zero-padded copy of the parent's shape.
@@ -125,18 +128,18 @@ pub(crate) enum Backward {
 }
 
 /// One recorded operation (or a leaf when `backward` is `None`).
-pub(crate) struct Node {
+pub(crate) struct Node<D: Device = Cpu> {
     pub(crate) id: TensorId,
     pub(crate) op: &'static str,
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<usize>,
-    pub(crate) parents: Vec<Option<Arc<Node>>>,
+    pub(crate) parents: Vec<Option<Arc<Node<D>>>>,
     /// `None` for a leaf.
-    pub(crate) backward: Option<Backward>,
+    pub(crate) backward: Option<Backward<D>>,
 }
 
-impl Node {
-    pub(crate) fn leaf(dtype: DType, shape: &[usize]) -> Arc<Node> {
+impl<D: Device> Node<D> {
+    pub(crate) fn leaf(dtype: DType, shape: &[usize]) -> Arc<Node<D>> {
         Arc::new(Node {
             id: TensorId::fresh(),
             op: "leaf",
@@ -148,10 +151,10 @@ impl Node {
     }
 }
 
-impl Drop for Node {
+impl<D: Device> Drop for Node<D> {
     // Long chains (hundreds of layers) would recurse once per node; unlink iteratively.
     fn drop(&mut self) {
-        let mut stack: Vec<Arc<Node>> = self.parents.drain(..).flatten().collect();
+        let mut stack: Vec<Arc<Node<D>>> = self.parents.drain(..).flatten().collect();
         while let Some(n) = stack.pop() {
             if let Ok(mut inner) = Arc::try_unwrap(n) {
                 stack.extend(inner.parents.drain(..).flatten());
@@ -208,8 +211,8 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
 /// with it. Each set (and its clones) carries the id of the backward pass that made it, so an
 /// optimizer applies it once ([`crate::optim::Optimizer::step`]).
 #[derive(Clone, Debug)]
-pub struct Grads {
-    map: HashMap<TensorId, AnyTensor>,
+pub struct Grads<D: Device = Cpu> {
+    map: HashMap<TensorId, AnyTensor<D>>,
     /// The backward pass (or `Grads::new`) that made this set; kept by clones.
     generation: u64,
 }
@@ -221,8 +224,15 @@ impl Default for Grads {
 }
 
 impl Grads {
-    /// An empty set (a new generation: an optimizer may apply it once).
+    /// An empty set of CPU gradients (a new generation: an optimizer may apply it once).
     pub fn new() -> Self {
+        Self::empty()
+    }
+}
+
+impl<D: Device> Grads<D> {
+    /// An empty set on any device (a new generation).
+    pub(crate) fn empty() -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Grads { map: HashMap::new(), generation: NEXT.fetch_add(1, Ordering::Relaxed) }
     }
@@ -232,23 +242,23 @@ impl Grads {
         self.generation
     }
     /// The gradient of `t` (a parameter or a leaf that requires gradients), in `t`'s precision.
-    pub fn get<E: Precision>(&self, t: &Tensor<E>) -> Option<&Tensor<E>> {
+    pub fn get<E: Precision>(&self, t: &Tensor<E, D>) -> Option<&Tensor<E, D>> {
         self.map.get(&t.id()?).and_then(E::any_ref)
     }
     /// The gradient of the tensor with this id.
-    pub fn get_by_id(&self, id: TensorId) -> Option<&AnyTensor> {
+    pub fn get_by_id(&self, id: TensorId) -> Option<&AnyTensor<D>> {
         self.map.get(&id)
     }
     /// Mutable access to the gradient with this id.
-    pub fn get_mut_by_id(&mut self, id: TensorId) -> Option<&mut AnyTensor> {
+    pub fn get_mut_by_id(&mut self, id: TensorId) -> Option<&mut AnyTensor<D>> {
         self.map.get_mut(&id)
     }
     /// Inserts (or replaces) a gradient.
-    pub fn insert(&mut self, id: TensorId, grad: AnyTensor) {
+    pub fn insert(&mut self, id: TensorId, grad: AnyTensor<D>) {
         self.map.insert(id, grad);
     }
     /// Removes a gradient.
-    pub fn remove(&mut self, id: TensorId) -> Option<AnyTensor> {
+    pub fn remove(&mut self, id: TensorId) -> Option<AnyTensor<D>> {
         self.map.remove(&id)
     }
     /// Number of gradients.
@@ -260,19 +270,19 @@ impl Grads {
         self.map.is_empty()
     }
     /// Every (id, gradient), in id order (deterministic).
-    pub fn iter(&self) -> impl Iterator<Item = (TensorId, &AnyTensor)> {
+    pub fn iter(&self) -> impl Iterator<Item = (TensorId, &AnyTensor<D>)> {
         let mut v: Vec<_> = self.map.iter().map(|(k, g)| (*k, g)).collect();
         v.sort_by_key(|(k, _)| *k);
         v.into_iter()
     }
     /// Every (id, gradient) mutably, in id order.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (TensorId, &mut AnyTensor)> {
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (TensorId, &mut AnyTensor<D>)> {
         let mut v: Vec<_> = self.map.iter_mut().map(|(k, g)| (*k, g)).collect();
         v.sort_by_key(|(k, _)| *k);
         v.into_iter()
     }
     /// Adds `other` into `self` (micro-batch accumulation); ids missing on one side are kept.
-    pub fn accumulate(&mut self, other: Grads) {
+    pub fn accumulate(&mut self, other: Grads<D>) {
         for (id, g) in other.map {
             let merged = match self.map.remove(&id) {
                 Some(mine) => accumulate(mine, g),
@@ -284,8 +294,8 @@ impl Grads {
 }
 
 /// The op of the first node (depth first from `t`) whose output is `dtype`, if any.
-pub(crate) fn first_node_of<E: Precision>(t: &Tensor<E>, dtype: DType) -> Option<&'static str> {
-    let mut stack: Vec<&Arc<Node>> = t.node.iter().collect();
+pub(crate) fn first_node_of<E: Precision, D: Device>(t: &Tensor<E, D>, dtype: DType) -> Option<&'static str> {
+    let mut stack: Vec<&Arc<Node<D>>> = t.node.iter().collect();
     let mut seen: HashSet<TensorId> = HashSet::new();
     while let Some(n) = stack.pop() {
         if !seen.insert(n.id) {
@@ -300,14 +310,14 @@ pub(crate) fn first_node_of<E: Precision>(t: &Tensor<E>, dtype: DType) -> Option
 }
 
 /// Runs backward from `root` seeded with `seed` (same shape and precision as the root).
-pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
+pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -> Grads<D> {
     let _no_grad = NoGradGuard::new();
     // Backward closures run ops on gradients as written, also inside an autocast region.
     let _as_written = crate::__private::OffGuard::new();
     // Depth-first post-order, iteratively: parents before children.
-    let mut order: Vec<Arc<Node>> = Vec::new();
+    let mut order: Vec<Arc<Node<D>>> = Vec::new();
     let mut seen: HashSet<TensorId> = HashSet::new();
-    let mut stack: Vec<(Arc<Node>, usize)> = vec![(root.clone(), 0)];
+    let mut stack: Vec<(Arc<Node<D>>, usize)> = vec![(root.clone(), 0)];
     seen.insert(root.id);
     while let Some((node, next)) = stack.pop() {
         if next < node.parents.len() {
@@ -322,9 +332,9 @@ pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
             order.push(node);
         }
     }
-    let mut pending: HashMap<TensorId, AnyTensor> = HashMap::new();
+    let mut pending: HashMap<TensorId, AnyTensor<D>> = HashMap::new();
     pending.insert(root.id, seed);
-    let mut out = Grads::new();
+    let mut out = Grads::empty();
     for node in order.iter().rev() {
         let Some(grad) = pending.remove(&node.id) else { continue };
         debug_assert_eq!(grad.shape(), &node.shape[..], "gradient shape of {} node", node.op);
@@ -370,7 +380,7 @@ pub(crate) fn run_backward(root: &Arc<Node>, seed: AnyTensor) -> Grads {
 /// `a + b` for two gradients of one tensor, written into whichever buffer is owned alone
 /// (a fresh tensor only when neither is). Each element is `a + b` in `E::Acc` rounded once,
 /// exactly what the `add` op computes, so the sums do not depend on which path ran.
-fn accumulate(a: AnyTensor, b: AnyTensor) -> AnyTensor {
+fn accumulate<D: Device>(a: AnyTensor<D>, b: AnyTensor<D>) -> AnyTensor<D> {
     match (a, b) {
         (AnyTensor::F16(a), AnyTensor::F16(b)) => accumulate_typed(a, b).into(),
         (AnyTensor::BF16(a), AnyTensor::BF16(b)) => accumulate_typed(a, b).into(),
@@ -382,14 +392,14 @@ fn accumulate(a: AnyTensor, b: AnyTensor) -> AnyTensor {
     }
 }
 
-fn accumulate_typed<E: Precision>(mut a: Tensor<E>, mut b: Tensor<E>) -> Tensor<E> {
+fn accumulate_typed<E: Precision, D: Device>(mut a: Tensor<E, D>, mut b: Tensor<E, D>) -> Tensor<E, D> {
     debug_assert_eq!(a.shape(), b.shape(), "accumulated gradients differ in shape");
-    if let Some(dst) = owned_whole(&mut a) {
-        add_assign(dst, &b.contiguous_data());
+    if owns_whole(&a) {
+        add_into(&mut a, &b);
         a
-    } else if let Some(dst) = owned_whole(&mut b) {
+    } else if owns_whole(&b) {
         // Addition commutes exactly (one rounding of the same exact sum).
-        add_assign(dst, &a.contiguous_data());
+        add_into(&mut b, &a);
         b
     } else {
         a.add(&b)
@@ -398,75 +408,46 @@ fn accumulate_typed<E: Precision>(mut a: Tensor<E>, mut b: Tensor<E>) -> Tensor<
 
 /// Whether `t` views all of its buffer in order and is the buffer's only holder (so writing
 /// into it changes nothing anyone else can see).
-fn owns_whole<E: Precision>(t: &Tensor<E>) -> bool {
-    t.layout.is_contiguous()
-        && t.layout.offset == 0
-        && t.storage.len() == t.numel()
-        && Arc::strong_count(&t.storage) == 1
-        && Arc::weak_count(&t.storage) == 0
+fn owns_whole<E: Precision, D: Device>(t: &Tensor<E, D>) -> bool {
+    t.layout.is_contiguous() && t.layout.offset == 0 && D::len(&t.storage) == t.numel() && D::is_exclusive(&t.storage)
 }
 
-/// The buffer of `t` as a mutable slice, when [`owns_whole`] holds.
-fn owned_whole<E: Precision>(t: &mut Tensor<E>) -> Option<&mut [E]> {
-    if owns_whole(t) { Arc::get_mut(&mut t.storage).map(|v| v.as_mut_slice()) } else { None }
-}
-
-/// `dst += src` element-wise in `E::Acc`, rounded once per element, in parallel chunks.
-fn add_assign<E: Precision>(dst: &mut [E], src: &[E]) {
-    assert_eq!(dst.len(), src.len(), "add_assign: length mismatch");
-    crate::cpu::par_chunks_mut(dst, |ci, chunk| {
-        let start = ci * crate::cpu::CHUNK;
-        let src = &src[start..start + chunk.len()];
-        let mut ba = [E::Acc::default(); crate::cpu::BUF];
-        let mut bb = [E::Acc::default(); crate::cpu::BUF];
-        for (d, s) in chunk.chunks_mut(crate::cpu::BUF).zip(src.chunks(crate::cpu::BUF)) {
-            let (xa, xb) = (&mut ba[..d.len()], &mut bb[..d.len()]);
-            E::load(d, xa);
-            E::load(s, xb);
-            for (x, y) in xa.iter_mut().zip(xb.iter()) {
-                *x += *y;
-            }
-            E::store(xa, d);
-        }
-    });
+/// `dst += src` element-wise (same shape; `dst` owns its whole buffer), one rounding each.
+fn add_into<E: Precision, D: Device>(dst: &mut Tensor<E, D>, src: &Tensor<E, D>) {
+    let dl = dst.layout.clone();
+    dst.device.clone().write_into(&mut dst.storage, &dl, &src.storage, &src.layout, true);
 }
 
 /// Adds `g`, the gradient of the window `start..start + len` of `dim` of a tensor of `shape`,
 /// into that tensor's running gradient `acc` (in place when `acc` owns its buffer alone; a
 /// zero buffer with `g` copied into the window when there is none yet).
-fn add_window(acc: Option<AnyTensor>, g: AnyTensor, shape: &[usize], dim: usize, start: usize) -> AnyTensor {
-    fn typed<E: Precision>(
-        acc: Option<AnyTensor>,
-        g: Tensor<E>,
+fn add_window<D: Device>(
+    acc: Option<AnyTensor<D>>,
+    g: AnyTensor<D>,
+    shape: &[usize],
+    dim: usize,
+    start: usize,
+) -> AnyTensor<D> {
+    fn typed<E: Precision, D: Device>(
+        acc: Option<AnyTensor<D>>,
+        g: Tensor<E, D>,
         shape: &[usize],
         dim: usize,
         start: usize,
-    ) -> AnyTensor {
+    ) -> AnyTensor<D> {
         let acc = acc.map(|a| a.downcast::<E>().unwrap_or_else(|e| panic!("narrow backward: {e}")));
-        let (outer, size, inner) = crate::layout::outer_dim_inner(shape, dim);
-        let run = g.shape()[dim] * inner;
-        let gd = g.contiguous_data();
-        // Where the window's `o`-th run lies in the parent's buffer, and in `gd`.
-        let at = |o: usize| (o * size * inner + start * inner, o * run);
-        let mut acc = match acc {
-            Some(a) if owns_whole(&a) => a,
+        let dev = g.device.clone();
+        let (mut acc, add) = match acc {
+            Some(a) if owns_whole(&a) => (a, true),
             // Shared (or a view): a private copy to add into, still one pass cheaper than
             // padding `g` and adding two full tensors.
-            Some(a) => Tensor::from_parts(a.to_vec(), shape),
-            None => {
-                let mut full = crate::cpu::alloc::zeroed::<E>(shape.iter().product());
-                for o in 0..outer {
-                    let (dst, src) = at(o);
-                    full[dst..dst + run].copy_from_slice(&gd[src..src + run]);
-                }
-                return Tensor::from_parts(full, shape).into();
-            }
+            Some(a) => (Tensor::from_storage(&dev, dev.contiguous(&a.storage, &a.layout), shape), true),
+            None => (Tensor::from_storage(&dev, dev.full(shape.iter().product(), E::default()), shape), false),
         };
-        let buf = owned_whole(&mut acc).expect("owned above");
-        for o in 0..outer {
-            let (dst, src) = at(o);
-            add_assign(&mut buf[dst..dst + run], &gd[src..src + run]);
-        }
+        let mut window = Layout::contiguous(shape);
+        window.offset += start * window.strides[dim];
+        window.shape[dim] = g.shape()[dim];
+        dev.write_into(&mut acc.storage, &window, &g.storage, &g.layout, add);
         acc.into()
     }
     with_any!(g, g => typed(acc, g, shape, dim, start))

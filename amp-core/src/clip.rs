@@ -14,46 +14,12 @@
 //!   multiplied by it, even when it is 1. A NaN norm gives NaN gradients, as in PyTorch (the
 //!   scaler has already marked such a step as skipped).
 
-use rayon::prelude::*;
-
 use crate::autograd::{AnyTensor, Grads};
-use crate::cpu::{BUF, CHUNK, PAR_MIN};
+use crate::backend::{Cpu, Device};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 
-/// Lanes of the sum of squares: four AVX-512 registers of independent accumulators, so the
-/// loop is bound by memory rather than by the latency of one add chain.
-const LANES: usize = 64;
-
-/// The sum of squares of `data` in f32 (parallel for large slices; deterministic).
-pub fn sum_of_squares(data: &[f32]) -> f32 {
-    if data.len() < PAR_MIN {
-        return sum_sq_serial(data);
-    }
-    let partial: Vec<f32> = data.par_chunks(CHUNK).map(sum_sq_serial).collect();
-    partial.iter().sum()
-}
-
-#[inline]
-fn sum_sq_serial(data: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let mut blocks = data.chunks_exact(LANES);
-    for block in &mut blocks {
-        for (a, v) in acc.iter_mut().zip(block) {
-            *a = v.mul_add(*v, *a);
-        }
-    }
-    let tail: f32 = blocks.remainder().iter().map(|v| v * v).sum();
-    // Pairwise: keeps the rounding error of the lane sum small.
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-    }
-    acc[0] + tail
-}
+pub use crate::cpu::amp::{clamp_in_place, scale_in_place, sum_of_squares};
 
 /// The L2 norm of several gradients together, as PyTorch computes it: the norm of the
 /// per-gradient norms, in f32.
@@ -75,28 +41,6 @@ pub fn clip_coefficient(total_norm: f32, max_norm: f32) -> f32 {
     let coef = (1.0 / (total_norm + 1e-6f32)) * max_norm;
     // torch.clamp(max=1.0): NaN stays NaN (f32::min would drop it).
     if coef > 1.0 { 1.0 } else { coef }
-}
-
-/// Multiplies every value by `c` in place (parallel for large slices).
-pub fn scale_in_place(data: &mut [f32], c: f32) {
-    let f = |chunk: &mut [f32]| chunk.iter_mut().for_each(|v| *v *= c);
-    if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
-}
-
-/// Clamps every value to `[-clip, clip]` in place; NaN stays NaN, as with `torch.clamp`.
-pub fn clamp_in_place(data: &mut [f32], clip: f32) {
-    let f = |chunk: &mut [f32]| {
-        chunk.iter_mut().for_each(|v| {
-            *v = if *v > clip {
-                clip
-            } else if *v < -clip {
-                -clip
-            } else {
-                *v
-            }
-        })
-    };
-    if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
 }
 
 /// The global L2 norm of every gradient in `grads` (the norm of the per-gradient norms, in
@@ -157,18 +101,8 @@ pub fn clip_grad_value(grads: &mut Grads, clip_value: f32) {
 
 /// The L2 norm of one gradient, in f32 (f64 gradients are summed in f64, then rounded).
 fn tensor_norm<E: Precision>(t: &crate::Tensor<E>) -> f32 {
-    let data = t.contiguous_data();
-    if let Some(d) = crate::precision::as_same::<E, f32>(&data) {
-        return sum_of_squares(d).sqrt();
-    }
-    let mut buf = [E::Acc::default(); BUF];
-    let mut acc = <E::Acc as num_traits::Zero>::zero();
-    for c in data.chunks(BUF) {
-        let b = &mut buf[..c.len()];
-        E::load(c, b);
-        acc = b.iter().fold(acc, |a, v| a + *v * *v);
-    }
-    <E::Acc as crate::precision::Accum>::f64(num_traits::Float::sqrt(acc)) as f32
+    let sum = Cpu.sum_squares(&t.storage, &t.layout);
+    if E::DTYPE == crate::DType::F64 { sum.sqrt() as f32 } else { (sum as f32).sqrt() }
 }
 
 /// An in-place elementwise change to every gradient.
@@ -181,42 +115,16 @@ enum Pass {
 }
 
 impl Pass {
-    #[inline(always)]
-    fn apply<A: crate::precision::Accum>(self, v: A) -> A {
-        match self {
-            Pass::Scale(c) => v * A::c(c as f64),
-            Pass::Clamp(c) => {
-                let c = A::c(c as f64);
-                if v > c {
-                    c
-                } else if v < -c {
-                    -c
-                } else {
-                    v
-                }
-            }
-        }
-    }
-    /// Runs the pass over one gradient: the vectorised f32 kernels for f32, otherwise in the
-    /// accumulation type with one rounding.
+    /// Runs the pass over one gradient on its device (one rounding per element).
     fn run(self, g: &mut AnyTensor) {
-        fn generic<E: Precision>(t: &mut crate::Tensor<E>, pass: Pass) {
-            let data = t.make_mut();
-            let mut buf = [E::Acc::default(); BUF];
-            for c in data.chunks_mut(BUF) {
-                let b = &mut buf[..c.len()];
-                E::load(c, b);
-                b.iter_mut().for_each(|v| *v = pass.apply(*v));
-                E::store(b, c);
+        fn typed<E: Precision>(t: &mut crate::Tensor<E>, pass: Pass) {
+            t.make_exclusive();
+            match pass {
+                Pass::Scale(c) => Cpu.scale_in_place(&mut t.storage, c),
+                Pass::Clamp(c) => Cpu.clamp_in_place(&mut t.storage, c),
             }
         }
-        match (g, self) {
-            (AnyTensor::F32(t), Pass::Scale(c)) => scale_in_place(t.make_mut(), c),
-            (AnyTensor::F32(t), Pass::Clamp(c)) => clamp_in_place(t.make_mut(), c),
-            (AnyTensor::F16(t), p) => generic(t, p),
-            (AnyTensor::BF16(t), p) => generic(t, p),
-            (AnyTensor::F64(t), p) => generic(t, p),
-        }
+        crate::with_any!(g, t => typed(t, self))
     }
 }
 
@@ -226,7 +134,7 @@ mod tests {
 
     #[test]
     fn norm_matches_f64_reference() {
-        let n = PAR_MIN * 3 + 77;
+        let n = 64 * 1024 * 3 + 77; // above the parallel threshold
         let v: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
         let exact: f64 = v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt();
         let got = global_norm(&[&v]) as f64;

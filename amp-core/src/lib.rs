@@ -27,13 +27,13 @@ extern crate self as amp_core;
 #[doc(hidden)]
 pub mod __private;
 pub mod autograd;
+pub mod backend;
 pub mod checkpoint;
 pub mod clip;
-pub(crate) mod cpu;
-pub mod cpu_memory;
+pub mod cpu;
 pub mod data;
-pub mod device;
 pub mod error;
+pub(crate) mod fastmath;
 pub mod indices;
 pub mod layout;
 pub mod nn;
@@ -51,7 +51,8 @@ pub use amp_macros::Params;
 /// `#[autocast]`: casts inserted at compile time from the op policy table ([`policy`]).
 pub use amp_macros::autocast;
 pub use autograd::{AnyTensor, Grads, NoGradGuard, TensorId, is_grad_enabled, no_grad};
-pub use device::{Cpu, Device};
+pub use backend::{Cpu, Device};
+pub use cpu::memory as cpu_memory;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use indices::{Indices, Mask};

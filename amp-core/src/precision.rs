@@ -14,6 +14,7 @@
 use std::fmt;
 
 use crate::autograd::AnyTensor;
+use crate::backend::Device;
 use crate::tensor::Tensor;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -106,15 +107,15 @@ impl Accum for f32 {
     }
     #[inline(always)]
     fn erf(self) -> Self {
-        crate::cpu::fastmath::erf_f32(self)
+        crate::fastmath::erf_f32(self)
     }
     #[inline(always)]
     fn vexp(self) -> Self {
-        crate::cpu::fastmath::exp_f32(self)
+        crate::fastmath::exp_f32(self)
     }
     #[inline(always)]
     fn erf_gauss(self) -> (Self, Self) {
-        crate::cpu::fastmath::erf_exp_f32(self)
+        crate::fastmath::erf_exp_f32(self)
     }
 }
 
@@ -183,33 +184,33 @@ pub trait Precision:
     fn from_f32_slice(src: &[f32], dst: &mut [Self]);
 
     /// Wraps a tensor of this precision into the type-erased [`AnyTensor`].
-    fn into_any(t: Tensor<Self>) -> AnyTensor;
+    fn into_any<D: Device>(t: Tensor<Self, D>) -> AnyTensor<D>;
     /// The tensor inside `any` if it has this precision.
-    fn from_any(any: AnyTensor) -> Result<Tensor<Self>, AnyTensor>;
+    fn from_any<D: Device>(any: AnyTensor<D>) -> Result<Tensor<Self, D>, AnyTensor<D>>;
     /// Borrows the tensor inside `any` if it has this precision.
-    fn any_ref(any: &AnyTensor) -> Option<&Tensor<Self>>;
+    fn any_ref<D: Device>(any: &AnyTensor<D>) -> Option<&Tensor<Self, D>>;
     /// Mutably borrows the tensor inside `any` if it has this precision.
-    fn any_mut(any: &mut AnyTensor) -> Option<&mut Tensor<Self>>;
+    fn any_mut<D: Device>(any: &mut AnyTensor<D>) -> Option<&mut Tensor<Self, D>>;
 }
 
 macro_rules! any_conversions {
     ($variant:ident) => {
-        fn into_any(t: Tensor<Self>) -> AnyTensor {
+        fn into_any<D: Device>(t: Tensor<Self, D>) -> AnyTensor<D> {
             AnyTensor::$variant(t)
         }
-        fn from_any(any: AnyTensor) -> Result<Tensor<Self>, AnyTensor> {
+        fn from_any<D: Device>(any: AnyTensor<D>) -> Result<Tensor<Self, D>, AnyTensor<D>> {
             match any {
                 AnyTensor::$variant(t) => Ok(t),
                 other => Err(other),
             }
         }
-        fn any_ref(any: &AnyTensor) -> Option<&Tensor<Self>> {
+        fn any_ref<D: Device>(any: &AnyTensor<D>) -> Option<&Tensor<Self, D>> {
             match any {
                 AnyTensor::$variant(t) => Some(t),
                 _ => None,
             }
         }
-        fn any_mut(any: &mut AnyTensor) -> Option<&mut Tensor<Self>> {
+        fn any_mut<D: Device>(any: &mut AnyTensor<D>) -> Option<&mut Tensor<Self, D>> {
             match any {
                 AnyTensor::$variant(t) => Some(t),
                 _ => None,
@@ -460,6 +461,14 @@ pub(crate) fn as_same<A: Precision, B: Precision>(s: &[A]) -> Option<&[B]> {
     (A::DTYPE == B::DTYPE).then(|| {
         // SAFETY: DTYPE is unique per sealed precision type, so A and B are the same type.
         unsafe { std::slice::from_raw_parts(s.as_ptr() as *const B, s.len()) }
+    })
+}
+
+/// Reinterprets `&mut [A]` as `&mut [B]` when A and B are the same type.
+pub(crate) fn as_same_mut<A: Precision, B: Precision>(s: &mut [A]) -> Option<&mut [B]> {
+    (A::DTYPE == B::DTYPE).then(|| {
+        // SAFETY: DTYPE is unique per sealed precision type, so A and B are the same type.
+        unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut B, s.len()) }
     })
 }
 

@@ -12,9 +12,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::autograd::{AnyTensor, Backward, Grads, Node, TensorId, is_grad_enabled, run_backward};
-use crate::cpu::{self, alloc};
-use crate::cpu_memory::PooledVec;
-use crate::device::{Cpu, Device};
+use crate::backend::{Cpu, Device};
 use crate::error::{Error, Result, or_panic};
 use crate::layout::{Layout, check_dim, contiguous_strides};
 use crate::precision::{Precision, convert_slice};
@@ -27,7 +25,7 @@ use crate::rng::Rng;
 pub struct Tensor<E: Precision, D: Device = Cpu> {
     pub(crate) storage: D::Storage<E>,
     pub(crate) layout: Layout,
-    pub(crate) node: Option<Arc<Node>>,
+    pub(crate) node: Option<Arc<Node<D>>>,
     pub(crate) device: D,
 }
 
@@ -79,25 +77,55 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     pub fn detach(&self) -> Self {
         Tensor { node: None, ..self.clone() }
     }
+    /// A contiguous tensor on `device` over `storage` (which holds exactly `shape`'s elements);
+    /// no autograd.
+    pub(crate) fn from_storage(device: &D, storage: D::Storage<E>, shape: &[usize]) -> Self {
+        debug_assert_eq!(D::len(&storage), shape.iter().product::<usize>());
+        Tensor { storage, layout: Layout::contiguous(shape), node: None, device: device.clone() }
+    }
+    /// A new output of this tensor's device: `storage` viewed as `shape`, no autograd.
+    pub(crate) fn output<T: Precision>(&self, storage: D::Storage<T>, shape: &[usize]) -> Tensor<T, D> {
+        Tensor::from_storage(&self.device, storage, shape)
+    }
+    /// The storage and layout, as kernels take them.
+    pub(crate) fn raw(&self) -> (&D::Storage<E>, &Layout) {
+        (&self.storage, &self.layout)
+    }
+    /// A tensor holding `data` in row-major order on `device`.
+    pub fn try_from_vec_on(device: &D, data: Vec<E>, shape: &[usize]) -> Result<Self> {
+        let expected: usize = shape.iter().product();
+        if data.len() != expected {
+            return Err(Error::ElementCount { op: "from_vec", len: data.len(), expected, shape: shape.to_vec() });
+        }
+        Ok(Self::from_storage(device, device.from_host(data), shape))
+    }
+    /// A tensor filled with `value` (rounded once into `E`) on `device`.
+    pub fn full_on(device: &D, shape: &[usize], value: f64) -> Self {
+        Self::from_storage(device, device.full(shape.iter().product(), E::from_f64(value)), shape)
+    }
+    /// The same values on another device (a copy through the host; not recorded by
+    /// autograd, so it is for moving data and parameters, not for a step inside a graph).
+    pub fn to_device<D2: Device>(&self, device: &D2) -> Tensor<E, D2> {
+        Tensor::from_storage(device, device.from_host(self.to_vec()), self.shape())
+    }
+    /// A fill of this tensor's device: a new tensor of `shape` holding `value`.
+    pub(crate) fn filled_like<T: Precision>(&self, shape: &[usize], value: f64) -> Tensor<T, D> {
+        Tensor::full_on(&self.device, shape, value)
+    }
 }
 
 // ---- construction -------------------------------------------------------------------------
 
 impl<E: Precision> Tensor<E> {
-    /// A contiguous tensor from raw parts; no autograd. The buffer becomes pooled storage: it
-    /// goes to the caching allocator when the last tensor holding it is dropped.
+    /// A contiguous CPU tensor from raw parts; no autograd. The buffer becomes pooled storage:
+    /// it goes to the caching allocator when the last tensor holding it is dropped.
     pub(crate) fn from_parts(data: Vec<E>, shape: &[usize]) -> Self {
-        debug_assert_eq!(data.len(), shape.iter().product::<usize>());
-        Tensor { storage: Arc::new(PooledVec::from(data)), layout: Layout::contiguous(shape), node: None, device: Cpu }
+        Self::from_storage(&Cpu, Cpu.from_host(data), shape)
     }
 
     /// A tensor holding `data` in row-major order.
     pub fn try_from_vec(data: Vec<E>, shape: &[usize]) -> Result<Self> {
-        let expected: usize = shape.iter().product();
-        if data.len() != expected {
-            return Err(Error::ElementCount { op: "from_vec", len: data.len(), expected, shape: shape.to_vec() });
-        }
-        Ok(Self::from_parts(data, shape))
+        Self::try_from_vec_on(&Cpu, data, shape)
     }
     /// A tensor holding `data` in row-major order. Panics if the length does not fill `shape`.
     ///
@@ -118,13 +146,13 @@ impl<E: Precision> Tensor<E> {
     /// Like [`Tensor::from_vec`], rounding each f32 value once into `E` (vectorised).
     #[track_caller]
     pub fn from_f32s(data: &[f32], shape: &[usize]) -> Self {
-        let mut out = alloc::take::<E>(data.len());
+        let mut out = vec![E::default(); data.len()];
         convert_slice(data, &mut out);
         Self::from_vec(out, shape)
     }
     /// A tensor filled with `value` (rounded once into `E`).
     pub fn full(shape: &[usize], value: f64) -> Self {
-        Self::from_parts(alloc::global().filled(shape.iter().product(), E::from_f64(value)), shape)
+        Self::full_on(&Cpu, shape, value)
     }
     /// Zeros.
     pub fn zeros(shape: &[usize]) -> Self {
@@ -165,6 +193,9 @@ impl<E: Precision> Tensor<E> {
         let n = shape.iter().product();
         Self::from_parts((0..n).map(|_| E::from_f64(rng.normal())).collect(), shape)
     }
+}
+
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// This tensor as a leaf that gradients are collected for (PyTorch's `requires_grad_()`).
     /// Gradients come back from [`Tensor::backward`] keyed by this tensor's [`Tensor::id`].
     pub fn requires_grad_(self) -> Self {
@@ -175,10 +206,10 @@ impl<E: Precision> Tensor<E> {
 
 // ---- reading ------------------------------------------------------------------------------
 
-impl<E: Precision> Tensor<E> {
-    /// The values in row-major order.
+impl<E: Precision, D: Device> Tensor<E, D> {
+    /// The values in row-major order (copied to the host).
     pub fn to_vec(&self) -> Vec<E> {
-        cpu::gather(&self.storage, &self.layout)
+        self.device.to_host(&self.storage, &self.layout)
     }
     /// The values widened to f64, in row-major order.
     pub fn to_f64_vec(&self) -> Vec<f64> {
@@ -200,76 +231,36 @@ impl<E: Precision> Tensor<E> {
                 shapes: vec![self.shape().to_vec()],
             });
         }
-        Ok(self.storage[self.layout.offset])
+        let one = Layout { shape: vec![], strides: vec![], offset: self.layout.offset };
+        Ok(self.device.to_host(&self.storage, &one)[0])
     }
     /// The value of a one-element tensor.
     #[track_caller]
     pub fn item(&self) -> E {
         or_panic(self.try_item())
     }
-    /// The contiguous storage slice (copying first, into a pooled buffer, if the view is not
-    /// contiguous).
-    pub(crate) fn contiguous_data(&self) -> Contiguous<'_, E> {
-        if self.layout.is_contiguous() {
-            let o = self.layout.offset;
-            Contiguous::Borrowed(&self.storage[o..o + self.numel()])
-        } else {
-            Contiguous::Copied(PooledVec::from(cpu::gather(&self.storage, &self.layout)))
-        }
-    }
-    /// Mutable contiguous data, copying only if the storage is shared or the view is not the
-    /// whole storage. Used by in-place updates (optimizers, unscale) on tensors they own.
-    pub fn make_mut(&mut self) -> &mut [E] {
-        let whole = self.layout.is_contiguous() && self.layout.offset == 0 && self.storage.len() == self.numel();
-        if !whole {
-            let data = self.to_vec();
-            self.storage = Arc::new(PooledVec::from(data));
-            self.layout = Layout::contiguous(&self.layout.shape.clone());
-        }
-        Arc::make_mut(&mut self.storage).as_mut_slice()
-    }
-}
-
-/// A tensor's values as one contiguous slice ([`Tensor::contiguous_data`]): borrowed from the
-/// storage, or a copy of a strided view whose buffer goes back to the caching allocator when
-/// dropped (a `Cow` would free it to the system).
-pub(crate) enum Contiguous<'a, E: Precision> {
-    /// The view is contiguous: its storage, in place.
-    Borrowed(&'a [E]),
-    /// The view was gathered into a pooled buffer.
-    Copied(PooledVec<E>),
-}
-
-impl<E: Precision> std::ops::Deref for Contiguous<'_, E> {
-    type Target = [E];
-    fn deref(&self) -> &[E] {
-        match self {
-            Contiguous::Borrowed(s) => s,
-            Contiguous::Copied(v) => v,
-        }
-    }
 }
 
 /// Whether an op with these parents records a node: recording is on and a parent takes part.
-fn records(parents: &[Option<Arc<Node>>]) -> bool {
+fn records<D: Device>(parents: &[Option<Arc<Node<D>>>]) -> bool {
     is_grad_enabled() && parents.iter().any(Option::is_some)
 }
 
 // ---- autograd entry points --------------------------------------------------------------------
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// Records `self` as the output of `op` with `parents`; `backward` maps the output's
     /// gradient to one gradient per parent (same order, `None` where not needed).
     pub(crate) fn record(
         self,
         op: &'static str,
-        parents: Vec<Option<Arc<Node>>>,
-        backward: impl Fn(Tensor<E>) -> Vec<Option<AnyTensor>> + Send + Sync + 'static,
+        parents: Vec<Option<Arc<Node<D>>>>,
+        backward: impl Fn(Tensor<E, D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync + 'static,
     ) -> Self {
         if !records(&parents) {
             return self;
         }
-        let backward = Backward::Fn(Box::new(move |g: AnyTensor| {
+        let backward = Backward::Fn(Box::new(move |g: AnyTensor<D>| {
             let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
             backward(g)
         }));
@@ -278,7 +269,7 @@ impl<E: Precision> Tensor<E> {
 
     /// Records `self` as entries `start..` of `dim` of `parent` (a narrow): the engine adds
     /// its gradient into that window of the parent's gradient buffer.
-    fn record_window(self, parent: Option<Arc<Node>>, dim: usize, start: usize) -> Self {
+    fn record_window(self, parent: Option<Arc<Node<D>>>, dim: usize, start: usize) -> Self {
         let parents = vec![parent];
         if !records(&parents) {
             return self;
@@ -286,7 +277,7 @@ impl<E: Precision> Tensor<E> {
         self.record_node("narrow", parents, Backward::Window { dim, start })
     }
 
-    fn record_node(mut self, op: &'static str, parents: Vec<Option<Arc<Node>>>, backward: Backward) -> Self {
+    fn record_node(mut self, op: &'static str, parents: Vec<Option<Arc<Node<D>>>>, backward: Backward<D>) -> Self {
         let node = Node {
             id: TensorId::fresh(),
             op,
@@ -301,13 +292,13 @@ impl<E: Precision> Tensor<E> {
 
     /// Gradients of this scalar with respect to every leaf it depends on, each in its leaf's
     /// precision. Errors if the tensor has more than one element or does not require grad.
-    pub fn try_backward(&self) -> Result<Grads> {
+    pub fn try_backward(&self) -> Result<Grads<D>> {
         self.try_backward_with_seed(1.0)
     }
     /// Like [`Tensor::try_backward`], with the seed gradient `seed` instead of 1 (this is how a
     /// scaled loss's backward multiplies every gradient by the scale). Crate-private: scaled
     /// gradients exist only inside a training step, never as a [`Grads`].
-    pub(crate) fn try_backward_with_seed(&self, seed: f64) -> Result<Grads> {
+    pub(crate) fn try_backward_with_seed(&self, seed: f64) -> Result<Grads<D>> {
         if self.numel() != 1 {
             return Err(Error::Backward {
                 detail: format!("needs a one-element (scalar) tensor, got shape {:?}", self.shape()),
@@ -318,7 +309,7 @@ impl<E: Precision> Tensor<E> {
                 detail: "the tensor does not require grad: nothing it depends on is a parameter or a leaf marked with requires_grad_()".into(),
             });
         };
-        let seed = Tensor::<E>::full(self.shape(), seed);
+        let seed = self.filled_like::<E>(self.shape(), seed);
         Ok(run_backward(node, seed.into()))
     }
     /// Gradients of this scalar with respect to every leaf it depends on.
@@ -331,16 +322,16 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(g.get(&x).unwrap().to_vec(), vec![2.0, 4.0]);
     /// ```
     #[track_caller]
-    pub fn backward(&self) -> Grads {
+    pub fn backward(&self) -> Grads<D> {
         or_panic(self.try_backward())
     }
 }
 
 // ---- views --------------------------------------------------------------------------------
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     fn view(&self, layout: Layout) -> Self {
-        Tensor { storage: self.storage.clone(), layout, node: None, device: Cpu }
+        Tensor { storage: self.storage.clone(), layout, node: None, device: self.device.clone() }
     }
 
     /// A contiguous tensor with the same values (no copy if already contiguous).
@@ -348,7 +339,7 @@ impl<E: Precision> Tensor<E> {
         if self.layout.is_contiguous() {
             return self.clone();
         }
-        let out = Self::from_parts(cpu::gather(&self.storage, &self.layout), self.shape());
+        let out = self.output(self.device.contiguous(&self.storage, &self.layout), self.shape());
         out.record("contiguous", vec![self.node.clone()], |g| vec![Some(g.into())])
     }
 
@@ -522,7 +513,7 @@ impl<E: Precision> Tensor<E> {
 
 // ---- casting --------------------------------------------------------------------------------
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// The values rounded once into precision `E2` (differentiable: the gradient is cast back).
     /// Values beyond `E2`'s range become ±inf, never clamped; NaN stays NaN.
     ///
@@ -533,23 +524,22 @@ impl<E: Precision> Tensor<E> {
     /// let h = x.cast::<f16>();
     /// assert!(h.to_vec()[1].is_infinite());
     /// ```
-    pub fn cast<E2: Precision>(&self) -> Tensor<E2> {
+    pub fn cast<E2: Precision>(&self) -> Tensor<E2, D> {
         if E::DTYPE == E2::DTYPE {
             let out = self.clone();
             // Same precision means same type: move it through the type-erased form.
             return E2::from_any(E::into_any(out)).unwrap_or_else(|_| unreachable!());
         }
-        let out = cpu::convert_par(&self.contiguous_data());
-        Tensor::<E2>::from_parts(out, self.shape())
-            .record("cast", vec![self.node.clone()], |g| vec![Some(g.cast::<E>().into())])
+        let out = self.device.cast::<E, E2>(&self.storage, &self.layout);
+        self.output(out, self.shape()).record("cast", vec![self.node.clone()], |g| vec![Some(g.cast::<E>().into())])
     }
 }
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// Rounds `self` into `dst`'s precision, writing into `dst`'s buffer (in place when nothing
     /// else shares it): a cast without allocation, for buffers kept across steps. Not recorded
     /// by autograd. Errors if the shapes differ.
-    pub fn try_cast_into<E2: Precision>(&self, dst: &mut Tensor<E2>) -> Result<()> {
+    pub fn try_cast_into<E2: Precision>(&self, dst: &mut Tensor<E2, D>) -> Result<()> {
         if self.shape() != dst.shape() {
             return Err(Error::Shape {
                 op: "cast_into",
@@ -557,17 +547,31 @@ impl<E: Precision> Tensor<E> {
                 shapes: vec![self.shape().to_vec(), dst.shape().to_vec()],
             });
         }
-        cpu::convert_par_into(&self.contiguous_data(), dst.make_mut());
+        dst.make_exclusive();
+        self.device.cast_into(&self.storage, &self.layout, &mut dst.storage);
         Ok(())
     }
     /// Rounds `self` into `dst`'s precision in `dst`'s buffer; panics if the shapes differ.
     #[track_caller]
-    pub fn cast_into<E2: Precision>(&self, dst: &mut Tensor<E2>) {
+    pub fn cast_into<E2: Precision>(&self, dst: &mut Tensor<E2, D>) {
         or_panic(self.try_cast_into(dst))
     }
 }
 
-impl<E: Precision> fmt::Debug for Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
+    /// Makes this tensor the sole owner of a contiguous buffer holding exactly its view
+    /// (copying only if the storage is shared or the view is not the whole of it), so an
+    /// in-place write changes nothing anyone else sees.
+    pub(crate) fn make_exclusive(&mut self) {
+        let whole = self.layout.is_contiguous() && self.layout.offset == 0 && D::len(&self.storage) == self.numel();
+        if !whole || !D::is_exclusive(&self.storage) {
+            self.storage = self.device.contiguous(&self.storage, &self.layout);
+            self.layout = Layout::contiguous(&self.layout.shape.clone());
+        }
+    }
+}
+
+impl<E: Precision, D: Device> fmt::Debug for Tensor<E, D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const SHOWN: usize = 8;
         let v = if self.numel() <= SHOWN { self.to_vec() } else { self.flatten().narrow(0, 0, SHOWN).to_vec() };
@@ -579,7 +583,7 @@ impl<E: Precision> fmt::Debug for Tensor<E> {
     }
 }
 
-impl<E: Precision> fmt::Display for Tensor<E> {
+impl<E: Precision, D: Device> fmt::Display for Tensor<E, D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self, f)
     }

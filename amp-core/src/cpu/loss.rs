@@ -5,32 +5,24 @@
 use super::rows::{exp_in_place, par_row_ranges, par_rows, sum_map};
 use super::softmax::log_sum_exp;
 use super::{BUF, CHUNK};
+use crate::backend::CrossEntropySpec;
 use crate::precision::{Accum, Precision};
 use num_traits::Zero;
 use rayon::prelude::*;
 
-/// What cross-entropy needs besides the logits: targets, the ignored class and smoothing.
-#[derive(Clone, Copy)]
-pub(crate) struct CeSpec<'a> {
-    /// One class index per row.
-    pub(crate) targets: &'a [i64],
-    /// Rows whose target equals this contribute nothing (and are not counted).
-    pub(crate) ignore: Option<i64>,
-    /// Label smoothing in `[0, 1]`.
-    pub(crate) smoothing: f64,
-}
-
-impl CeSpec<'_> {
-    fn ignored(&self, r: usize) -> bool {
-        Some(self.targets[r]) == self.ignore
-    }
+fn ignored(spec: &CrossEntropySpec<'_>, r: usize) -> bool {
+    Some(spec.targets[r]) == spec.ignore
 }
 
 /// Cross-entropy forward over `x` (`rows * c` logits). Returns each row's log-sum-exp (kept
 /// for backward), the summed loss over non-ignored rows, and how many rows were counted.
 ///
 /// Row loss: `-(1 - s) * logp[t] - (s / c) * sum_j logp[j]` with `logp = x - lse`.
-pub(crate) fn cross_entropy_forward<E: Precision>(x: &[E], c: usize, spec: CeSpec<'_>) -> (Vec<E::Acc>, f64, usize) {
+pub(crate) fn cross_entropy_forward<E: Precision>(
+    x: &[E],
+    c: usize,
+    spec: CrossEntropySpec<'_>,
+) -> (Vec<E::Acc>, f64, usize) {
     let rows = spec.targets.len();
     let s = E::Acc::c(spec.smoothing);
     let per_class = E::Acc::c(spec.smoothing / c as f64);
@@ -39,7 +31,7 @@ pub(crate) fn cross_entropy_forward<E: Precision>(x: &[E], c: usize, spec: CeSpe
         let mut lses = Vec::with_capacity(range.len());
         let (mut loss, mut counted) = (0f64, 0usize);
         for r in range {
-            if spec.ignored(r) {
+            if ignored(&spec, r) {
                 lses.push(E::Acc::zero());
                 continue;
             }
@@ -72,7 +64,7 @@ pub(crate) fn cross_entropy_forward<E: Precision>(x: &[E], c: usize, spec: CeSpe
 pub(crate) fn cross_entropy_backward<E: Precision>(
     x: &[E],
     c: usize,
-    spec: CeSpec<'_>,
+    spec: CrossEntropySpec<'_>,
     lse: &[E::Acc],
     scale: f64,
 ) -> Vec<E> {
@@ -84,7 +76,7 @@ pub(crate) fn cross_entropy_backward<E: Precision>(
         let mut buf = vec![E::Acc::default(); c];
         for (k, gx) in chunk.chunks_mut(c).enumerate() {
             let r = r0 + k;
-            if spec.ignored(r) {
+            if ignored(&spec, r) {
                 gx.fill(E::default()); // no gradient
                 continue;
             }

@@ -1,4 +1,5 @@
-//! CPU kernels: the loops every op is built on.
+//! The CPU backend: [`crate::Device`] for [`crate::Cpu`] ([`backend`]), its caching allocator
+//! ([`memory`]) and the loops every kernel is built on.
 //!
 //! Design notes:
 //! - Work is split into chunks of [`CHUNK`] output elements run on rayon's pool when there are
@@ -12,16 +13,19 @@
 //!   unspecified) where the kernel writes every element, `alloc::zeroed` where it does not.
 
 pub(crate) mod alloc;
+pub mod amp;
+pub mod backend;
 pub(crate) mod dropout;
-pub(crate) mod fastmath;
 pub(crate) mod gemm_half;
 pub(crate) mod index;
 pub(crate) mod loss;
 pub(crate) mod matmul;
+pub mod memory;
 pub(crate) mod norm;
 pub(crate) mod reduce;
 pub(crate) mod rows;
 pub(crate) mod softmax;
+mod tensor;
 
 use rayon::prelude::*;
 
@@ -297,4 +301,47 @@ pub(crate) fn sum_buf<A: Accum>(x: &[A]) -> A {
         s += *v;
     }
     ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + s
+}
+
+/// `dst[view dl] = src` (or `+= src` in `E::Acc`, one rounding each, when `add`); `src` is
+/// contiguous with the view's element count.
+pub(crate) fn write_into<E: Precision>(dst: &mut [E], dl: &Layout, src: &[E], add: bool) {
+    assert_eq!(src.len(), dl.numel(), "write_into: element count mismatch");
+    let run = |d: &mut [E], s: &[E]| if add { add_assign(d, s) } else { d.copy_from_slice(s) };
+    if dl.is_contiguous() {
+        run(&mut dst[dl.offset..dl.offset + src.len()], src);
+        return;
+    }
+    let (shape, [strides]) = collapse(&dl.shape, [&dl.strides]);
+    for_each_run(&shape, &[strides], [dl.offset], 0, src.len(), |pos, [o], [st], len| {
+        let s = &src[pos..pos + len];
+        if st == 1 {
+            run(&mut dst[o..o + len], s);
+        } else {
+            for (i, v) in s.iter().enumerate() {
+                let d = &mut dst[o + i * st];
+                *d = if add { E::from_acc(d.to_acc() + v.to_acc()) } else { *v };
+            }
+        }
+    });
+}
+
+/// `dst += src` element-wise in `E::Acc`, rounded once per element, in parallel chunks.
+fn add_assign<E: Precision>(dst: &mut [E], src: &[E]) {
+    assert_eq!(dst.len(), src.len(), "add_assign: length mismatch");
+    par_chunks_mut(dst, |ci, chunk| {
+        let start = ci * CHUNK;
+        let src = &src[start..start + chunk.len()];
+        let mut ba = [E::Acc::default(); BUF];
+        let mut bb = [E::Acc::default(); BUF];
+        for (d, s) in chunk.chunks_mut(BUF).zip(src.chunks(BUF)) {
+            let (xa, xb) = (&mut ba[..d.len()], &mut bb[..d.len()]);
+            E::load(d, xa);
+            E::load(s, xb);
+            for (x, y) in xa.iter_mut().zip(xb.iter()) {
+                *x += *y;
+            }
+            E::store(xa, d);
+        }
+    });
 }

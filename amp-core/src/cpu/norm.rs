@@ -11,7 +11,7 @@ use crate::precision::{Accum, Precision};
 use num_traits::{Float, One, Zero};
 
 /// Per-row statistics saved by the forward pass, in the accumulation type.
-pub(crate) struct NormStats<A> {
+pub struct NormStats<A> {
     /// Row means (all zero for RMS norm).
     pub(crate) mean: Vec<A>,
     /// Row reciprocal standard deviations (reciprocal root mean square for RMS norm).

@@ -1,38 +1,71 @@
-//! Elementwise binary ops with NumPy broadcasting: add, sub, mul, div, and the operators.
+//! Elementwise binary ops with NumPy broadcasting: add, sub, mul, div (ops as values, their
+//! Rust and CUDA expressions side by side), and the operators.
 //! Both operands have one precision (mixing precisions does not compile); gradients are
 //! summed back over broadcast dims.
 
 use std::ops;
 
-use crate::cpu;
+use crate::backend::{BinaryOp, Device};
 use crate::error::{Result, or_panic};
 use crate::layout::broadcast_shapes;
-use crate::precision::Precision;
+use crate::precision::{Accum, Precision};
 use crate::tensor::Tensor;
+
+macro_rules! binary_op {
+    ($(#[$doc:meta])* $name:ident, $NAME:literal, |$a:ident, $b:ident| $f:expr, cuda: $cuda:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, Default)]
+        pub struct $name;
+        impl BinaryOp for $name {
+            const NAME: &'static str = $NAME;
+            const CUDA: &'static str = $cuda;
+            #[inline(always)]
+            fn apply<A: Accum>(&self, $a: A, $b: A) -> A {
+                $f
+            }
+        }
+    };
+}
+
+binary_op!(
+    /// `a + b`.
+    Add, "add", |a, b| a + b, cuda: "a + b"
+);
+binary_op!(
+    /// `a - b`.
+    Sub, "sub", |a, b| a - b, cuda: "a - b"
+);
+binary_op!(
+    /// `a * b`.
+    Mul, "mul", |a, b| a * b, cuda: "a * b"
+);
+binary_op!(
+    /// `a / b`.
+    Div, "div", |a, b| a / b, cuda: "a / b"
+);
 
 /// How a binary op's backward turns `(needs, g, a, b, y)` into the gradients of `a` and `b` at
 /// the output's shape (the driver sums them back to each operand's shape). A gradient is computed
 /// only where `needs` asks for it: the other one would be a full-size kernel pass thrown away.
-type BinaryBackward<E> =
-    fn((bool, bool), &Tensor<E>, &Tensor<E>, &Tensor<E>, &Tensor<E>) -> (Option<Tensor<E>>, Option<Tensor<E>>);
+type BinaryBackward<E, D> = fn(
+    (bool, bool),
+    &Tensor<E, D>,
+    &Tensor<E, D>,
+    &Tensor<E, D>,
+    &Tensor<E, D>,
+) -> (Option<Tensor<E, D>>, Option<Tensor<E, D>>);
 
-impl<E: Precision> Tensor<E> {
-    fn binary(
-        &self,
-        rhs: &Self,
-        op: &'static str,
-        f: impl Fn(E::Acc, E::Acc) -> E::Acc + Sync + Send,
-        backward: BinaryBackward<E>,
-    ) -> Result<Self> {
-        let shape = broadcast_shapes(op, self.shape(), rhs.shape())?;
-        let data = cpu::map_binary(&self.storage, &self.layout, &rhs.storage, &rhs.layout, &shape, f);
-        let out = Self::from_parts(data, &shape);
+impl<E: Precision, D: Device> Tensor<E, D> {
+    /// `op(self, rhs)` broadcast together, with the tape.
+    fn binary<O: BinaryOp>(&self, rhs: &Self, op: O, backward: BinaryBackward<E, D>) -> Result<Self> {
+        let shape = broadcast_shapes(O::NAME, self.shape(), rhs.shape())?;
+        let out = self.output(self.device.binary(op, self.raw(), rhs.raw(), &shape), &shape);
         if !self.requires_grad() && !rhs.requires_grad() {
             return Ok(out);
         }
         let (a, b, y) = (self.detach(), rhs.detach(), out.clone());
         let needs = (self.requires_grad(), rhs.requires_grad());
-        Ok(out.record(op, vec![self.node.clone(), rhs.node.clone()], move |g| {
+        Ok(out.record(O::NAME, vec![self.node.clone(), rhs.node.clone()], move |g| {
             let (ga, gb) = backward(needs, &g, &a, &b, &y);
             vec![ga.map(|ga| ga.sum_to_shape(a.shape()).into()), gb.map(|gb| gb.sum_to_shape(b.shape()).into())]
         }))
@@ -40,24 +73,19 @@ impl<E: Precision> Tensor<E> {
 
     /// `self + rhs`, broadcasting. Derivatives: 1, 1.
     pub fn try_add(&self, rhs: &Self) -> Result<Self> {
-        self.binary(rhs, "add", |a, b| a + b, |n, g, _, _, _| (n.0.then(|| g.clone()), n.1.then(|| g.clone())))
+        self.binary(rhs, Add, |n, g, _, _, _| (n.0.then(|| g.clone()), n.1.then(|| g.clone())))
     }
     /// `self - rhs`, broadcasting. Derivatives: 1, -1.
     pub fn try_sub(&self, rhs: &Self) -> Result<Self> {
-        self.binary(rhs, "sub", |a, b| a - b, |n, g, _, _, _| (n.0.then(|| g.clone()), n.1.then(|| g.neg())))
+        self.binary(rhs, Sub, |n, g, _, _, _| (n.0.then(|| g.clone()), n.1.then(|| g.neg())))
     }
     /// `self * rhs`, broadcasting. Derivatives: b, a.
     pub fn try_mul(&self, rhs: &Self) -> Result<Self> {
-        self.binary(rhs, "mul", |a, b| a * b, |n, g, a, b, _| (n.0.then(|| g.mul(b)), n.1.then(|| g.mul(a))))
+        self.binary(rhs, Mul, |n, g, a, b, _| (n.0.then(|| g.mul(b)), n.1.then(|| g.mul(a))))
     }
     /// `self / rhs`, broadcasting. Derivatives: 1/b, -y/b.
     pub fn try_div(&self, rhs: &Self) -> Result<Self> {
-        self.binary(
-            rhs,
-            "div",
-            |a, b| a / b,
-            |n, g, _, b, y| (n.0.then(|| g.div(b)), n.1.then(|| g.mul(y).div(b).neg())),
-        )
+        self.binary(rhs, Div, |n, g, _, b, y| (n.0.then(|| g.div(b)), n.1.then(|| g.mul(y).div(b).neg())))
     }
     /// `self + rhs`, broadcasting; panics on incompatible shapes.
     #[track_caller]
@@ -81,47 +109,47 @@ impl<E: Precision> Tensor<E> {
     }
 }
 
-// Operators on owned and borrowed tensors. Only `Tensor<E> op Tensor<E>` exists: a `Tensor<f16>`
+// Operators on owned and borrowed tensors. Only `Tensor<E, D> op Tensor<E, D>` exists: a `Tensor<f16>`
 // plus a `Tensor<f32>` has no impl, so mixing precisions is a compile error.
 macro_rules! tensor_operator {
     ($Trait:ident, $method:ident, $scalar:ident) => {
-        impl<E: Precision> ops::$Trait<&Tensor<E>> for &Tensor<E> {
-            type Output = Tensor<E>;
+        impl<E: Precision, D: Device> ops::$Trait<&Tensor<E, D>> for &Tensor<E, D> {
+            type Output = Tensor<E, D>;
             #[track_caller]
-            fn $method(self, rhs: &Tensor<E>) -> Tensor<E> {
+            fn $method(self, rhs: &Tensor<E, D>) -> Tensor<E, D> {
                 Tensor::$method(self, rhs)
             }
         }
-        impl<E: Precision> ops::$Trait<Tensor<E>> for Tensor<E> {
-            type Output = Tensor<E>;
+        impl<E: Precision, D: Device> ops::$Trait<Tensor<E, D>> for Tensor<E, D> {
+            type Output = Tensor<E, D>;
             #[track_caller]
-            fn $method(self, rhs: Tensor<E>) -> Tensor<E> {
+            fn $method(self, rhs: Tensor<E, D>) -> Tensor<E, D> {
                 Tensor::$method(&self, &rhs)
             }
         }
-        impl<E: Precision> ops::$Trait<&Tensor<E>> for Tensor<E> {
-            type Output = Tensor<E>;
+        impl<E: Precision, D: Device> ops::$Trait<&Tensor<E, D>> for Tensor<E, D> {
+            type Output = Tensor<E, D>;
             #[track_caller]
-            fn $method(self, rhs: &Tensor<E>) -> Tensor<E> {
+            fn $method(self, rhs: &Tensor<E, D>) -> Tensor<E, D> {
                 Tensor::$method(&self, rhs)
             }
         }
-        impl<E: Precision> ops::$Trait<Tensor<E>> for &Tensor<E> {
-            type Output = Tensor<E>;
+        impl<E: Precision, D: Device> ops::$Trait<Tensor<E, D>> for &Tensor<E, D> {
+            type Output = Tensor<E, D>;
             #[track_caller]
-            fn $method(self, rhs: Tensor<E>) -> Tensor<E> {
+            fn $method(self, rhs: Tensor<E, D>) -> Tensor<E, D> {
                 Tensor::$method(self, &rhs)
             }
         }
-        impl<E: Precision> ops::$Trait<f64> for &Tensor<E> {
-            type Output = Tensor<E>;
-            fn $method(self, rhs: f64) -> Tensor<E> {
+        impl<E: Precision, D: Device> ops::$Trait<f64> for &Tensor<E, D> {
+            type Output = Tensor<E, D>;
+            fn $method(self, rhs: f64) -> Tensor<E, D> {
                 self.$scalar(rhs)
             }
         }
-        impl<E: Precision> ops::$Trait<f64> for Tensor<E> {
-            type Output = Tensor<E>;
-            fn $method(self, rhs: f64) -> Tensor<E> {
+        impl<E: Precision, D: Device> ops::$Trait<f64> for Tensor<E, D> {
+            type Output = Tensor<E, D>;
+            fn $method(self, rhs: f64) -> Tensor<E, D> {
                 self.$scalar(rhs)
             }
         }
@@ -133,15 +161,15 @@ tensor_operator!(Sub, sub, sub_scalar);
 tensor_operator!(Mul, mul, mul_scalar);
 tensor_operator!(Div, div, div_scalar);
 
-impl<E: Precision> ops::Neg for &Tensor<E> {
-    type Output = Tensor<E>;
-    fn neg(self) -> Tensor<E> {
+impl<E: Precision, D: Device> ops::Neg for &Tensor<E, D> {
+    type Output = Tensor<E, D>;
+    fn neg(self) -> Tensor<E, D> {
         Tensor::neg(self)
     }
 }
-impl<E: Precision> ops::Neg for Tensor<E> {
-    type Output = Tensor<E>;
-    fn neg(self) -> Tensor<E> {
+impl<E: Precision, D: Device> ops::Neg for Tensor<E, D> {
+    type Output = Tensor<E, D>;
+    fn neg(self) -> Tensor<E, D> {
         Tensor::neg(&self)
     }
 }

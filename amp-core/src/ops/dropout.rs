@@ -1,13 +1,13 @@
 //! Dropout (inverted scaling), reproducible from the caller's [`Rng`]: one draw from it seeds
-//! the mask, which backward regenerates rather than stores (`crate::cpu::dropout`).
+//! the mask, which backward regenerates rather than stores (the device's `dropout` kernel).
 
-use crate::cpu;
+use crate::backend::Device;
 use crate::error::{Error, Result, or_panic};
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::tensor::Tensor;
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// Dropout: in training, each element is zeroed with probability `p` and the rest are
     /// scaled by `1 / (1 - p)`, so the expected value is unchanged; with `training == false` or
     /// `p == 0` it is the identity (and draws nothing from `rng`). `p` must be in `[0, 1)`.
@@ -27,10 +27,10 @@ impl<E: Precision> Tensor<E> {
             return Ok(self.clone());
         }
         let seed = rng.next_u64();
-        let out = Self::from_parts(cpu::dropout::apply(&self.contiguous_data(), p, seed), self.shape());
+        let out = self.output(self.device.dropout(&self.storage, &self.layout, p, seed), self.shape());
         let shape = self.shape().to_vec();
         Ok(out.record("dropout", vec![self.node.clone()], move |g| {
-            vec![Some(Tensor::from_parts(cpu::dropout::apply(&g.contiguous_data(), p, seed), &shape).into())]
+            vec![Some(g.output(g.device.dropout(&g.storage, &g.layout, p, seed), &shape).into())]
         }))
     }
     /// Dropout; panics if `p` is outside `[0, 1)`.

@@ -1,13 +1,13 @@
 //! Embedding lookup: rows of a weight `[V, D]` gathered by token ids, with a scatter-add
-//! backward into a `[V, D]` gradient (`crate::cpu::index`).
+//! backward into a `[V, D]` gradient (the device's `gather_rows` and `scatter_add_rows`).
 
-use crate::cpu;
+use crate::backend::Device;
 use crate::error::{Error, Result, or_panic};
 use crate::indices::Indices;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// Looks up rows of this weight `[V, D]` by `ids` (any shape, values in `0..V`): the output
     /// has shape `[ids.shape()..., D]`. Derivative: the output gradient's rows are added into a
     /// zero `[V, D]` gradient at their ids (repeated ids accumulate, in f32 for f16/bf16).
@@ -24,14 +24,14 @@ impl<E: Precision> Tensor<E> {
         ids.check_bound("embedding", v, None)?;
         let mut shape = ids.shape().to_vec();
         shape.push(d);
-        let out = Self::from_parts(cpu::index::gather_rows(&self.contiguous_data(), ids.as_slice(), d), &shape);
+        let out = self.output(self.device.gather_rows(self.raw(), ids.as_slice(), d), &shape);
         if !self.requires_grad() {
             return Ok(out);
         }
         let ids = ids.clone();
         Ok(out.record("embedding", vec![self.node.clone()], move |g| {
-            let gw = cpu::index::scatter_add_rows(&g.contiguous_data(), ids.as_slice(), v, d);
-            vec![Some(Tensor::from_parts(gw, &[v, d]).into())]
+            let gw = g.device.scatter_add_rows(g.raw(), ids.as_slice(), v, d);
+            vec![Some(g.output(gw, &[v, d]).into())]
         }))
     }
     /// Embedding lookup; panics if the weight is not 2-D or an id is out of range.

@@ -1,26 +1,24 @@
 //! Selection and joining: `masked_fill` and `where_cond` with broadcast [`Mask`]s, and `cat` /
-//! `stack` along a dim (`crate::cpu::index`). Gradients are routed back to the selected or
+//! `stack` along a dim (the device's `select` and `cat` kernels). Gradients are routed back to the selected or
 //! concatenated inputs and summed over broadcast dims.
 
-use crate::cpu;
+use crate::backend::Device;
 use crate::error::{Error, Result, or_panic};
 use crate::indices::Mask;
-use crate::layout::{Layout, broadcast_shapes, check_dim, outer_dim_inner};
+use crate::layout::{broadcast_shapes, check_dim, outer_dim_inner};
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// `mask ? a : b` elementwise on contiguous-or-strided operands broadcast to `shape`.
-    fn select_raw(mask: &Mask, a: &Tensor<E>, b: &Tensor<E>, shape: &[usize]) -> Tensor<E> {
-        let lm = Layout::contiguous(mask.shape());
-        let data = cpu::index::select(mask.as_slice(), &lm, &a.storage, &a.layout, &b.storage, &b.layout, shape);
-        Tensor::from_parts(data, shape)
+    fn select_raw(mask: &Mask, a: &Tensor<E, D>, b: &Tensor<E, D>, shape: &[usize]) -> Tensor<E, D> {
+        a.output(a.device.select((mask.as_slice(), mask.shape()), a.raw(), b.raw(), shape), shape)
     }
 
     /// `mask ? a : b` elementwise, with `mask`, `a` and `b` broadcast together (NumPy rules),
     /// PyTorch's `torch.where(mask, a, b)`. Derivatives: the gradient goes to `a` where the
     /// mask is true and to `b` where it is false (summed over broadcast dims).
-    pub fn try_where_cond(mask: &Mask, a: &Tensor<E>, b: &Tensor<E>) -> Result<Tensor<E>> {
+    pub fn try_where_cond(mask: &Mask, a: &Tensor<E, D>, b: &Tensor<E, D>) -> Result<Tensor<E, D>> {
         let ab = broadcast_shapes("where_cond", a.shape(), b.shape())?;
         let shape = broadcast_shapes("where_cond", mask.shape(), &ab).map_err(|_| Error::Shape {
             op: "where_cond",
@@ -34,7 +32,7 @@ impl<E: Precision> Tensor<E> {
         let needs = (a.requires_grad(), b.requires_grad());
         let (mask, sa, sb) = (mask.clone(), a.shape().to_vec(), b.shape().to_vec());
         Ok(out.record("where_cond", vec![a.node.clone(), b.node.clone()], move |g| {
-            let zero = Tensor::<E>::zeros(&[]);
+            let zero = g.filled_like::<E>(&[], 0.0);
             let shape = g.shape().to_vec();
             vec![
                 needs.0.then(|| Self::select_raw(&mask, &g, &zero, &shape).sum_to_shape(&sa).into()),
@@ -52,7 +50,7 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(Tensor::where_cond(&m, &a, &b).to_vec(), vec![1.0, 0.0, 3.0, 0.0]);
     /// ```
     #[track_caller]
-    pub fn where_cond(mask: &Mask, a: &Tensor<E>, b: &Tensor<E>) -> Tensor<E> {
+    pub fn where_cond(mask: &Mask, a: &Tensor<E, D>, b: &Tensor<E, D>) -> Tensor<E, D> {
         or_panic(Self::try_where_cond(mask, a, b))
     }
 
@@ -61,14 +59,14 @@ impl<E: Precision> Tensor<E> {
     /// Derivative: the gradient passes where the mask is false and is zero where it filled.
     pub fn try_masked_fill(&self, mask: &Mask, value: f64) -> Result<Self> {
         let shape = broadcast_shapes("masked_fill", self.shape(), mask.shape())?;
-        let fill = Tensor::<E>::full(&[], value);
+        let fill = self.filled_like::<E>(&[], value);
         let out = Self::select_raw(mask, &fill, self, &shape);
         if !self.requires_grad() {
             return Ok(out);
         }
         let (mask, in_shape) = (mask.clone(), self.shape().to_vec());
         Ok(out.record("masked_fill", vec![self.node.clone()], move |g| {
-            let zero = Tensor::<E>::zeros(&[]);
+            let zero = g.filled_like::<E>(&[], 0.0);
             let shape = g.shape().to_vec();
             vec![Some(Self::select_raw(&mask, &zero, &g, &shape).sum_to_shape(&in_shape).into())]
         }))
@@ -88,7 +86,7 @@ impl<E: Precision> Tensor<E> {
 
     /// Concatenates `tensors` along `dim`: every shape must match except in `dim`.
     /// Derivative: the gradient is split back along `dim` into each input's slice.
-    pub fn try_cat(tensors: &[&Tensor<E>], dim: usize) -> Result<Tensor<E>> {
+    pub fn try_cat(tensors: &[&Tensor<E, D>], dim: usize) -> Result<Tensor<E, D>> {
         let shapes = || tensors.iter().map(|t| t.shape().to_vec()).collect::<Vec<_>>();
         let Some(first) = tensors.first() else {
             return Err(Error::InvalidArgument {
@@ -98,7 +96,7 @@ impl<E: Precision> Tensor<E> {
             });
         };
         check_dim("cat", dim, first.shape())?;
-        let same_except_dim = |t: &&Tensor<E>| {
+        let same_except_dim = |t: &&Tensor<E, D>| {
             t.rank() == first.rank() && (0..t.rank()).all(|d| d == dim || t.shape()[d] == first.shape()[d])
         };
         if !tensors.iter().all(same_except_dim) {
@@ -109,12 +107,11 @@ impl<E: Precision> Tensor<E> {
             });
         }
         let (outer, _, inner) = outer_dim_inner(first.shape(), dim);
-        let datas: Vec<_> = tensors.iter().map(|t| t.contiguous_data()).collect();
-        let parts: Vec<(&[E], usize)> = datas.iter().zip(tensors).map(|(d, t)| (&d[..], t.shape()[dim])).collect();
-        let sizes: Vec<usize> = parts.iter().map(|p| p.1).collect();
+        let parts: Vec<_> = tensors.iter().map(|t| (&t.storage, &t.layout, t.shape()[dim])).collect();
+        let sizes: Vec<usize> = parts.iter().map(|p| p.2).collect();
         let mut shape = first.shape().to_vec();
         shape[dim] = sizes.iter().sum();
-        let out = Self::from_parts(cpu::index::cat(&parts, outer, inner), &shape);
+        let out = first.output(first.device.cat(&parts, outer, inner), &shape);
         let parents: Vec<_> = tensors.iter().map(|t| t.node.clone()).collect();
         let needs: Vec<bool> = tensors.iter().map(|t| t.requires_grad()).collect();
         Ok(out.record("cat", parents, move |g| {
@@ -141,13 +138,13 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(c.to_vec(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
     /// ```
     #[track_caller]
-    pub fn cat(tensors: &[&Tensor<E>], dim: usize) -> Tensor<E> {
+    pub fn cat(tensors: &[&Tensor<E, D>], dim: usize) -> Tensor<E, D> {
         or_panic(Self::try_cat(tensors, dim))
     }
 
     /// Stacks equally shaped `tensors` along a new dim `dim` (`0..=rank`).
     /// Derivative: the gradient is split back along `dim`.
-    pub fn try_stack(tensors: &[&Tensor<E>], dim: usize) -> Result<Tensor<E>> {
+    pub fn try_stack(tensors: &[&Tensor<E, D>], dim: usize) -> Result<Tensor<E, D>> {
         let Some(first) = tensors.first() else {
             return Err(Error::InvalidArgument {
                 op: "stack",
@@ -169,7 +166,7 @@ impl<E: Precision> Tensor<E> {
                 shapes: tensors.iter().map(|t| t.shape().to_vec()).collect(),
             });
         }
-        let unsqueezed: Vec<Tensor<E>> = tensors.iter().map(|t| t.unsqueeze(dim)).collect();
+        let unsqueezed: Vec<Tensor<E, D>> = tensors.iter().map(|t| t.unsqueeze(dim)).collect();
         Self::try_cat(&unsqueezed.iter().collect::<Vec<_>>(), dim)
     }
     /// Stacks equally shaped `tensors` along a new dim; panics on an empty list or mismatched
@@ -182,7 +179,7 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(Tensor::stack(&[&a, &b], 1).to_vec(), vec![1.0, 3.0, 2.0, 4.0]);
     /// ```
     #[track_caller]
-    pub fn stack(tensors: &[&Tensor<E>], dim: usize) -> Tensor<E> {
+    pub fn stack(tensors: &[&Tensor<E, D>], dim: usize) -> Tensor<E, D> {
         or_panic(Self::try_stack(tensors, dim))
     }
 }

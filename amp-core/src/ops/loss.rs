@@ -1,14 +1,27 @@
 //! Losses: cross-entropy on logits with class-index targets (PyTorch's `F.cross_entropy`,
 //! mean reduction, `ignore_index`, label smoothing) and the mean squared error.
-//! Both run on fused kernels (`crate::cpu::loss`) and return a 0-dim tensor in `E`.
+//! Both run on fused kernels (the device's `cross_entropy` and `mse`) and return a 0-dim tensor in `E`.
 
-use crate::cpu;
-use crate::cpu::loss::CeSpec;
+use crate::backend::{BinaryOp, CrossEntropySpec, Device};
 use crate::error::{Error, Result, or_panic};
 use crate::indices::Indices;
-use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
 use crate::tensor::Tensor;
+
+/// `(a - b) * k`: the mean squared error's input gradient in one pass (`k = 2 g / n`).
+#[derive(Clone, Copy, Debug)]
+pub struct ScaledDiff(pub f64);
+impl BinaryOp for ScaledDiff {
+    const NAME: &'static str = "scaled_diff";
+    const CUDA: &'static str = "(a - b) * acc_t(p)";
+    fn param(&self) -> f64 {
+        self.0
+    }
+    #[inline(always)]
+    fn apply<A: Accum>(&self, a: A, b: A) -> A {
+        (a - b) * A::c(self.0)
+    }
+}
 
 /// Options of [`Tensor::cross_entropy_with`], with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -27,7 +40,7 @@ impl Default for CrossEntropyOptions {
     }
 }
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// Cross-entropy of logits `[N, C]` (or `[C]` with a 0-dim target) against class indices
     /// `[N]`, mean over the rows not ignored, with PyTorch's defaults (`ignore_index = -100`,
     /// no smoothing). See [`Tensor::try_cross_entropy_with`].
@@ -82,19 +95,18 @@ impl<E: Precision> Tensor<E> {
         }
         let c = self.shape()[1];
         targets.check_bound(OP, c, options.ignore_index)?;
-        let x = self.contiguous_data();
-        let spec = CeSpec { targets: targets.as_slice(), ignore: options.ignore_index, smoothing: s };
-        let (lse, total, counted) = cpu::loss::cross_entropy_forward(&x, c, spec);
-        let out = Self::full(&[], total / counted as f64);
+        let spec = CrossEntropySpec { targets: targets.as_slice(), ignore: options.ignore_index, smoothing: s };
+        let (loss, stats, counted) = self.device.cross_entropy(self.raw(), c, spec);
+        let out = self.output(loss, &[]);
         if !self.requires_grad() {
             return Ok(out);
         }
         let (xs, targets) = (self.detach(), targets.clone());
         Ok(out.record(OP, vec![self.node.clone()], move |g| {
-            let spec = CeSpec { targets: targets.as_slice(), ignore: options.ignore_index, smoothing: s };
+            let spec = CrossEntropySpec { targets: targets.as_slice(), ignore: options.ignore_index, smoothing: s };
             let scale = g.item().to_f64() / counted as f64;
-            let gx = cpu::loss::cross_entropy_backward(&xs.contiguous_data(), c, spec, &lse, scale);
-            vec![Some(Tensor::from_parts(gx, xs.shape()).into())]
+            let gx = xs.device.cross_entropy_backward(xs.raw(), c, spec, &stats, scale);
+            vec![Some(xs.output(gx, xs.shape()).into())]
         }))
     }
     /// Cross-entropy with explicit options; panics on bad shapes, out-of-range targets or a
@@ -126,19 +138,16 @@ impl<E: Precision> Tensor<E> {
             });
         }
         let n = self.numel();
-        let (a, b) = (self.contiguous_data(), target.contiguous_data());
-        let out = Self::full(&[], cpu::loss::squared_error_sum(&a, &b) / n as f64);
+        let out = self.output(self.device.mse(self.raw(), target.raw()), &[]);
         if !self.requires_grad() && !target.requires_grad() {
             return Ok(out);
         }
         let (xs, ts) = (self.detach(), target.detach());
         let needs = (self.requires_grad(), target.requires_grad());
         Ok(out.record("mse_loss", vec![self.node.clone(), target.node.clone()], move |g| {
-            let k = E::Acc::c(2.0 * g.item().to_f64() / n as f64);
+            let k = ScaledDiff(2.0 * g.item().to_f64() / n as f64);
             let shape = xs.shape();
-            let l = Layout::contiguous(shape);
-            let gx = cpu::map_binary(&xs.contiguous_data(), &l, &ts.contiguous_data(), &l, shape, |x, t| (x - t) * k);
-            let gx = Tensor::from_parts(gx, shape);
+            let gx = xs.output(xs.device.binary(k, xs.raw(), ts.raw(), shape), shape);
             let gt = needs.1.then(|| gx.neg().into());
             vec![needs.0.then(|| gx.into()), gt]
         }))

@@ -1,10 +1,10 @@
 //! Matrix multiply: 2-D, batched, with batch dims broadcast (and 1-D operands as in PyTorch).
 //! Every precision accumulates in f32 (f64 for f64) and rounds each output once: bf16 on an
 //! AVX-512 BF16 kernel and f16 on an AVX-512 f32-FMA kernel that widens inside its pack, where
-//! the CPU has them (`cpu::gemm_half`); elsewhere f16 and bf16 widen to f32 for gemm.
+//! the CPU has them (the CPU backend's `gemm_half`); elsewhere f16 and bf16 widen to f32 for gemm.
 //! Derivatives: `dA = dC Bᵀ`, `dB = Aᵀ dC`, summed over broadcast batch dims.
 
-use crate::cpu;
+use crate::backend::{Cpu, Device};
 use crate::error::{Error, Result, or_panic};
 use crate::layout::broadcast_shapes;
 use crate::param::Param;
@@ -19,14 +19,14 @@ use crate::tensor::Tensor;
     label = "the weight and the bias of `linear` are tensors (or parameters) of the input's precision",
     note = "the weight and the bias must be the same kind: both `Tensor`s or both `Param`s (`&*param` is its tensor)"
 )]
-pub trait LinearOperand<E: Precision> {
+pub trait LinearOperand<E: Precision, D: Device = Cpu> {
     /// The tensor.
-    fn tensor_ref(&self) -> &Tensor<E>;
+    fn tensor_ref(&self) -> &Tensor<E, D>;
 }
 
-impl<E: Precision> LinearOperand<E> for Tensor<E> {
+impl<E: Precision, D: Device> LinearOperand<E, D> for Tensor<E, D> {
     #[inline(always)]
-    fn tensor_ref(&self) -> &Tensor<E> {
+    fn tensor_ref(&self) -> &Tensor<E, D> {
         self
     }
 }
@@ -38,7 +38,7 @@ impl<E: Precision> LinearOperand<E> for Param<E> {
     }
 }
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// `self @ rhs` for `[..., m, k] @ [..., k, n] -> [..., m, n]`.
     #[track_caller]
     pub fn try_matmul(&self, rhs: &Self) -> Result<Self> {
@@ -70,10 +70,10 @@ impl<E: Precision> Tensor<E> {
             });
         }
         let batch = broadcast_shapes("matmul", &self.shape()[..ra - 2], &rhs.shape()[..rb - 2])?;
-        let data = cpu::matmul::matmul(&self.storage, &self.layout, &rhs.storage, &rhs.layout, &batch);
+        let data = self.device.matmul(self.raw(), rhs.raw(), &batch);
         let mut shape = batch;
         shape.extend([m, n]);
-        let out = Self::from_parts(data, &shape);
+        let out = self.output(data, &shape);
         if !self.requires_grad() && !rhs.requires_grad() {
             return Ok(out);
         }
@@ -105,7 +105,7 @@ impl<E: Precision> Tensor<E> {
     ///
     /// The weight and the bias are both tensors or both parameters ([`LinearOperand`]).
     #[track_caller]
-    pub fn try_linear<W: LinearOperand<E> + ?Sized>(&self, weight: &W, bias: Option<&W>) -> Result<Self> {
+    pub fn try_linear<W: LinearOperand<E, D> + ?Sized>(&self, weight: &W, bias: Option<&W>) -> Result<Self> {
         crate::__private::check_reach("linear", E::DTYPE);
         let (weight, bias) = (weight.tensor_ref(), bias.map(|b| b.tensor_ref()));
         let shapes = || {
@@ -127,11 +127,10 @@ impl<E: Precision> Tensor<E> {
         let rows = self.numel() / in_f.max(1);
         let x = if self.layout.is_contiguous() { self.clone() } else { self.contiguous() };
         let lx = crate::layout::Layout { shape: vec![rows, in_f], strides: vec![in_f, 1], offset: x.layout.offset };
-        let b = bias.map(|b| b.contiguous_data());
-        let data = cpu::matmul::linear(&x.storage, &lx, &weight.storage, &weight.layout, b.as_deref());
+        let data = self.device.linear((&x.storage, &lx), weight.raw(), bias.map(Tensor::raw));
         let mut shape = self.shape().to_vec();
         *shape.last_mut().unwrap() = out_f;
-        let out = Self::from_parts(data, &shape);
+        let out = self.output(data, &shape);
         let parents = vec![self.node.clone(), weight.node.clone(), bias.and_then(|b| b.node.clone())];
         if parents.iter().all(Option::is_none) {
             return Ok(out);
@@ -158,7 +157,7 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(x.linear(&w, Some(&b)).to_vec(), vec![1.5, 2.5, 3.5]);
     /// ```
     #[track_caller]
-    pub fn linear<W: LinearOperand<E> + ?Sized>(&self, weight: &W, bias: Option<&W>) -> Self {
+    pub fn linear<W: LinearOperand<E, D> + ?Sized>(&self, weight: &W, bias: Option<&W>) -> Self {
         or_panic(self.try_linear(weight, bias))
     }
 }

@@ -1,18 +1,18 @@
 //! Layer norm and RMS norm over the last dim, with optional affine parameters, on fused
-//! kernels (`crate::cpu::norm`): statistics in `E::Acc`, one rounding, gradients for the input,
+//! kernels (the device's `norm` and `norm_backward`): statistics in `E::Acc`, one rounding, gradients for the input,
 //! the weight and the bias from one backward pass.
 
-use crate::cpu;
+use crate::backend::Device;
 use crate::error::{Error, Result, or_panic};
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     fn norm_impl<const RMS: bool>(
         &self,
         op: &'static str,
-        weight: Option<&Tensor<E>>,
-        bias: Option<&Tensor<E>>,
+        weight: Option<&Tensor<E, D>>,
+        bias: Option<&Tensor<E, D>>,
         eps: f64,
     ) -> Result<Self> {
         let mut shapes = vec![self.shape().to_vec()];
@@ -39,11 +39,8 @@ impl<E: Precision> Tensor<E> {
                 detail: format!("must be finite and >= 0, got {eps} (input shape {:?})", self.shape()),
             });
         }
-        let x = self.contiguous_data();
-        let wd = weight.map(|w| w.contiguous_data());
-        let bd = bias.map(|b| b.contiguous_data());
-        let (y, stats) = cpu::norm::forward::<E, RMS>(&x, d, wd.as_deref(), bd.as_deref(), eps);
-        let out = Self::from_parts(y, self.shape());
+        let (y, stats) = self.device.norm(self.raw(), d, weight.map(Tensor::raw), bias.map(Tensor::raw), eps, RMS);
+        let out = self.output(y, self.shape());
         let needs =
             (self.requires_grad(), weight.is_some_and(Tensor::requires_grad), bias.is_some_and(Tensor::requires_grad));
         if needs == (false, false, false) {
@@ -53,19 +50,12 @@ impl<E: Precision> Tensor<E> {
         let ws = weight.map(Tensor::detach);
         let parents = vec![self.node.clone(), weight.and_then(|w| w.node.clone()), bias.and_then(|b| b.node.clone())];
         Ok(out.record(op, parents, move |g| {
-            let wd = ws.as_ref().map(|w| w.contiguous_data());
-            let (gx, gw, gb) = cpu::norm::backward::<E, RMS>(
-                &xs.contiguous_data(),
-                &g.contiguous_data(),
-                d,
-                wd.as_deref(),
-                &stats,
-                (needs.1, needs.2),
-            );
+            let w = ws.as_ref().map(Tensor::raw);
+            let (gx, gw, gb) = xs.device.norm_backward(xs.raw(), g.raw(), d, w, &stats, (needs.1, needs.2), RMS);
             vec![
-                needs.0.then(|| Tensor::from_parts(gx, xs.shape()).into()),
-                gw.map(|v| Tensor::from_parts(v, &[d]).into()),
-                gb.map(|v| Tensor::from_parts(v, &[d]).into()),
+                needs.0.then(|| xs.output(gx, xs.shape()).into()),
+                gw.map(|v| xs.output(v, &[d]).into()),
+                gb.map(|v| xs.output(v, &[d]).into()),
             ]
         }))
     }
@@ -77,7 +67,7 @@ impl<E: Precision> Tensor<E> {
     /// `dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂))`, `dweight = sum(g * x̂)`, `dbias = sum(g)`
     /// (sums over every dim but the last).
     #[track_caller]
-    pub fn try_layer_norm(&self, weight: Option<&Tensor<E>>, bias: Option<&Tensor<E>>, eps: f64) -> Result<Self> {
+    pub fn try_layer_norm(&self, weight: Option<&Tensor<E, D>>, bias: Option<&Tensor<E, D>>, eps: f64) -> Result<Self> {
         crate::__private::check_reach("layer_norm", E::DTYPE);
         self.norm_impl::<false>("layer_norm", weight, bias, eps)
     }
@@ -90,7 +80,7 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(y, vec![-1.0, 1.0]);
     /// ```
     #[track_caller]
-    pub fn layer_norm(&self, weight: Option<&Tensor<E>>, bias: Option<&Tensor<E>>, eps: f64) -> Self {
+    pub fn layer_norm(&self, weight: Option<&Tensor<E, D>>, bias: Option<&Tensor<E, D>>, eps: f64) -> Self {
         or_panic(self.try_layer_norm(weight, bias, eps))
     }
 
@@ -100,7 +90,7 @@ impl<E: Precision> Tensor<E> {
     /// Derivatives, with `x̂ = x * rstd`, `ĝ = g * weight`, `rstd = 1/sqrt(mean(x²) + eps)`:
     /// `dx = rstd * (ĝ - x̂ * mean(ĝ * x̂))`, `dweight = sum(g * x̂)`.
     #[track_caller]
-    pub fn try_rms_norm(&self, weight: Option<&Tensor<E>>, eps: f64) -> Result<Self> {
+    pub fn try_rms_norm(&self, weight: Option<&Tensor<E, D>>, eps: f64) -> Result<Self> {
         crate::__private::check_reach("rms_norm", E::DTYPE);
         self.norm_impl::<true>("rms_norm", weight, None, eps)
     }
@@ -112,7 +102,7 @@ impl<E: Precision> Tensor<E> {
     /// assert_eq!(x.rms_norm(None, 0.0).to_vec(), vec![1.0, -1.0]);
     /// ```
     #[track_caller]
-    pub fn rms_norm(&self, weight: Option<&Tensor<E>>, eps: f64) -> Self {
+    pub fn rms_norm(&self, weight: Option<&Tensor<E, D>>, eps: f64) -> Self {
         or_panic(self.try_rms_norm(weight, eps))
     }
 }

@@ -2,10 +2,10 @@
 //! f16/bf16 accumulate in f32 and round once. Derivatives: sum broadcasts the gradient back,
 //! mean also divides by the count, max/min route it to the selected element.
 
-use crate::cpu::{self, reduce::Reduce};
+use crate::backend::{Device, DimSplit, ReduceOp};
 use crate::error::{Result, or_panic};
 use crate::indices::Indices;
-use crate::layout::{check_dim, outer_dim_inner};
+use crate::layout::check_dim;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
@@ -19,15 +19,15 @@ fn reduced_shape(shape: &[usize], dim: usize, keepdim: bool) -> Vec<usize> {
     s
 }
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     #[track_caller]
     fn sum_or_mean(&self, op: &'static str, dim: usize, keepdim: bool, mean: bool) -> Result<Self> {
         crate::__private::check_reach(op, E::DTYPE);
         check_dim(op, dim, self.shape())?;
-        let odi = outer_dim_inner(self.shape(), dim);
-        let scale = if mean { 1.0 / odi.1 as f64 } else { 1.0 };
-        let data = cpu::reduce::reduce_dim(&self.contiguous_data(), odi, Reduce::Sum, scale);
-        let out = Self::from_parts(data, &reduced_shape(self.shape(), dim, keepdim));
+        let split = DimSplit::of(self.shape(), dim);
+        let scale = if mean { 1.0 / split.dim as f64 } else { 1.0 };
+        let data = self.device.reduce(&self.storage, &self.layout, split, ReduceOp::Sum, scale);
+        let out = self.output(data, &reduced_shape(self.shape(), dim, keepdim));
         let in_shape = self.shape().to_vec();
         let keep_shape = reduced_shape(&in_shape, dim, true);
         Ok(out.record(op, vec![self.node.clone()], move |g| {
@@ -69,27 +69,20 @@ impl<E: Precision> Tensor<E> {
 
     fn select_extreme(&self, op: &'static str, dim: usize, keepdim: bool, max: bool) -> Result<Self> {
         check_dim(op, dim, self.shape())?;
-        let (outer, d, inner) = outer_dim_inner(self.shape(), dim);
-        if d == 0 {
+        let split = DimSplit::of(self.shape(), dim);
+        if split.dim == 0 {
             return Err(crate::Error::Shape {
                 op,
                 detail: format!("cannot reduce an empty dim {dim}"),
                 shapes: vec![self.shape().to_vec()],
             });
         }
-        let x = self.contiguous_data();
-        let idx = cpu::reduce::arg_reduce(&x, (outer, d, inner), max);
-        let vals: Vec<E> =
-            idx.iter().enumerate().map(|(oi, &j)| x[(oi / inner) * d * inner + j * inner + oi % inner]).collect();
-        let out = Self::from_parts(vals, &reduced_shape(self.shape(), dim, keepdim));
+        let (vals, idx) = self.device.arg_reduce(&self.storage, &self.layout, split, max);
+        let out = self.output(vals, &reduced_shape(self.shape(), dim, keepdim));
         let in_shape = self.shape().to_vec();
         Ok(out.record(op, vec![self.node.clone()], move |g| {
-            let gd = g.contiguous_data();
-            let mut full = crate::cpu::alloc::zeroed::<E>(outer * d * inner);
-            for (oi, &j) in idx.iter().enumerate() {
-                full[(oi / inner) * d * inner + j * inner + oi % inner] = gd[oi];
-            }
-            vec![Some(Tensor::from_parts(full, &in_shape).into())]
+            let full = g.device.scatter_dim(&g.storage, &g.layout, &idx, split);
+            vec![Some(g.output(full, &in_shape).into())]
         }))
     }
     /// Max over `dim` (NaN wins, as in PyTorch); the gradient goes to the selected element.
@@ -126,15 +119,15 @@ impl<E: Precision> Tensor<E> {
     }
     fn arg(&self, op: &'static str, dim: usize, keepdim: bool, max: bool) -> Result<Indices> {
         check_dim(op, dim, self.shape())?;
-        let odi = outer_dim_inner(self.shape(), dim);
-        if odi.1 == 0 {
+        let split = DimSplit::of(self.shape(), dim);
+        if split.dim == 0 {
             return Err(crate::Error::Shape {
                 op,
                 detail: format!("cannot reduce an empty dim {dim}"),
                 shapes: vec![self.shape().to_vec()],
             });
         }
-        let idx = cpu::reduce::arg_reduce(&self.contiguous_data(), odi, max);
+        let (_, idx) = self.device.arg_reduce(&self.storage, &self.layout, split, max);
         Indices::try_from_vec(idx.into_iter().map(|i| i as i64).collect(), &reduced_shape(self.shape(), dim, keepdim))
     }
 }

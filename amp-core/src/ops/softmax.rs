@@ -1,16 +1,16 @@
 //! Softmax and log-softmax over a dim, max-subtracted, with fused forward and backward kernels
-//! (`crate::cpu::softmax`) that accumulate in `E::Acc` and round once.
+//! (the device's `softmax` kernels) that accumulate in `E::Acc` and round once.
 //!
 //! The kernels work on the last dim; another dim is moved last by a transpose (a view) and
 //! back, so autograd goes through the transposes.
 
-use crate::cpu;
+use crate::backend::Device;
 use crate::error::{Error, Result, or_panic};
 use crate::layout::check_dim;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     #[track_caller]
     fn softmax_impl<const LOG: bool>(&self, op: &'static str, dim: usize) -> Result<Self> {
         crate::__private::check_reach(op, E::DTYPE);
@@ -27,14 +27,14 @@ impl<E: Precision> Tensor<E> {
             return Ok(self.transpose(dim, last).softmax_impl::<LOG>(op, last)?.transpose(dim, last).contiguous());
         }
         let d = self.shape()[last];
-        let out = Self::from_parts(cpu::softmax::forward::<E, LOG>(&self.contiguous_data(), d), self.shape());
+        let out = self.output(self.device.softmax(&self.storage, &self.layout, d, LOG), self.shape());
         if !self.requires_grad() {
             return Ok(out);
         }
         let y = out.detach();
         Ok(out.record(op, vec![self.node.clone()], move |g| {
-            let gx = cpu::softmax::backward::<E, LOG>(&y.contiguous_data(), &g.contiguous_data(), d);
-            vec![Some(Tensor::from_parts(gx, y.shape()).into())]
+            let gx = y.device.softmax_backward(y.raw(), g.raw(), d, LOG);
+            vec![Some(y.output(gx, y.shape()).into())]
         }))
     }
 

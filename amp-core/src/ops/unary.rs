@@ -1,47 +1,43 @@
-//! Elementwise unary ops: one unit struct per op implementing [`UnaryOp`] (value and
-//! derivative); [`Tensor::unary`] does iteration, precision handling and the tape.
+//! Elementwise unary ops as values: one unit struct per op implementing
+//! [`UnaryOp`](crate::backend::UnaryOp), its Rust expression (the CPU's, in the accumulation
+//! type) and its CUDA C expression side by side; [`Tensor::unary`] does iteration on the
+//! device, precision handling and the tape.
 
-use crate::cpu;
+use crate::backend::Device;
+pub use crate::backend::UnaryOp;
 use crate::precision::{Accum, Precision};
 use crate::tensor::Tensor;
 
-/// An elementwise function and its derivative, computed in the accumulation type.
-pub trait UnaryOp: Copy + Send + Sync + 'static {
-    /// The op's name (in errors and the autograd graph).
-    const NAME: &'static str;
-    /// `y = f(x)`.
-    fn forward<A: Accum>(&self, x: A) -> A;
-    /// `dy/dx`, given the input `x` and the output `y`.
-    fn derivative<A: Accum>(&self, x: A, y: A) -> A;
-}
-
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// Applies a [`UnaryOp`] elementwise (f32 arithmetic for f16/bf16, one rounding).
     #[track_caller]
     pub fn unary<O: UnaryOp>(&self, op: O) -> Self {
         crate::__private::check_reach(O::NAME, E::DTYPE);
-        let x = self.contiguous_data();
-        let out = Self::from_parts(cpu::map_unary(&x, |v| op.forward(v)), self.shape());
+        let out = self.output(self.device.unary(op, &self.storage, &self.layout), self.shape());
         if !self.requires_grad() {
             return out;
         }
         let (xs, ys) = (self.detach(), out.clone());
         out.record(O::NAME, vec![self.node.clone()], move |g| {
-            let gx = cpu::map_ternary(&xs.contiguous_data(), &ys.contiguous_data(), &g.contiguous_data(), |x, y, g| {
-                g * op.derivative(x, y)
-            });
-            vec![Some(Tensor::from_parts(gx, xs.shape()).into())]
+            let gx = xs.device.unary_backward(op, xs.raw(), ys.raw(), g.raw());
+            vec![Some(xs.output(gx, xs.shape()).into())]
         })
     }
 }
 
 macro_rules! unary_op {
-    ($(#[$doc:meta])* $name:ident, $method:ident, $NAME:literal, |$x:ident| $f:expr, |$dx:ident, $dy:ident| $df:expr) => {
+    (
+        $(#[$doc:meta])* $name:ident, $method:ident, $NAME:literal,
+        |$x:ident| $f:expr, |$dx:ident, $dy:ident| $df:expr,
+        cuda: $cuda_f:literal, $cuda_df:literal
+    ) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug, Default)]
         pub struct $name;
         impl UnaryOp for $name {
             const NAME: &'static str = $NAME;
+            const CUDA_FORWARD: &'static str = $cuda_f;
+            const CUDA_DERIVATIVE: &'static str = $cuda_df;
             #[inline(always)]
             fn forward<A: Accum>(&self, $x: A) -> A {
                 $f
@@ -52,7 +48,7 @@ macro_rules! unary_op {
                 $df
             }
         }
-        impl<E: Precision> Tensor<E> {
+        impl<E: Precision, D: Device> Tensor<E, D> {
             $(#[$doc])*
             #[track_caller]
             pub fn $method(&self) -> Self {
@@ -64,13 +60,17 @@ macro_rules! unary_op {
 
 unary_op!(
     /// `-x`; derivative -1.
-    Neg, neg, "neg", |x| -x, |x, y| -A::one()
+    Neg, neg, "neg", |x| -x, |x, y| -A::one(),
+    cuda: "-x",
+    "acc_t(-1)"
 );
 unary_op!(
     /// `max(x, 0)` (NaN stays NaN); derivative 1 where x > 0, else 0.
     Relu, relu, "relu",
     |x| if x > A::zero() || x.is_nan() { x } else { A::zero() },
-    |x, y| if x > A::zero() { A::one() } else { A::zero() }
+    |x, y| if x > A::zero() { A::one() } else { A::zero() },
+    cuda: "(x > acc_t(0) || isnan(x)) ? x : acc_t(0)",
+    "x > acc_t(0) ? acc_t(1) : acc_t(0)"
 );
 unary_op!(
     /// Exact GELU, `x Φ(x) = x/2 (1 + erf(x/√2))`; derivative `Φ(x) + x φ(x)`.
@@ -82,7 +82,9 @@ unary_op!(
         let cdf = A::c(0.5) * (A::one() + erf);
         let pdf = gauss * A::c(0.398_942_280_401_432_7);
         cdf + x * pdf
-    }
+    },
+    cuda: "acc_t(0.5) * x * (acc_t(1) + erf(x * acc_t(0.7071067811865476)))",
+    "acc_t(0.5) * (acc_t(1) + erf(x * acc_t(0.7071067811865476))) + x * exp(acc_t(-0.5) * x * x) * acc_t(0.3989422804014327)"
 );
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 unary_op!(
@@ -93,15 +95,21 @@ unary_op!(
         let t = (A::c(SQRT_2_OVER_PI) * (x + A::c(0.044715) * x * x * x)).tanh();
         let dinner = A::c(SQRT_2_OVER_PI) * (A::one() + A::c(3.0 * 0.044715) * x * x);
         A::c(0.5) * (A::one() + t) + A::c(0.5) * x * (A::one() - t * t) * dinner
-    }
+    },
+    cuda: "acc_t(0.5) * x * (acc_t(1) + tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x)))",
+    "acc_t(0.5) * (acc_t(1) + tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x))) + acc_t(0.5) * x * (acc_t(1) - tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x)) * tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x))) * acc_t(0.7978845608028654) * (acc_t(1) + acc_t(0.134145) * x * x)"
 );
 unary_op!(
     /// `tanh(x)`; derivative `1 - y²`.
-    Tanh, tanh, "tanh", |x| x.tanh(), |x, y| A::one() - y * y
+    Tanh, tanh, "tanh", |x| x.tanh(), |x, y| A::one() - y * y,
+    cuda: "tanh(x)",
+    "acc_t(1) - y * y"
 );
 unary_op!(
     /// `1 / (1 + e^-x)`; derivative `y (1 - y)`.
-    Sigmoid, sigmoid, "sigmoid", |x| A::one() / (A::one() + (-x).vexp()), |x, y| y * (A::one() - y)
+    Sigmoid, sigmoid, "sigmoid", |x| A::one() / (A::one() + (-x).vexp()), |x, y| y * (A::one() - y),
+    cuda: "acc_t(1) / (acc_t(1) + exp(-x))",
+    "y * (acc_t(1) - y)"
 );
 unary_op!(
     /// SiLU (swish), `x σ(x)`; derivative `σ(x) (1 + x (1 - σ(x)))`.
@@ -110,19 +118,27 @@ unary_op!(
     |x, y| {
         let s = A::one() / (A::one() + (-x).vexp());
         s * (A::one() + x * (A::one() - s))
-    }
+    },
+    cuda: "x / (acc_t(1) + exp(-x))",
+    "(acc_t(1) / (acc_t(1) + exp(-x))) * (acc_t(1) + x * (acc_t(1) - acc_t(1) / (acc_t(1) + exp(-x))))"
 );
 unary_op!(
     /// `e^x`; derivative `y`.
-    Exp, exp, "exp", |x| x.vexp(), |x, y| y
+    Exp, exp, "exp", |x| x.vexp(), |x, y| y,
+    cuda: "exp(x)",
+    "y"
 );
 unary_op!(
     /// Natural log; derivative `1/x`.
-    Log, log, "log", |x| x.ln(), |x, y| A::one() / x
+    Log, log, "log", |x| x.ln(), |x, y| A::one() / x,
+    cuda: "log(x)",
+    "acc_t(1) / x"
 );
 unary_op!(
     /// Square root; derivative `1 / (2y)`.
-    Sqrt, sqrt, "sqrt", |x| x.sqrt(), |x, y| A::c(0.5) / y
+    Sqrt, sqrt, "sqrt", |x| x.sqrt(), |x, y| A::c(0.5) / y,
+    cuda: "sqrt(x)",
+    "acc_t(0.5) / y"
 );
 
 /// `x^p` for a constant exponent; derivative `p x^(p-1)`.
@@ -130,6 +146,11 @@ unary_op!(
 pub struct Powf(pub f64);
 impl UnaryOp for Powf {
     const NAME: &'static str = "powf";
+    const CUDA_FORWARD: &'static str = "pow(x, acc_t(p))";
+    const CUDA_DERIVATIVE: &'static str = "acc_t(p) * pow(x, acc_t(p) - acc_t(1))";
+    fn param(&self) -> f64 {
+        self.0
+    }
     fn forward<A: Accum>(&self, x: A) -> A {
         x.powf(A::c(self.0))
     }
@@ -143,6 +164,11 @@ impl UnaryOp for Powf {
 pub struct AddScalar(pub f64);
 impl UnaryOp for AddScalar {
     const NAME: &'static str = "add_scalar";
+    const CUDA_FORWARD: &'static str = "x + acc_t(p)";
+    const CUDA_DERIVATIVE: &'static str = "acc_t(1)";
+    fn param(&self) -> f64 {
+        self.0
+    }
     fn forward<A: Accum>(&self, x: A) -> A {
         x + A::c(self.0)
     }
@@ -156,6 +182,11 @@ impl UnaryOp for AddScalar {
 pub struct MulScalar(pub f64);
 impl UnaryOp for MulScalar {
     const NAME: &'static str = "mul_scalar";
+    const CUDA_FORWARD: &'static str = "x * acc_t(p)";
+    const CUDA_DERIVATIVE: &'static str = "acc_t(p)";
+    fn param(&self) -> f64 {
+        self.0
+    }
     fn forward<A: Accum>(&self, x: A) -> A {
         x * A::c(self.0)
     }
@@ -169,6 +200,11 @@ impl UnaryOp for MulScalar {
 pub struct DivScalar(pub f64);
 impl UnaryOp for DivScalar {
     const NAME: &'static str = "div_scalar";
+    const CUDA_FORWARD: &'static str = "x / acc_t(p)";
+    const CUDA_DERIVATIVE: &'static str = "acc_t(1) / acc_t(p)";
+    fn param(&self) -> f64 {
+        self.0
+    }
     fn forward<A: Accum>(&self, x: A) -> A {
         x / A::c(self.0)
     }
@@ -182,6 +218,11 @@ impl UnaryOp for DivScalar {
 pub struct ScalarDiv(pub f64);
 impl UnaryOp for ScalarDiv {
     const NAME: &'static str = "scalar_div";
+    const CUDA_FORWARD: &'static str = "acc_t(p) / x";
+    const CUDA_DERIVATIVE: &'static str = "-y / x";
+    fn param(&self) -> f64 {
+        self.0
+    }
     fn forward<A: Accum>(&self, x: A) -> A {
         A::c(self.0) / x
     }
@@ -190,7 +231,7 @@ impl UnaryOp for ScalarDiv {
     }
 }
 
-impl<E: Precision> Tensor<E> {
+impl<E: Precision, D: Device> Tensor<E, D> {
     /// `x^p` elementwise for a constant `p`.
     pub fn powf(&self, p: f64) -> Self {
         self.unary(Powf(p))

@@ -425,11 +425,7 @@ impl LossScaler for GradScaler {
         GradScaler::get_scale(self)
     }
     fn unscale_mode(&self) -> UnscaleMode {
-        if self.opts.enabled {
-            UnscaleMode::Unscale(super::kernel::inv_scale(self.scale))
-        } else {
-            UnscaleMode::Nothing
-        }
+        if self.opts.enabled { UnscaleMode::Unscale(super::inv_scale(self.scale)) } else { UnscaleMode::Nothing }
     }
     fn scales_loss(&self) -> bool {
         self.opts.enabled

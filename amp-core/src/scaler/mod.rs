@@ -65,12 +65,23 @@
 //! - Several micro-batches accumulated before one step advance the tracker once.
 
 mod grad_scaler;
-mod kernel;
 mod step;
 
+pub use crate::cpu::amp::{any_non_finite, unscale_all, unscale_in_place};
 #[doc(hidden)]
 pub use grad_scaler::UnscaleMode;
 pub use grad_scaler::{GradScaler, GradScalerOptions, GradScalerState, LossScaler, NoScale, ScalerFor, SelectScaler};
-pub use kernel::{any_non_finite, inv_scale, unscale_all, unscale_in_place};
+
+/// The unscale factor PyTorch uses: `1/scale` computed in f64, then rounded to f32.
+///
+/// Bit parity depends on it: the gradients are multiplied by this value, never divided by the
+/// scale.
+///
+/// ```
+/// assert_eq!(amp_core::scaler::inv_scale(65536.0), 1.0 / 65536.0);
+/// ```
+pub fn inv_scale(scale: f32) -> f32 {
+    (1.0f64 / scale as f64) as f32
+}
 pub use step::stage;
 pub use step::{GradsView, MicroBatchLoss, ScaledGrads, ScaledLoss, StepReport, Stepped, TrainStep, UnscaledGrads};

@@ -4,13 +4,13 @@ use std::collections::HashSet;
 use std::marker::PhantomData;
 
 use super::grad_scaler::{LossScaler, UnscaleMode};
-use super::kernel;
 use crate::autograd::{AnyTensor, Grads, TensorId};
-use crate::cpu::BUF;
+use crate::backend::{Cpu, Device};
 use crate::error::{Error, Result, or_panic};
+use crate::layout::Layout;
 use crate::optim::Optimizer;
 use crate::param::{Param, Params};
-use crate::precision::{Accum, DType, Precision};
+use crate::precision::{DType, Precision};
 use crate::tensor::Tensor;
 
 /// The stages of a [`TrainStep`]: zero-sized types, plus the capability traits that say which
@@ -647,60 +647,51 @@ fn scaled_backward(loss: &Tensor<f32>, scale: f32) -> Result<Grads> {
     loss.try_backward_with_seed(scale as f64)
 }
 
-/// The fused unscale + check over every gradient; returns the ids of non-finite gradients.
+/// The fused unscale + check over every gradient, on the gradients' device; returns the ids
+/// of non-finite gradients.
 fn unscale_grads(grads: &mut Grads, mode: UnscaleMode) -> HashSet<TensorId> {
+    let dev = Cpu;
     let mut bad = HashSet::new();
     match mode {
         UnscaleMode::Nothing => {}
         UnscaleMode::Unscale(inv) => {
             let mut ids = Vec::new();
-            let mut f32s: Vec<&mut [f32]> = Vec::new();
+            let mut f32s = Vec::new();
             for (id, g) in grads.iter_mut() {
                 match g {
                     AnyTensor::F32(t) => {
+                        t.make_exclusive();
                         ids.push(id);
-                        f32s.push(t.make_mut());
+                        f32s.push(&mut t.storage);
                     }
                     other => {
-                        if crate::with_any!(other, t => unscale_generic(t.make_mut(), inv)) {
+                        // bf16 (pure-bf16 training) or f64: check, then `v × inv` in E::Acc.
+                        let found = crate::with_any!(other, t => {
+                            t.make_exclusive();
+                            let found = dev.any_non_finite(&t.storage, &t.layout);
+                            dev.scale_in_place(&mut t.storage, inv);
+                            found
+                        });
+                        if found {
                             bad.insert(id);
                         }
                     }
                 }
             }
-            let flags = kernel::unscale_all(&mut f32s, inv);
-            bad.extend(ids.into_iter().zip(flags).filter(|(_, f)| *f).map(|(id, _)| id));
+            let mut found_inf = dev.full(ids.len(), 0f32);
+            dev.unscale_check(&mut f32s, inv, &mut found_inf);
+            let flags = dev.to_host(&found_inf, &Layout::contiguous(&[ids.len()]));
+            bad.extend(ids.into_iter().zip(flags).filter(|(_, f)| *f != 0.0).map(|(id, _)| id));
         }
         UnscaleMode::CheckOnly => {
             for (id, g) in grads.iter() {
-                let found = match g {
-                    AnyTensor::F32(t) => kernel::any_non_finite(&t.contiguous_data()),
-                    other => crate::with_any!(other, t => t.contiguous_data().iter().any(|v| !v.to_f64().is_finite())),
-                };
-                if found {
+                if crate::with_any!(g, t => dev.any_non_finite(&t.storage, &t.layout)) {
                     bad.insert(id);
                 }
             }
         }
     }
     bad
-}
-
-/// Unscale for bf16/f64 gradients: `v × inv` in the accumulation type, one rounding.
-fn unscale_generic<E: Precision>(data: &mut [E], inv: f32) -> bool {
-    let inv = E::Acc::c(inv as f64);
-    let mut buf = [E::Acc::default(); BUF];
-    let mut found = false;
-    for c in data.chunks_mut(BUF) {
-        let b = &mut buf[..c.len()];
-        E::load(c, b);
-        for v in b.iter_mut() {
-            found |= !num_traits::Float::is_finite(*v);
-            *v *= inv;
-        }
-        E::store(b, c);
-    }
-    found
 }
 
 /// `&mut M` for any `M: Params<E> + ?Sized`, as a sized `Params<E>`.

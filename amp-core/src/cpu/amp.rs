@@ -1,4 +1,5 @@
-//! The fused unscale + non-finite check: one pass over every gradient element.
+//! The CPU's AMP passes: the fused unscale + non-finite check (one pass over every gradient
+//! element), the sum of squares that clipping measures, and the in-place scale and clamp.
 //!
 //! Design notes:
 //! - PyTorch's `_amp_foreach_non_finite_check_and_unscale_` reads each value once, sets
@@ -15,22 +16,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use crate::cpu::{CHUNK, PAR_MIN};
+use super::{BUF, CHUNK, PAR_MIN};
+use crate::precision::{Accum, Precision, as_same, as_same_mut};
 
 /// f32 exponent bits: a value is inf or NaN exactly when all of them are set.
 const EXP_MASK: u32 = 0x7f80_0000;
-
-/// The unscale factor PyTorch uses: `1/scale` computed in f64, then rounded to f32.
-///
-/// Bit parity depends on it: the gradients are multiplied by this value, never divided by the
-/// scale.
-///
-/// ```
-/// assert_eq!(amp_core::scaler::inv_scale(65536.0), 1.0 / 65536.0);
-/// ```
-pub fn inv_scale(scale: f32) -> f32 {
-    (1.0f64 / scale as f64) as f32
-}
 
 /// Multiplies every value of `data` by `inv` in place and says whether any value (before the
 /// multiply) was inf or NaN. Parallel for large slices.
@@ -89,9 +79,117 @@ pub fn any_non_finite(data: &[f32]) -> bool {
     if data.len() < PAR_MIN { check_serial(data) } else { data.par_chunks(CHUNK).any(check_serial) }
 }
 
+/// Whether any value is inf or NaN, for any precision (the vectorised f32 check for f32).
+pub(crate) fn any_non_finite_of<E: Precision>(x: &[E]) -> bool {
+    match as_same::<E, f32>(x) {
+        Some(x) => any_non_finite(x),
+        None => x.iter().any(|v| !v.to_f64().is_finite()),
+    }
+}
+
+/// Lanes of the sum of squares: four AVX-512 registers of independent accumulators, so the
+/// loop is bound by memory rather than by the latency of one add chain.
+const LANES: usize = 64;
+
+/// The sum of squares of `data` in f32 (parallel for large slices; deterministic).
+pub fn sum_of_squares(data: &[f32]) -> f32 {
+    if data.len() < PAR_MIN {
+        return sum_sq_serial(data);
+    }
+    let partial: Vec<f32> = data.par_chunks(CHUNK).map(sum_sq_serial).collect();
+    partial.iter().sum()
+}
+
+#[inline]
+fn sum_sq_serial(data: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut blocks = data.chunks_exact(LANES);
+    for block in &mut blocks {
+        for (a, v) in acc.iter_mut().zip(block) {
+            *a = v.mul_add(*v, *a);
+        }
+    }
+    let tail: f32 = blocks.remainder().iter().map(|v| v * v).sum();
+    // Pairwise: keeps the rounding error of the lane sum small.
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+    }
+    acc[0] + tail
+}
+
+/// `Σ x²` for any precision: the f32 kernel above for f32, otherwise in `E::Acc`, serially.
+pub(crate) fn sum_squares_of<E: Precision>(data: &[E]) -> f64 {
+    if let Some(d) = as_same::<E, f32>(data) {
+        return sum_of_squares(d) as f64;
+    }
+    let mut buf = [E::Acc::default(); BUF];
+    let mut acc = <E::Acc as num_traits::Zero>::zero();
+    for c in data.chunks(BUF) {
+        let b = &mut buf[..c.len()];
+        E::load(c, b);
+        acc = b.iter().fold(acc, |a, v| a + *v * *v);
+    }
+    acc.f64()
+}
+
+/// Multiplies every value by `c` in place (parallel for large slices).
+pub fn scale_in_place(data: &mut [f32], c: f32) {
+    let f = |chunk: &mut [f32]| chunk.iter_mut().for_each(|v| *v *= c);
+    if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
+}
+
+/// Clamps every value to `[-clip, clip]` in place; NaN stays NaN, as with `torch.clamp`.
+pub fn clamp_in_place(data: &mut [f32], clip: f32) {
+    let f = |chunk: &mut [f32]| chunk.iter_mut().for_each(|v| *v = clamp(*v, clip));
+    if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
+}
+
+#[inline(always)]
+fn clamp<A: Accum>(v: A, c: A) -> A {
+    if v > c {
+        c
+    } else if v < -c {
+        -c
+    } else {
+        v
+    }
+}
+
+/// `f` over every value in `E::Acc` with one rounding, serially (non-f32 gradients).
+fn map_in_place<E: Precision>(data: &mut [E], f: impl Fn(E::Acc) -> E::Acc) {
+    let mut buf = [E::Acc::default(); BUF];
+    for c in data.chunks_mut(BUF) {
+        let b = &mut buf[..c.len()];
+        E::load(c, b);
+        b.iter_mut().for_each(|v| *v = f(*v));
+        E::store(b, c);
+    }
+}
+
+/// Multiplies every value by `k` for any precision (the f32 kernel for f32).
+pub(crate) fn scale_of<E: Precision>(data: &mut [E], k: f32) {
+    match as_same_mut::<E, f32>(data) {
+        Some(d) => scale_in_place(d, k),
+        None => map_in_place(data, |v| v * E::Acc::c(k as f64)),
+    }
+}
+
+/// Clamps every value to `[-c, c]` for any precision (the f32 kernel for f32).
+pub(crate) fn clamp_of<E: Precision>(data: &mut [E], c: f32) {
+    match as_same_mut::<E, f32>(data) {
+        Some(d) => clamp_in_place(d, c),
+        None => map_in_place(data, |v| clamp(v, E::Acc::c(c as f64))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scaler::inv_scale;
 
     #[test]
     fn flags_exactly_the_non_finite_values_and_multiplies_everything() {

@@ -1,0 +1,332 @@
+//! The CPU's implementation of the backend trait: each method views its storage as a
+//! contiguous slice (copying a strided view only where the kernel needs one) and runs the
+//! loops of the sibling modules.
+
+use std::sync::Arc;
+
+use super::alloc::{self, PooledVec};
+use super::{amp, dropout, index, loss, matmul, norm, reduce, softmax};
+use crate::backend::Cpu;
+use crate::backend::{BinaryOp, CrossEntropySpec, Device, DimSplit, ReduceOp, UnaryOp};
+use crate::layout::Layout;
+use crate::precision::Precision;
+
+/// A CPU storage: a shared buffer from the caching allocator.
+pub type Storage<E> = Arc<PooledVec<E>>;
+
+/// What the CPU's fused row kernels keep for their backward, in the accumulation type.
+pub enum RowStats<A> {
+    /// A norm's row means (zero for RMS norm) and reciprocal standard deviations.
+    Norm(norm::NormStats<A>),
+    /// Cross-entropy's row log-sum-exps.
+    LogSumExp(Vec<A>),
+}
+
+/// A view's values as one contiguous slice: borrowed from the storage, or a copy of a strided
+/// view whose buffer goes back to the caching allocator when dropped (a `Cow` would free it to
+/// the system).
+pub(crate) enum Contiguous<'a, E: Precision> {
+    /// The view is contiguous: its storage, in place.
+    Borrowed(&'a [E]),
+    /// The view was gathered into a pooled buffer.
+    Copied(PooledVec<E>),
+}
+
+impl<E: Precision> std::ops::Deref for Contiguous<'_, E> {
+    type Target = [E];
+    fn deref(&self) -> &[E] {
+        match self {
+            Contiguous::Borrowed(s) => s,
+            Contiguous::Copied(v) => v,
+        }
+    }
+}
+
+/// The view `l` of `s` as a contiguous slice (copied only if it is strided).
+pub(crate) fn view<'a, E: Precision>(s: &'a [E], l: &Layout) -> Contiguous<'a, E> {
+    if l.is_contiguous() {
+        Contiguous::Borrowed(&s[l.offset..l.offset + l.numel()])
+    } else {
+        Contiguous::Copied(PooledVec::from(super::gather(s, l)))
+    }
+}
+
+fn store<E: Precision>(v: Vec<E>) -> Storage<E> {
+    Arc::new(PooledVec::from(v))
+}
+
+fn view_opt<'a, E: Precision>(v: Option<(&'a Storage<E>, &Layout)>) -> Option<Contiguous<'a, E>> {
+    v.map(|(s, l)| view(s, l))
+}
+
+/// The buffer of an exclusively held storage, for the in-place passes.
+fn exclusive<E: Precision>(s: &mut Storage<E>) -> &mut [E] {
+    Arc::get_mut(s).expect("backend invariant: in-place pass on a shared storage").as_mut_slice()
+}
+
+impl Device for Cpu {
+    type Storage<E: Precision> = Storage<E>;
+    type RowStats<E: Precision> = RowStats<E::Acc>;
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    // ---- allocation and copies
+
+    fn from_host<E: Precision>(&self, data: Vec<E>) -> Storage<E> {
+        store(data)
+    }
+    fn full<E: Precision>(&self, n: usize, value: E) -> Storage<E> {
+        store(alloc::global().filled(n, value))
+    }
+    fn to_host<E: Precision>(&self, s: &Storage<E>, l: &Layout) -> Vec<E> {
+        super::gather(s, l)
+    }
+    fn contiguous<E: Precision>(&self, s: &Storage<E>, l: &Layout) -> Storage<E> {
+        store(super::gather(s, l))
+    }
+    fn len<E: Precision>(s: &Storage<E>) -> usize {
+        s.len()
+    }
+    fn is_exclusive<E: Precision>(s: &Storage<E>) -> bool {
+        Arc::strong_count(s) == 1 && Arc::weak_count(s) == 0
+    }
+    fn write_into<E: Precision>(&self, dst: &mut Storage<E>, dl: &Layout, src: &Storage<E>, sl: &Layout, add: bool) {
+        let src = view(src, sl);
+        super::write_into(exclusive(dst), dl, &src, add);
+    }
+
+    // ---- casts
+
+    fn cast<E: Precision, T: Precision>(&self, s: &Storage<E>, l: &Layout) -> Storage<T> {
+        store(super::convert_par(&view(s, l)))
+    }
+    fn cast_into<E: Precision, T: Precision>(&self, s: &Storage<E>, l: &Layout, dst: &mut Storage<T>) {
+        super::convert_par_into(&view(s, l), exclusive(dst));
+    }
+
+    // ---- elementwise maps
+
+    fn unary<E: Precision, O: UnaryOp>(&self, op: O, x: &Storage<E>, l: &Layout) -> Storage<E> {
+        store(super::map_unary(&view(x, l), |v| op.forward(v)))
+    }
+    fn unary_backward<E: Precision, O: UnaryOp>(
+        &self,
+        op: O,
+        x: (&Storage<E>, &Layout),
+        y: (&Storage<E>, &Layout),
+        g: (&Storage<E>, &Layout),
+    ) -> Storage<E> {
+        let (x, y, g) = (view(x.0, x.1), view(y.0, y.1), view(g.0, g.1));
+        store(super::map_ternary(&x, &y, &g, |x, y, g| g * op.derivative(x, y)))
+    }
+    fn binary<E: Precision, O: BinaryOp>(
+        &self,
+        op: O,
+        a: (&Storage<E>, &Layout),
+        b: (&Storage<E>, &Layout),
+        shape: &[usize],
+    ) -> Storage<E> {
+        store(super::map_binary(a.0, a.1, b.0, b.1, shape, |x, y| op.apply(x, y)))
+    }
+    fn select<E: Precision>(
+        &self,
+        mask: (&[bool], &[usize]),
+        a: (&Storage<E>, &Layout),
+        b: (&Storage<E>, &Layout),
+        shape: &[usize],
+    ) -> Storage<E> {
+        let lm = Layout::contiguous(mask.1);
+        store(index::select(mask.0, &lm, a.0, a.1, b.0, b.1, shape))
+    }
+
+    // ---- reductions
+
+    fn reduce<E: Precision>(
+        &self,
+        x: &Storage<E>,
+        l: &Layout,
+        split: DimSplit,
+        op: ReduceOp,
+        scale: f64,
+    ) -> Storage<E> {
+        let kind = match op {
+            ReduceOp::Sum => reduce::Reduce::Sum,
+            ReduceOp::Max => reduce::Reduce::Max,
+        };
+        store(reduce::reduce_dim(&view(x, l), (split.outer, split.dim, split.inner), kind, scale))
+    }
+    fn arg_reduce<E: Precision>(
+        &self,
+        x: &Storage<E>,
+        l: &Layout,
+        split: DimSplit,
+        max: bool,
+    ) -> (Storage<E>, Vec<usize>) {
+        let x = view(x, l);
+        let DimSplit { dim: d, inner, .. } = split;
+        let idx = reduce::arg_reduce(&x, (split.outer, d, inner), max);
+        let vals: Vec<E> =
+            idx.iter().enumerate().map(|(oi, &j)| x[(oi / inner) * d * inner + j * inner + oi % inner]).collect();
+        (store(vals), idx)
+    }
+    fn scatter_dim<E: Precision>(&self, g: &Storage<E>, l: &Layout, idx: &[usize], split: DimSplit) -> Storage<E> {
+        let g = view(g, l);
+        let DimSplit { outer, dim: d, inner } = split;
+        let mut full = alloc::zeroed::<E>(outer * d * inner);
+        for (oi, &j) in idx.iter().enumerate() {
+            full[(oi / inner) * d * inner + j * inner + oi % inner] = g[oi];
+        }
+        store(full)
+    }
+
+    // ---- GEMM
+
+    fn matmul<E: Precision>(
+        &self,
+        a: (&Storage<E>, &Layout),
+        b: (&Storage<E>, &Layout),
+        batch: &[usize],
+    ) -> Storage<E> {
+        store(matmul::matmul(a.0, a.1, b.0, b.1, batch))
+    }
+    fn linear<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        w: (&Storage<E>, &Layout),
+        bias: Option<(&Storage<E>, &Layout)>,
+    ) -> Storage<E> {
+        let bias = view_opt(bias);
+        store(matmul::linear(x.0, x.1, w.0, w.1, bias.as_deref()))
+    }
+
+    // ---- fused rows
+
+    fn softmax<E: Precision>(&self, x: &Storage<E>, l: &Layout, d: usize, log: bool) -> Storage<E> {
+        let x = view(x, l);
+        store(if log { softmax::forward::<E, true>(&x, d) } else { softmax::forward::<E, false>(&x, d) })
+    }
+    fn softmax_backward<E: Precision>(
+        &self,
+        y: (&Storage<E>, &Layout),
+        g: (&Storage<E>, &Layout),
+        d: usize,
+        log: bool,
+    ) -> Storage<E> {
+        let (y, g) = (view(y.0, y.1), view(g.0, g.1));
+        store(if log { softmax::backward::<E, true>(&y, &g, d) } else { softmax::backward::<E, false>(&y, &g, d) })
+    }
+    fn norm<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        d: usize,
+        weight: Option<(&Storage<E>, &Layout)>,
+        bias: Option<(&Storage<E>, &Layout)>,
+        eps: f64,
+        rms: bool,
+    ) -> (Storage<E>, RowStats<E::Acc>) {
+        let x = view(x.0, x.1);
+        let (w, b) = (view_opt(weight), view_opt(bias));
+        let (y, stats) = if rms {
+            norm::forward::<E, true>(&x, d, w.as_deref(), b.as_deref(), eps)
+        } else {
+            norm::forward::<E, false>(&x, d, w.as_deref(), b.as_deref(), eps)
+        };
+        (store(y), RowStats::Norm(stats))
+    }
+    fn norm_backward<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        g: (&Storage<E>, &Layout),
+        d: usize,
+        weight: Option<(&Storage<E>, &Layout)>,
+        stats: &RowStats<E::Acc>,
+        needs: (bool, bool),
+        rms: bool,
+    ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
+        let RowStats::Norm(stats) = stats else { unreachable!("norm backward with cross-entropy statistics") };
+        let (x, g, w) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
+        let (gx, gw, gb) = if rms {
+            norm::backward::<E, true>(&x, &g, d, w.as_deref(), stats, needs)
+        } else {
+            norm::backward::<E, false>(&x, &g, d, w.as_deref(), stats, needs)
+        };
+        (store(gx), gw.map(store), gb.map(store))
+    }
+    fn cross_entropy<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        c: usize,
+        spec: CrossEntropySpec<'_>,
+    ) -> (Storage<E>, RowStats<E::Acc>, usize) {
+        let (lse, total, counted) = loss::cross_entropy_forward(&view(x.0, x.1), c, spec);
+        (self.full(1, E::from_f64(total / counted as f64)), RowStats::LogSumExp(lse), counted)
+    }
+    fn cross_entropy_backward<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        c: usize,
+        spec: CrossEntropySpec<'_>,
+        stats: &RowStats<E::Acc>,
+        scale: f64,
+    ) -> Storage<E> {
+        let RowStats::LogSumExp(lse) = stats else { unreachable!("cross-entropy backward with norm statistics") };
+        store(loss::cross_entropy_backward(&view(x.0, x.1), c, spec, lse, scale))
+    }
+    fn mse<E: Precision>(&self, a: (&Storage<E>, &Layout), b: (&Storage<E>, &Layout)) -> Storage<E> {
+        let n = a.1.numel();
+        let sum = loss::squared_error_sum(&view(a.0, a.1), &view(b.0, b.1));
+        self.full(1, E::from_f64(sum / n as f64))
+    }
+
+    // ---- gather, scatter-add, embedding, cat
+
+    fn gather_rows<E: Precision>(&self, w: (&Storage<E>, &Layout), ids: &[i64], d: usize) -> Storage<E> {
+        store(index::gather_rows(&view(w.0, w.1), ids, d))
+    }
+    fn scatter_add_rows<E: Precision>(
+        &self,
+        g: (&Storage<E>, &Layout),
+        ids: &[i64],
+        vocab: usize,
+        d: usize,
+    ) -> Storage<E> {
+        store(index::scatter_add_rows(&view(g.0, g.1), ids, vocab, d))
+    }
+    fn cat<E: Precision>(&self, parts: &[(&Storage<E>, &Layout, usize)], outer: usize, inner: usize) -> Storage<E> {
+        let views: Vec<_> = parts.iter().map(|(s, l, _)| view(s, l)).collect();
+        let slices: Vec<(&[E], usize)> = views.iter().zip(parts).map(|(v, p)| (&v[..], p.2)).collect();
+        store(index::cat(&slices, outer, inner))
+    }
+
+    // ---- random numbers
+
+    fn dropout<E: Precision>(&self, x: &Storage<E>, l: &Layout, p: f64, seed: u64) -> Storage<E> {
+        store(dropout::apply(&view(x, l), p, seed))
+    }
+
+    // ---- the AMP passes
+
+    fn unscale_check(&self, grads: &mut [&mut Storage<f32>], inv: f32, found_inf: &mut Storage<f32>) {
+        let mut slices: Vec<&mut [f32]> = grads.iter_mut().map(|g| exclusive(g)).collect();
+        let flags = amp::unscale_all(&mut slices, inv);
+        for (f, found) in exclusive(found_inf).iter_mut().zip(flags) {
+            if found {
+                *f = 1.0;
+            }
+        }
+    }
+    fn any_non_finite<E: Precision>(&self, x: &Storage<E>, l: &Layout) -> bool {
+        amp::any_non_finite_of(&view(x, l))
+    }
+    fn sum_squares<E: Precision>(&self, x: &Storage<E>, l: &Layout) -> f64 {
+        amp::sum_squares_of(&view(x, l))
+    }
+    fn scale_in_place<E: Precision>(&self, x: &mut Storage<E>, k: f32) {
+        amp::scale_of(exclusive(x), k);
+    }
+    fn clamp_in_place<E: Precision>(&self, x: &mut Storage<E>, c: f32) {
+        amp::clamp_of(exclusive(x), c);
+    }
+}

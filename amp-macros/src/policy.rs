@@ -266,6 +266,7 @@ mod tests {
         ("cast", "the explicit cast the macro itself inserts"),
         ("cast_into", "writes into an existing buffer, outside autograd: never autocast"),
         ("unary", "generic driver behind the unary ops"),
+        ("to_device", "moves values to another device, outside autograd: never autocast"),
     ];
 
     #[derive(Debug, PartialEq)]

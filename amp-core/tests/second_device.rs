@@ -1,0 +1,297 @@
+//! A second device, implemented outside amp-core as `amp-cuda` implements `Cuda`: `Mirror`
+//! keeps its own storage type and runs each kernel by handing its buffers to the CPU backend,
+//! counting every call. The same forward and backward on `Mirror` and on `Cpu` must agree bit
+//! for bit, and every op must have reached the device through the trait (a kernel that
+//! bypassed it would not see `Mirror`'s storage at all).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use amp_core::backend::{BinaryOp, CrossEntropySpec, DimSplit, ReduceOp, UnaryOp};
+use amp_core::layout::Layout;
+use amp_core::{Cpu, Device, Indices, Mask, Precision, Rng, Tensor, bf16, f16};
+
+/// Kernel calls made on `Mirror`.
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Mirror;
+
+/// `Mirror`'s storage: a CPU buffer behind a type of its own, so nothing but `Mirror`'s
+/// methods can read it.
+#[derive(Clone)]
+struct Buf<E: Precision>(<Cpu as Device>::Storage<E>);
+
+fn hit() {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+}
+
+fn v<'a, E: Precision>((s, l): (&'a Buf<E>, &'a Layout)) -> (&'a <Cpu as Device>::Storage<E>, &'a Layout) {
+    (&s.0, l)
+}
+
+impl Device for Mirror {
+    type Storage<E: Precision> = Buf<E>;
+    type RowStats<E: Precision> = <Cpu as Device>::RowStats<E>;
+
+    fn name(&self) -> String {
+        "mirror".into()
+    }
+    fn from_host<E: Precision>(&self, data: Vec<E>) -> Buf<E> {
+        hit();
+        Buf(Cpu.from_host(data))
+    }
+    fn full<E: Precision>(&self, n: usize, value: E) -> Buf<E> {
+        hit();
+        Buf(Cpu.full(n, value))
+    }
+    fn to_host<E: Precision>(&self, s: &Buf<E>, l: &Layout) -> Vec<E> {
+        hit();
+        Cpu.to_host(&s.0, l)
+    }
+    fn contiguous<E: Precision>(&self, s: &Buf<E>, l: &Layout) -> Buf<E> {
+        hit();
+        Buf(Cpu.contiguous(&s.0, l))
+    }
+    fn len<E: Precision>(s: &Buf<E>) -> usize {
+        Cpu::len(&s.0)
+    }
+    fn is_exclusive<E: Precision>(s: &Buf<E>) -> bool {
+        Cpu::is_exclusive(&s.0)
+    }
+    fn write_into<E: Precision>(&self, dst: &mut Buf<E>, dl: &Layout, src: &Buf<E>, sl: &Layout, add: bool) {
+        hit();
+        Cpu.write_into(&mut dst.0, dl, &src.0, sl, add)
+    }
+    fn cast<E: Precision, T: Precision>(&self, s: &Buf<E>, l: &Layout) -> Buf<T> {
+        hit();
+        Buf(Cpu.cast::<E, T>(&s.0, l))
+    }
+    fn cast_into<E: Precision, T: Precision>(&self, s: &Buf<E>, l: &Layout, dst: &mut Buf<T>) {
+        hit();
+        Cpu.cast_into(&s.0, l, &mut dst.0)
+    }
+    fn unary<E: Precision, O: UnaryOp>(&self, op: O, x: &Buf<E>, l: &Layout) -> Buf<E> {
+        hit();
+        Buf(Cpu.unary(op, &x.0, l))
+    }
+    fn unary_backward<E: Precision, O: UnaryOp>(
+        &self,
+        op: O,
+        x: (&Buf<E>, &Layout),
+        y: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.unary_backward(op, v(x), v(y), v(g)))
+    }
+    fn binary<E: Precision, O: BinaryOp>(
+        &self,
+        op: O,
+        a: (&Buf<E>, &Layout),
+        b: (&Buf<E>, &Layout),
+        shape: &[usize],
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.binary(op, v(a), v(b), shape))
+    }
+    fn select<E: Precision>(
+        &self,
+        mask: (&[bool], &[usize]),
+        a: (&Buf<E>, &Layout),
+        b: (&Buf<E>, &Layout),
+        shape: &[usize],
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.select(mask, v(a), v(b), shape))
+    }
+    fn reduce<E: Precision>(&self, x: &Buf<E>, l: &Layout, split: DimSplit, op: ReduceOp, scale: f64) -> Buf<E> {
+        hit();
+        Buf(Cpu.reduce(&x.0, l, split, op, scale))
+    }
+    fn arg_reduce<E: Precision>(&self, x: &Buf<E>, l: &Layout, split: DimSplit, max: bool) -> (Buf<E>, Vec<usize>) {
+        hit();
+        let (vals, idx) = Cpu.arg_reduce(&x.0, l, split, max);
+        (Buf(vals), idx)
+    }
+    fn scatter_dim<E: Precision>(&self, g: &Buf<E>, l: &Layout, idx: &[usize], split: DimSplit) -> Buf<E> {
+        hit();
+        Buf(Cpu.scatter_dim(&g.0, l, idx, split))
+    }
+    fn matmul<E: Precision>(&self, a: (&Buf<E>, &Layout), b: (&Buf<E>, &Layout), batch: &[usize]) -> Buf<E> {
+        hit();
+        Buf(Cpu.matmul(v(a), v(b), batch))
+    }
+    fn linear<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        w: (&Buf<E>, &Layout),
+        bias: Option<(&Buf<E>, &Layout)>,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.linear(v(x), v(w), bias.map(v)))
+    }
+    fn softmax<E: Precision>(&self, x: &Buf<E>, l: &Layout, d: usize, log: bool) -> Buf<E> {
+        hit();
+        Buf(Cpu.softmax(&x.0, l, d, log))
+    }
+    fn softmax_backward<E: Precision>(
+        &self,
+        y: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+        d: usize,
+        log: bool,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.softmax_backward(v(y), v(g), d, log))
+    }
+    fn norm<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        d: usize,
+        weight: Option<(&Buf<E>, &Layout)>,
+        bias: Option<(&Buf<E>, &Layout)>,
+        eps: f64,
+        rms: bool,
+    ) -> (Buf<E>, Self::RowStats<E>) {
+        hit();
+        let (y, stats) = Cpu.norm(v(x), d, weight.map(v), bias.map(v), eps, rms);
+        (Buf(y), stats)
+    }
+    fn norm_backward<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+        d: usize,
+        weight: Option<(&Buf<E>, &Layout)>,
+        stats: &Self::RowStats<E>,
+        needs: (bool, bool),
+        rms: bool,
+    ) -> (Buf<E>, Option<Buf<E>>, Option<Buf<E>>) {
+        hit();
+        let (gx, gw, gb) = Cpu.norm_backward(v(x), v(g), d, weight.map(v), stats, needs, rms);
+        (Buf(gx), gw.map(Buf), gb.map(Buf))
+    }
+    fn cross_entropy<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        c: usize,
+        spec: CrossEntropySpec<'_>,
+    ) -> (Buf<E>, Self::RowStats<E>, usize) {
+        hit();
+        let (loss, stats, n) = Cpu.cross_entropy(v(x), c, spec);
+        (Buf(loss), stats, n)
+    }
+    fn cross_entropy_backward<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        c: usize,
+        spec: CrossEntropySpec<'_>,
+        stats: &Self::RowStats<E>,
+        scale: f64,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.cross_entropy_backward(v(x), c, spec, stats, scale))
+    }
+    fn mse<E: Precision>(&self, a: (&Buf<E>, &Layout), b: (&Buf<E>, &Layout)) -> Buf<E> {
+        hit();
+        Buf(Cpu.mse(v(a), v(b)))
+    }
+    fn gather_rows<E: Precision>(&self, w: (&Buf<E>, &Layout), ids: &[i64], d: usize) -> Buf<E> {
+        hit();
+        Buf(Cpu.gather_rows(v(w), ids, d))
+    }
+    fn scatter_add_rows<E: Precision>(&self, g: (&Buf<E>, &Layout), ids: &[i64], vocab: usize, d: usize) -> Buf<E> {
+        hit();
+        Buf(Cpu.scatter_add_rows(v(g), ids, vocab, d))
+    }
+    fn cat<E: Precision>(&self, parts: &[(&Buf<E>, &Layout, usize)], outer: usize, inner: usize) -> Buf<E> {
+        hit();
+        let parts: Vec<_> = parts.iter().map(|(s, l, d)| (&s.0, *l, *d)).collect();
+        Buf(Cpu.cat(&parts, outer, inner))
+    }
+    fn dropout<E: Precision>(&self, x: &Buf<E>, l: &Layout, p: f64, seed: u64) -> Buf<E> {
+        hit();
+        Buf(Cpu.dropout(&x.0, l, p, seed))
+    }
+    fn unscale_check(&self, grads: &mut [&mut Buf<f32>], inv: f32, found_inf: &mut Buf<f32>) {
+        hit();
+        let mut inner: Vec<_> = grads.iter_mut().map(|g| &mut g.0).collect();
+        Cpu.unscale_check(&mut inner, inv, &mut found_inf.0)
+    }
+    fn any_non_finite<E: Precision>(&self, x: &Buf<E>, l: &Layout) -> bool {
+        hit();
+        Cpu.any_non_finite(&x.0, l)
+    }
+    fn sum_squares<E: Precision>(&self, x: &Buf<E>, l: &Layout) -> f64 {
+        hit();
+        Cpu.sum_squares(&x.0, l)
+    }
+    fn scale_in_place<E: Precision>(&self, x: &mut Buf<E>, k: f32) {
+        hit();
+        Cpu.scale_in_place(&mut x.0, k)
+    }
+    fn clamp_in_place<E: Precision>(&self, x: &mut Buf<E>, c: f32) {
+        hit();
+        Cpu.clamp_in_place(&mut x.0, c)
+    }
+}
+
+/// A small GPT-like step touching every op family: embedding, cat, linear, matmul with a
+/// transpose, causal mask, softmax, layer norm, RMS norm, gelu, dropout, casts to f16 and
+/// bf16, reductions, max, where, log-softmax, cross-entropy and MSE. Returns the loss and
+/// the gradients of the two leaves, all as f64.
+fn step<D: Device>(dev: &D) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let mut rng = Rng::seed(11);
+    let (v, t, c) = (13, 6, 8);
+    let emb = Tensor::<f32>::randn(&[v, c], &mut rng).to_device(dev).requires_grad_();
+    let w = Tensor::<f32>::randn(&[c, 2 * c], &mut rng).mul_scalar(0.3).to_device(dev).requires_grad_();
+    let ids = Indices::from_vec((0..t as i64).map(|i| (i * 5) % v as i64).collect(), &[t]);
+    let x = emb.embedding(&ids); // [t, c]
+    let x2 = Tensor::cat(&[&x, &x.mul_scalar(0.5)], 1); // [t, 2c]
+    let h = x2.linear(&w, None).gelu(); // [t, c]
+    let h16 = h.cast::<f16>();
+    let q = h16.matmul(&h16.t()).cast::<f32>().div_scalar((c as f64).sqrt()); // [t, t]
+    let att = q.masked_fill(&Mask::causal(t), f64::NEG_INFINITY).softmax(1);
+    let y = att.matmul(&h).layer_norm(None, None, 1e-5);
+    let y = y.cast::<bf16>().rms_norm(None, 1e-6).cast::<f32>();
+    let y = y.dropout(0.25, true, &mut Rng::seed(3)).add(&h.tanh());
+    let pick = Tensor::where_cond(
+        &Mask::from_vec(vec![true, false], &[2, 1, 1]),
+        &y.unsqueeze(0),
+        &y.exp().unsqueeze(0).sub_scalar(1.0),
+    );
+    let logits = pick.sum(0, false).log_softmax(1).add(&y.max(1, true));
+    let targets = Indices::from_vec((0..t as i64).map(|i| i % c as i64).collect(), &[t]);
+    let ce = logits.cross_entropy(&targets);
+    let mse = y.mse_loss(&h.sigmoid());
+    let loss = ce.add(&mse.mul_scalar(0.1)).add(&y.powf(2.0).mean_all());
+    let grads = loss.backward();
+    let g = |p: &Tensor<f32, D>| grads.get(p).expect("a gradient for every leaf").to_f64_vec();
+    (loss.to_f64_vec(), g(&emb), g(&w))
+}
+
+#[test]
+fn a_device_defined_outside_the_crate_runs_every_op_and_its_backward_bit_for_bit() {
+    let before = CALLS.load(Ordering::Relaxed);
+    let (loss_m, g_emb_m, g_w_m) = step(&Mirror);
+    let calls = CALLS.load(Ordering::Relaxed) - before;
+    let (loss_c, g_emb_c, g_w_c) = step(&Cpu);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&loss_m), bits(&loss_c), "loss");
+    assert_eq!(bits(&g_emb_m), bits(&g_emb_c), "embedding gradient");
+    assert_eq!(bits(&g_w_m), bits(&g_w_c), "weight gradient");
+    assert!(g_w_c.iter().any(|v| *v != 0.0), "the step has a non-trivial gradient");
+    // Every forward op and every backward ran a Mirror kernel (dozens of calls, not a few).
+    assert!(calls > 60, "only {calls} kernel calls reached the device");
+}
+
+#[test]
+fn tensors_move_between_devices_and_keep_their_values() {
+    let x = Tensor::<bf16>::from_f64s(&[1.5, -2.0, 3.25, 0.0], &[2, 2]);
+    let m = x.t().to_device(&Mirror);
+    assert_eq!(m.device().name(), "mirror");
+    assert_eq!(m.to_vec(), x.t().to_vec());
+    let back = m.to_device(&Cpu);
+    assert_eq!(back.shape(), &[2, 2]);
+    assert_eq!(back.to_vec(), x.t().contiguous().to_vec());
+}

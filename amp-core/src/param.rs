@@ -12,6 +12,7 @@
 use std::ops::Deref;
 
 use crate::autograd::TensorId;
+use crate::backend::{Cpu, Device};
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
@@ -21,32 +22,67 @@ use crate::tensor::Tensor;
 /// Cloning a `Param` makes a new parameter: the same values (shared until either is updated,
 /// then copied on write) under a new id, so gradients and optimizer state of the copy are its
 /// own (a frozen target network never feeds gradients back into the online one).
+///
+/// Like a tensor, a parameter lives on a device (`D`, the CPU by default);
+/// [`Param::to_device`] and [`ToDevice`] move it.
 #[derive(Debug)]
-pub struct Param<E: Precision = f32> {
-    tensor: Tensor<E>,
+pub struct Param<E: Precision = f32, D: Device = Cpu> {
+    tensor: Tensor<E, D>,
 }
 
-impl<E: Precision> Clone for Param<E> {
+impl<E: Precision, D: Device> Clone for Param<E, D> {
     fn clone(&self) -> Self {
         Param { tensor: self.tensor.detach().requires_grad_() }
     }
 }
 
-impl<E: Precision> Param<E> {
-    /// A parameter holding `value` (detached from any graph, made contiguous).
-    pub fn new(value: Tensor<E>) -> Self {
-        let value = crate::autograd::no_grad(|| value.detach().contiguous());
-        let value = Tensor::from_parts(value.to_vec(), value.shape());
-        Param { tensor: value.requires_grad_() }
+impl<E: Precision, D: Device> Param<E, D> {
+    /// A parameter holding `value` (detached from any graph, copied into a contiguous buffer
+    /// of its own).
+    pub fn new(value: Tensor<E, D>) -> Self {
+        let value = crate::autograd::no_grad(|| value.detach());
+        let dev = value.device().clone();
+        let own = Tensor::from_storage(&dev, dev.contiguous(&value.storage, &value.layout), value.shape());
+        Param { tensor: own.requires_grad_() }
     }
     /// The id gradients and optimizer state are keyed by.
     pub fn id(&self) -> TensorId {
         self.tensor.id().expect("a Param always has an autograd node")
     }
     /// The parameter as a tensor that records into the graph.
-    pub fn tensor(&self) -> &Tensor<E> {
+    pub fn tensor(&self) -> &Tensor<E, D> {
         &self.tensor
     }
+    /// Replaces the values with `value` of the same shape, keeping the id.
+    #[track_caller]
+    pub fn set(&mut self, value: &Tensor<E, D>) {
+        assert_eq!(
+            value.shape(),
+            self.tensor.shape(),
+            "Param::set: shape {:?} does not match the parameter's {:?}",
+            value.shape(),
+            self.tensor.shape()
+        );
+        self.tensor.make_exclusive();
+        let dst = self.tensor.layout.clone();
+        let dev = self.tensor.device().clone();
+        dev.write_into(&mut self.tensor.storage, &dst, &value.storage, &value.layout, false);
+    }
+    /// A new parameter (with its own id) holding these values rounded once to precision `P`
+    /// (round to nearest even; exact when widening). For pure-bf16 training,
+    /// `Param::to_precision::<bf16>()` makes the bf16 weight from an f32 initialisation.
+    pub fn to_precision<P: Precision>(&self) -> Param<P, D> {
+        Param::new(crate::autograd::no_grad(|| self.tensor.cast::<P>()))
+    }
+    /// A new parameter (with its own id) holding these values on `device`. As in PyTorch,
+    /// move a model before building its optimizer: the optimizer binds to the parameters it
+    /// first steps.
+    pub fn to_device<D2: Device>(&self, device: &D2) -> Param<E, D2> {
+        Param::new(self.tensor.to_device(device))
+    }
+}
+
+impl<E: Precision> Param<E, Cpu> {
     /// The values, in row-major order, read in place (a parameter is always contiguous).
     pub fn data(&self) -> &[E] {
         debug_assert!(self.tensor.layout.is_contiguous() && self.tensor.layout.offset == 0);
@@ -56,30 +92,11 @@ impl<E: Precision> Param<E> {
     pub fn data_mut(&mut self) -> &mut [E] {
         self.tensor.make_mut()
     }
-    /// Replaces the values with `value` of the same shape, keeping the id.
-    #[track_caller]
-    pub fn set(&mut self, value: &Tensor<E>) {
-        assert_eq!(
-            value.shape(),
-            self.tensor.shape(),
-            "Param::set: shape {:?} does not match the parameter's {:?}",
-            value.shape(),
-            self.tensor.shape()
-        );
-        let v = value.to_vec();
-        self.data_mut().copy_from_slice(&v);
-    }
-    /// A new parameter (with its own id) holding these values rounded once to precision `P`
-    /// (round to nearest even; exact when widening). For pure-bf16 training,
-    /// `Param::to_precision::<bf16>()` makes the bf16 weight from an f32 initialisation.
-    pub fn to_precision<P: Precision>(&self) -> Param<P> {
-        Param::new(crate::autograd::no_grad(|| self.tensor.cast::<P>()))
-    }
 }
 
-impl<E: Precision> Deref for Param<E> {
-    type Target = Tensor<E>;
-    fn deref(&self) -> &Tensor<E> {
+impl<E: Precision, D: Device> Deref for Param<E, D> {
+    type Target = Tensor<E, D>;
+    fn deref(&self) -> &Tensor<E, D> {
         &self.tensor
     }
 }
@@ -97,11 +114,11 @@ impl<E: Precision> Deref for Param<E> {
     note = "`#[derive(Params)]` implements `Params` for a struct of parameters; one module's parameters share one element type (f32 master weights by default, `bf16` for pure-bf16 training)",
     note = "when stepping a model, the optimizer's element type must be the model's: `Optim::new(rule)` steps f32 parameters, `.for_bf16(Bf16Rounding::Kahan)` makes it step bf16 ones, and none steps f16 parameters (pure f16 training is not supported: keep f32 master weights and autocast to f16)"
 )]
-pub trait Params<E: Precision = f32> {
+pub trait Params<E: Precision = f32, D: Device = Cpu> {
     /// Every parameter with its dotted name.
-    fn named_params(&self) -> Vec<(String, &Param<E>)>;
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)>;
     /// Every parameter with its dotted name, mutably.
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)>;
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)>;
     /// Total number of scalar parameters.
     fn num_params(&self) -> usize {
         self.named_params().iter().map(|(_, p)| p.numel()).sum()
@@ -133,20 +150,20 @@ fn prefixed<'a, T: 'a>(prefix: String, items: Vec<(String, T)>) -> impl Iterator
     items.into_iter().map(move |(n, p)| (join_name(&prefix, &n), p))
 }
 
-impl<E: Precision> Params<E> for Param<E> {
-    fn named_params(&self) -> Vec<(String, &Param<E>)> {
+impl<E: Precision, D: Device> Params<E, D> for Param<E, D> {
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
         vec![(String::new(), self)]
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         vec![(String::new(), self)]
     }
 }
 
-impl<E: Precision, T: Params<E>> Params<E> for Vec<T> {
-    fn named_params(&self) -> Vec<(String, &Param<E>)> {
+impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Vec<T> {
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
         self.iter().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params())).collect()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         self.iter_mut().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params_mut())).collect()
     }
     fn set_training(&mut self, training: bool) {
@@ -154,11 +171,11 @@ impl<E: Precision, T: Params<E>> Params<E> for Vec<T> {
     }
 }
 
-impl<E: Precision, T: Params<E>> Params<E> for Option<T> {
-    fn named_params(&self) -> Vec<(String, &Param<E>)> {
+impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Option<T> {
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
         self.as_ref().map(|m| m.named_params()).unwrap_or_default()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         self.as_mut().map(|m| m.named_params_mut()).unwrap_or_default()
     }
     fn set_training(&mut self, training: bool) {
@@ -168,14 +185,62 @@ impl<E: Precision, T: Params<E>> Params<E> for Option<T> {
     }
 }
 
-impl<E: Precision, T: Params<E> + ?Sized> Params<E> for Box<T> {
-    fn named_params(&self) -> Vec<(String, &Param<E>)> {
+impl<E: Precision, D: Device, T: Params<E, D> + ?Sized> Params<E, D> for Box<T> {
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
         (**self).named_params()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         (**self).named_params_mut()
     }
     fn set_training(&mut self, training: bool) {
         (**self).set_training(training)
+    }
+}
+
+/// A module (or parameter) that can be rebuilt on another device: the same structure with
+/// every parameter moved (new ids; build the optimizer after moving, as in PyTorch).
+/// `#[derive(Params)]` implements it for a struct with a type parameter bounded by
+/// [`Device`] (`struct Mlp<D: Device = Cpu> { fc1: Linear<f32, D>, .. }`): fields whose type
+/// names that parameter are moved, the others (rates, configs) are cloned.
+///
+/// ```
+/// use amp_core::{Cpu, Param, Tensor, param::ToDevice};
+/// let w = Param::new(Tensor::<f32>::ones(&[2, 2]));
+/// let moved: Param<f32, Cpu> = w.to_device(&Cpu);
+/// assert_ne!(moved.id(), w.id());
+/// assert_eq!(moved.to_vec(), w.to_vec());
+/// ```
+pub trait ToDevice {
+    /// The same type on device `D2`.
+    type On<D2: Device>;
+    /// A copy of `self` with every parameter on `device`.
+    fn to_device<D2: Device>(&self, device: &D2) -> Self::On<D2>;
+}
+
+impl<E: Precision, D: Device> ToDevice for Param<E, D> {
+    type On<D2: Device> = Param<E, D2>;
+    fn to_device<D2: Device>(&self, device: &D2) -> Param<E, D2> {
+        Param::to_device(self, device)
+    }
+}
+
+impl<T: ToDevice> ToDevice for Vec<T> {
+    type On<D2: Device> = Vec<T::On<D2>>;
+    fn to_device<D2: Device>(&self, device: &D2) -> Self::On<D2> {
+        self.iter().map(|m| m.to_device(device)).collect()
+    }
+}
+
+impl<T: ToDevice> ToDevice for Option<T> {
+    type On<D2: Device> = Option<T::On<D2>>;
+    fn to_device<D2: Device>(&self, device: &D2) -> Self::On<D2> {
+        self.as_ref().map(|m| m.to_device(device))
+    }
+}
+
+impl<T: ToDevice> ToDevice for Box<T> {
+    type On<D2: Device> = Box<T::On<D2>>;
+    fn to_device<D2: Device>(&self, device: &D2) -> Self::On<D2> {
+        Box::new((**self).to_device(device))
     }
 }

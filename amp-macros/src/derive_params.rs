@@ -23,6 +23,9 @@
 //! - f16 anywhere in a visited field's type (`Param<f16>`, `Linear<f16>`) is refused: no
 //!   optimizer updates f16 parameters (pure f16 training is not supported), and `#[param(skip)]`
 //!   would freeze the weight, so the message says to keep it f32 and autocast.
+//! - The impl is `Params<E, D>` for one device `D`: the struct's type parameter bounded by
+//!   `Device` (`struct Mlp<D: Device = Cpu>`), which also gets `ToDevice` (`model.to_device(&dev)`
+//!   rebuilds it on another device); any device for a generic wrapper; otherwise the CPU.
 //! - Generated code reaches the library through `::amp_core` or, for users who depend only on
 //!   the facade, `::amp::amp_core` (found with `proc-macro-crate`).
 
@@ -231,7 +234,13 @@ fn struct_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> Option
 /// The type parameters bounded by `Precision` (`W: Precision`, `W: amp::Precision`, or in the
 /// where clause).
 fn precision_params(generics: &syn::Generics) -> Vec<syn::Ident> {
-    let is_precision = |b: &syn::TypeParamBound| matches!(b, syn::TypeParamBound::Trait(t) if t.path.segments.last().is_some_and(|s| s.ident == "Precision"));
+    bounded_params(generics, "Precision")
+}
+
+/// The type parameters bounded by the trait named `bound` (last path segment), in the
+/// parameter list or the where clause.
+fn bounded_params(generics: &syn::Generics, bound: &str) -> Vec<syn::Ident> {
+    let is_precision = |b: &syn::TypeParamBound| matches!(b, syn::TypeParamBound::Trait(t) if t.path.segments.last().is_some_and(|s| s.ident == bound));
     let mut out: Vec<syn::Ident> =
         generics.type_params().filter(|t| t.bounds.iter().any(is_precision)).map(|t| t.ident.clone()).collect();
     for pred in generics.where_clause.iter().flat_map(|w| &w.predicates) {
@@ -323,6 +332,16 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
             ),
         ));
     }
+    let device_params = bounded_params(&input.generics, "Device");
+    if device_params.len() > 1 {
+        errors.push(syn::Error::new(
+            device_params[1].span(),
+            format!(
+                "`{}` and `{}` are both bounded by `Device`: one module's parameters live on one device",
+                device_params[0], device_params[1]
+            ),
+        ));
+    }
     if let Some(combined) = errors.into_iter().reduce(|mut a, b| {
         a.combine(b);
         a
@@ -342,6 +361,15 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
         Elem::F32
     };
     let e = elem.tokens(&krate);
+    // The device: the struct's type parameter bounded by `Device`; any device for a generic
+    // wrapper (`__AmpD`); else the CPU.
+    let device_param = device_params.first().cloned();
+    let generic_device = device_param.is_none() && matches!(elem, Elem::Generic);
+    let dev = match (&device_param, generic_device) {
+        (Some(d), _) => quote!(#d),
+        (None, true) => quote!(__AmpD),
+        (None, false) => quote!(#krate::Cpu),
+    };
 
     // Bound every type parameter a visited field mentions (`struct Wrap<M> { inner: M }`
     // needs `M: Params<E>`), as serde bounds its type parameters; the element type itself is
@@ -349,14 +377,24 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
     let mut impl_generics_src = input.generics.clone();
     let where_clause = impl_generics_src.make_where_clause();
     for param in &type_params {
-        if Some(param) != elem.type_param() && visited.iter().any(|(_, _, ty)| mentions(ty, param)) {
-            where_clause.predicates.push(parse_quote!(#param: #krate::Params<#e>));
+        if Some(param) != elem.type_param()
+            && Some(param) != device_param.as_ref()
+            && visited.iter().any(|(_, _, ty)| mentions(ty, param))
+        {
+            where_clause.predicates.push(parse_quote!(#param: #krate::Params<#e, #dev>));
         }
     }
     if let Elem::Generic = elem {
         impl_generics_src.params.push(parse_quote!(__AmpE: #krate::Precision));
     }
+    if generic_device {
+        impl_generics_src.params.push(parse_quote!(__AmpD: #krate::Device));
+    }
 
+    let to_device = match &device_param {
+        Some(d) => to_device_impl(&krate, &input, &fields, d),
+        None => TokenStream::new(),
+    };
     let ident = &input.ident;
     let (impl_generics, _, where_clause) = impl_generics_src.split_for_impl();
     let (_, ty_generics, _) = input.generics.split_for_impl();
@@ -407,33 +445,33 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
                 label = "not a `Params` type",
                 #(note = #notes),*
             )]
-            trait #check<E: #krate::Precision> {
-                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<E>)>;
-                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<E>)>;
+            trait #check<E: #krate::Precision, D: #krate::Device> {
+                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<E, D>)>;
+                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<E, D>)>;
                 fn __amp_set_training(&mut self, training: bool);
             }
             // Report `f32: check` (with the message above), not the `Params` bound behind it.
             #[diagnostic::do_not_recommend]
-            impl<E: #krate::Precision, __AmpT: #krate::Params<E> + ?::std::marker::Sized> #check<E> for __AmpT {
-                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<E>)> {
-                    #krate::Params::<E>::named_params(self)
+            impl<E: #krate::Precision, D: #krate::Device, __AmpT: #krate::Params<E, D> + ?::std::marker::Sized> #check<E, D> for __AmpT {
+                fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<E, D>)> {
+                    #krate::Params::<E, D>::named_params(self)
                 }
-                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<E>)> {
-                    #krate::Params::<E>::named_params_mut(self)
+                fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<E, D>)> {
+                    #krate::Params::<E, D>::named_params_mut(self)
                 }
                 fn __amp_set_training(&mut self, training: bool) {
-                    #krate::Params::<E>::set_training(self, training)
+                    #krate::Params::<E, D>::set_training(self, training)
                 }
             }
         });
-        let call = quote_spanned!(ty.span()=> <#ty as #check<#e>>::__amp_visit);
-        let call_mut = quote_spanned!(ty.span()=> <#ty as #check<#e>>::__amp_visit_mut);
+        let call = quote_spanned!(ty.span()=> <#ty as #check<#e, #dev>>::__amp_visit);
+        let call_mut = quote_spanned!(ty.span()=> <#ty as #check<#e, #dev>>::__amp_visit_mut);
         visit.push(quote! {
             for (__amp_name, __amp_param) in #call(&self.#member) {
                 __amp_out.push((#krate::param::join_name(#name, &__amp_name), __amp_param));
             }
         });
-        let call_training = quote_spanned!(ty.span()=> <#ty as #check<#e>>::__amp_set_training);
+        let call_training = quote_spanned!(ty.span()=> <#ty as #check<#e, #dev>>::__amp_set_training);
         set_training.push(quote! { #call_training(&mut self.#member, __amp_training); });
         visit_mut.push(quote! {
             for (__amp_name, __amp_param) in #call_mut(&mut self.#member) {
@@ -448,14 +486,14 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
         const _: () = {
             #(#checks)*
             #[automatically_derived]
-            impl #impl_generics #krate::Params<#e> for #ident #ty_generics #where_clause {
-                fn named_params(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<#e>)> {
+            impl #impl_generics #krate::Params<#e, #dev> for #ident #ty_generics #where_clause {
+                fn named_params(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<#e, #dev>)> {
                     #[allow(unused_mut)]
                     let mut __amp_out = ::std::vec::Vec::new();
                     #(#visit)*
                     __amp_out
                 }
-                fn named_params_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<#e>)> {
+                fn named_params_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<#e, #dev>)> {
                     #[allow(unused_mut)]
                     let mut __amp_out = ::std::vec::Vec::new();
                     #(#visit_mut)*
@@ -465,8 +503,59 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
                     #(#set_training)*
                 }
             }
+            #to_device
         };
     })
+}
+
+/// `impl ToDevice` for a struct with a type parameter `device` bounded by `Device`: the same
+/// struct with `device` replaced by the target, every field whose type names `device` moved
+/// and every other field (rates, configs, skipped fields) cloned.
+fn to_device_impl(krate: &TokenStream, input: &DeriveInput, fields: &Fields, device: &syn::Ident) -> TokenStream {
+    let ident = &input.ident;
+    let target = format_ident!("__AmpD2");
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    // The struct's generic arguments with the device replaced by the target.
+    let args = input.generics.params.iter().map(|p| match p {
+        syn::GenericParam::Type(t) if &t.ident == device => quote!(#target),
+        syn::GenericParam::Type(t) => {
+            let i = &t.ident;
+            quote!(#i)
+        }
+        syn::GenericParam::Lifetime(l) => {
+            let l = &l.lifetime;
+            quote!(#l)
+        }
+        syn::GenericParam::Const(c) => {
+            let i = &c.ident;
+            quote!(#i)
+        }
+    });
+    let members: Vec<(syn::Member, &Type)> = match fields {
+        Fields::Named(named) => {
+            named.named.iter().map(|f| (syn::Member::Named(f.ident.clone().expect("named field")), &f.ty)).collect()
+        }
+        Fields::Unnamed(unnamed) => {
+            unnamed.unnamed.iter().enumerate().map(|(i, f)| (syn::Member::Unnamed(i.into()), &f.ty)).collect()
+        }
+        Fields::Unit => Vec::new(),
+    };
+    let inits = members.iter().map(|(member, ty)| {
+        if mentions(ty, device) {
+            quote_spanned!(ty.span()=> #member: <#ty as #krate::param::ToDevice>::to_device(&self.#member, __amp_device))
+        } else {
+            quote_spanned!(ty.span()=> #member: ::std::clone::Clone::clone(&self.#member))
+        }
+    });
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #krate::param::ToDevice for #ident #ty_generics #where_clause {
+            type On<#target: #krate::Device> = #ident<#(#args),*>;
+            fn to_device<#target: #krate::Device>(&self, __amp_device: &#target) -> Self::On<#target> {
+                #ident { #(#inits),* }
+            }
+        }
+    }
 }
 
 /// The refusal of an f16 parameter (`Param<f16>`, `Linear<f16>`, `#[param(precision = f16)]`).

@@ -31,9 +31,9 @@ impl<E: Precision, D: Device> LinearOperand<E, D> for Tensor<E, D> {
     }
 }
 
-impl<E: Precision> LinearOperand<E> for Param<E> {
+impl<E: Precision, D: Device> LinearOperand<E, D> for Param<E, D> {
     #[inline(always)]
-    fn tensor_ref(&self) -> &Tensor<E> {
+    fn tensor_ref(&self) -> &Tensor<E, D> {
         self
     }
 }

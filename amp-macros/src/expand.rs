@@ -44,7 +44,7 @@
 use std::collections::{HashMap, HashSet};
 
 use proc_macro2::{Span, TokenStream};
-use quote::{quote, quote_spanned};
+use quote::{ToTokens, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::visit::Visit;
 use syn::visit_mut::{self, VisitMut};
@@ -549,8 +549,12 @@ impl Rewriter<'_> {
         }
         self.rewrote = true;
         let form = self.module_receiver(&mc.receiver, &mc.args);
-        let (p, low, method, args) = (self.p, &self.low, &mc.method, &mc.args);
-        let call = quote_spanned!(mc.span()=> (&#p::W::new(#form)).__amp_in::<#low>().#method(#args));
+        // The arguments in the user's own parentheses, so an error about them (a missing
+        // argument) points at, and suggests a fix to, the call as written.
+        let mut args = TokenStream::new();
+        mc.paren_token.surround(&mut args, |t| mc.args.to_tokens(t));
+        let (p, low, method) = (self.p, &self.low, &mc.method);
+        let call = quote_spanned!(mc.span()=> (&#p::W::new(#form)).__amp_in::<#low>().#method #args);
         Some(quote_spanned!(mc.span()=> (&#p::Hint::<#low, _>::new(#call)).__amp_low()))
     }
 

@@ -1,10 +1,11 @@
 //! How far `#[autocast]` reaches: a forward written once for any low type (`#[autocast(P)]`,
-//! `#[autocast(f32)]`), f64 left alone, `amp::nn` modules' `forward` without a turbofish, the
-//! weight cast cache bounded in a long loop, and a bare `#[autocast]` helper called from a
-//! region of another precision.
+//! `#[autocast(f32)]`), f64 left alone, `amp::nn` modules' `forward` and `loss` without a
+//! turbofish (`Block::forward` and `Gpt::loss` too, whose values do not show their precision),
+//! user types' own `forward` through every kind of receiver, the weight cast cache bounded in a
+//! long loop, and a bare `#[autocast]` helper called from a region of another precision.
 
 use amp::__private::{cache_entries, cast_stats, reset_cast_stats};
-use amp::nn::{Linear, Mlp};
+use amp::nn::{Block, CausalSelfAttention, Dropout, Embedding, Gpt, GptConfig, LayerNorm, Linear, Mlp};
 use amp::prelude::*;
 
 // ---- one forward, any low type ----------------------------------------------------------------
@@ -284,6 +285,251 @@ fn user_types_keep_their_own_forward() {
     assert_eq!(dtypes, [DType::F32, DType::F32, DType::F32, DType::BF16]);
     assert_eq!((rank_plus_calls, s.calls), (3, 2));
     assert_eq!(v, vec![3.0, 6.0]);
+}
+
+/// A model of user modules, reached through `&mut self`.
+struct Owner {
+    state: Stateful,
+    layers: Vec<Stateful>,
+    dynamic: Box<dyn Layer>,
+}
+
+impl Owner {
+    #[autocast(bf16)]
+    fn run(&mut self, x: &Tensor<f32>) -> (usize, DType) {
+        self.state.forward(x); // `&mut self`'s field: borrowed mutably
+        for layer in self.layers.iter_mut() {
+            layer.forward(x); // a `&mut Stateful` binding: reborrowed
+            layer.forward(x);
+        }
+        let (rank, t) = self.dynamic.forward(x); // a trait object's method
+        (rank, t.dtype())
+    }
+}
+
+/// A user module taken through a generic parameter.
+#[autocast(P)]
+fn generic_layer<P: Precision, M: Layer>(m: &M, x: &Tensor<f32>) -> usize {
+    m.forward(x).0
+}
+
+#[autocast(bf16)]
+fn more_user_forwards(x: &Tensor<f32>, outer: &mut (Stateful, f32)) -> (Vec<f32>, usize) {
+    let c = Consumed(vec![1.0, 2.0]);
+    let v = { c }.forward(2.0); // `self` on a variable, moved by a block
+    outer.0.forward(x); // a field under a `&mut` parameter: borrowed mutably
+    let mut pair = (Stateful { calls: 0 }, 0);
+    let (ref mut s, _) = pair;
+    s.forward(x); // `ref mut`
+    (v, pair.0.calls)
+}
+
+#[test]
+fn user_forwards_through_more_receivers() {
+    let x = Tensor::<f32>::ones(&[2, 2]);
+    let mut owner = Owner {
+        state: Stateful { calls: 0 },
+        layers: vec![Stateful { calls: 0 }, Stateful { calls: 0 }],
+        dynamic: Box::new(ByTrait),
+    };
+    assert_eq!(owner.run(&x), (2, DType::F32));
+    assert_eq!((owner.state.calls, owner.layers[0].calls, owner.layers[1].calls), (1, 2, 2));
+    assert_eq!(generic_layer::<f16, _>(&ByTrait, &x), 2);
+    let mut outer = (Stateful { calls: 0 }, 1.0);
+    assert_eq!(more_user_forwards(&x, &mut outer), (vec![2.0, 4.0], 1));
+    assert_eq!(outer.0.calls, 1);
+}
+
+// ---- amp::nn modules whose precision shows in no argument and no value ----------------------
+
+fn tiny() -> GptConfig {
+    GptConfig { vocab_size: 11, block_size: 8, d_model: 16, n_layers: 2, n_heads: 2, dropout: 0.1 }
+}
+
+fn token_ids(b: usize, t: usize, rng: &mut Rng) -> Indices {
+    Indices::from_vec((0..b * t).map(|_| rng.below(11) as i64).collect(), &[b, t])
+}
+
+/// The bits of a tensor's values (f16 and bf16 widen to f32 exactly, so equal bits here are
+/// equal bits there).
+fn bits<E: Precision>(t: &Tensor<E>) -> Vec<u32> {
+    t.to_f32_vec().into_iter().map(f32::to_bits).collect()
+}
+
+/// A model of `amp::nn` decoder blocks and a whole `Gpt`, held in every way a module is held.
+struct Stack {
+    blocks: Vec<Block>,
+    boxed: Box<Block>,
+    gpt: Gpt,
+}
+
+impl Stack {
+    fn new(rng: &mut Rng) -> Self {
+        let d = tiny().d_model;
+        Stack {
+            blocks: (0..2).map(|_| Block::new(d, 2, 0.1, rng)).collect(),
+            boxed: Box::new(Block::new(d, 2, 0.1, rng)),
+            gpt: Gpt::new(tiny(), rng),
+        }
+    }
+
+    /// No turbofish anywhere: each module runs in `P`.
+    #[autocast(P)]
+    fn run<P: Precision>(&self, x: &Tensor<f32>, ids: &Indices, rng: &mut Rng) -> [Tensor<f32>; 3] {
+        let mut h = self.blocks[0].forward(x, rng); // a place under `&self`
+        for block in &self.blocks[1..] {
+            h = block.forward(&h, rng); // a `&Block`
+        }
+        h = self.boxed.forward(&h, rng); // a `Box<Block>`
+        h = self.blocks.last().unwrap().forward(&h, rng); // a temporary `&Block`
+        let loss = self.gpt.loss(ids, ids, rng);
+        let logits = self.gpt.forward(ids, rng); // `Tensor<P>`
+        [h, loss, logits.cast::<f32>()]
+    }
+
+    /// The same with the precision written out (as written, under the region).
+    #[autocast(P)]
+    fn run_explicit<P: Precision>(&self, x: &Tensor<f32>, ids: &Indices, rng: &mut Rng) -> [Tensor<f32>; 3] {
+        let mut h = self.blocks[0].forward::<P>(x, rng);
+        for block in &self.blocks[1..] {
+            h = block.forward::<P>(&h, rng);
+        }
+        h = self.boxed.forward::<P>(&h, rng);
+        h = self.blocks.last().unwrap().forward::<P>(&h, rng);
+        let loss = self.gpt.loss::<P>(ids, ids, rng);
+        let logits = self.gpt.forward::<P>(ids, rng);
+        [h, loss, logits.cast::<f32>()]
+    }
+
+    /// The same without autocast: plain f32.
+    fn run_plain(&self, x: &Tensor<f32>, ids: &Indices, rng: &mut Rng) -> [Tensor<f32>; 3] {
+        let mut h = self.blocks[0].forward::<f32>(x, rng);
+        for block in &self.blocks[1..] {
+            h = block.forward::<f32>(&h, rng);
+        }
+        h = self.boxed.forward::<f32>(&h, rng);
+        h = self.blocks.last().unwrap().forward::<f32>(&h, rng);
+        let loss = self.gpt.loss::<f32>(ids, ids, rng);
+        let logits = self.gpt.forward::<f32>(ids, rng);
+        [h, loss, logits]
+    }
+
+    /// Through `&mut self` (places under it are borrowed mutably) and the precision each
+    /// value comes out in.
+    #[autocast(P)]
+    fn run_mut<P: Precision>(&mut self, x: &Tensor<f32>, ids: &Indices, rng: &mut Rng) -> (Tensor<f32>, DType) {
+        let h = self.blocks[0].forward(x, rng);
+        let h = self.boxed.forward(&h, rng);
+        (h, self.gpt.forward(ids, rng).dtype())
+    }
+}
+
+/// A `&mut Gpt` (reborrowed: used twice) and a `mut` local one.
+#[autocast(P)]
+fn gpt_receivers<P: Precision>(gpt: &mut Gpt, ids: &Indices, rng: &mut Rng) -> (Tensor<f32>, Tensor<f32>, DType) {
+    let a = gpt.loss(ids, ids, rng);
+    let logits = gpt.forward(ids, rng);
+    let mut local = gpt.clone();
+    let b = local.loss(ids, ids, rng);
+    (a.add(&b), logits.cast::<f32>(), logits.dtype())
+}
+
+fn run_at<P: Precision>(stack: &Stack, x: &Tensor<f32>, ids: &Indices) -> ([Vec<u32>; 3], [Vec<u32>; 3]) {
+    let implicit = stack.run::<P>(x, ids, &mut Rng::seed(9));
+    let explicit = stack.run_explicit::<P>(x, ids, &mut Rng::seed(9));
+    (implicit.each_ref().map(bits), explicit.each_ref().map(bits))
+}
+
+#[test]
+fn block_forward_and_gpt_loss_follow_the_region_without_a_turbofish() {
+    let mut rng = Rng::seed(10);
+    let mut stack = Stack::new(&mut rng);
+    let x = Tensor::<f32>::randn(&[2, 8, 16], &mut rng);
+    let ids = token_ids(2, 8, &mut rng);
+    // Each precision: bit for bit the call with `::<P>` written (dropout on: the same random
+    // stream is drawn in the same order).
+    let (i16, e16) = run_at::<f16>(&stack, &x, &ids);
+    let (ib, eb) = run_at::<bf16>(&stack, &x, &ids);
+    let (i32, e32) = run_at::<f32>(&stack, &x, &ids);
+    assert_eq!(i16, e16);
+    assert_eq!(ib, eb);
+    assert_eq!(i32, e32);
+    // At f32, bit for bit the model without autocast.
+    let plain = stack.run_plain(&x, &ids, &mut Rng::seed(9));
+    assert_eq!(i32, plain.each_ref().map(bits));
+    // And the low precisions really ran: every value differs from f32's.
+    for k in 0..3 {
+        assert_ne!(i16[k], i32[k], "f16, value {k}");
+        assert_ne!(ib[k], i32[k], "bf16, value {k}");
+        assert_ne!(i16[k], ib[k], "f16 vs bf16, value {k}");
+    }
+    // `&mut self`, a `&mut Gpt` and a `mut` local: the same values.
+    let (h, logits) = stack.run_mut::<bf16>(&x, &ids, &mut Rng::seed(9));
+    let mut r = Rng::seed(9);
+    let want = stack.boxed.forward::<bf16>(&stack.blocks[0].forward::<bf16>(&x, &mut r), &mut r);
+    assert_eq!((bits(&h), logits), (bits(&want), DType::BF16));
+    let gpt = &mut stack.gpt;
+    let (sum, logits, dtype) = gpt_receivers::<f16>(gpt, &ids, &mut Rng::seed(9));
+    let mut r = Rng::seed(9);
+    let a = gpt.loss::<f16>(&ids, &ids, &mut r);
+    let l = gpt.forward::<f16>(&ids, &mut r);
+    let b = gpt.clone().loss::<f16>(&ids, &ids, &mut r);
+    assert_eq!((bits(&sum), bits(&logits), dtype), (bits(&a.add(&b)), bits(&l), DType::F16));
+}
+
+/// Every `amp::nn` module's `forward` and `loss` inside a region, none with a turbofish.
+struct AllModules {
+    fc: Linear,
+    ln: LayerNorm,
+    emb: Embedding,
+    drop: Dropout,
+    mlp: Mlp,
+    attn: CausalSelfAttention,
+    block: Block,
+    gpt: Gpt,
+}
+
+impl AllModules {
+    #[autocast(P)]
+    fn dtypes<P: Precision>(&self, x: &Tensor<f32>, ids: &Indices, rng: &mut Rng) -> [DType; 9] {
+        let e = self.emb.forward(ids); // f32 (rows gathered as they are)
+        let n = self.ln.forward(x); // f32 (an fp32 op)
+        let d = self.drop.forward(&e, rng); // as its input
+        let l = self.fc.forward(x);
+        let m = self.mlp.forward(x, rng);
+        let a = self.attn.forward(x, rng);
+        let b = self.block.forward(x, rng); // f32 residual, computed in P
+        let g = self.gpt.forward(ids, rng);
+        let loss = self.gpt.loss(ids, ids, rng); // f32
+        [e.dtype(), n.dtype(), d.dtype(), l.dtype(), m.dtype(), a.dtype(), b.dtype(), g.dtype(), loss.dtype()]
+    }
+}
+
+#[test]
+fn every_nn_method_runs_without_a_turbofish() {
+    let mut rng = Rng::seed(11);
+    let d = tiny().d_model;
+    let m = AllModules {
+        fc: Linear::new(d, d, true, &mut rng),
+        ln: LayerNorm::new(d),
+        emb: Embedding::new(11, d, 0.02, &mut rng),
+        drop: Dropout::new(0.1),
+        mlp: Mlp::new(d, 4 * d, 0.1, &mut rng),
+        attn: CausalSelfAttention::new(d, 2, 0.1, &mut rng),
+        block: Block::new(d, 2, 0.1, &mut rng),
+        gpt: Gpt::new(tiny(), &mut rng),
+    };
+    let x = Tensor::<f32>::randn(&[2, 8, d], &mut rng);
+    let ids = token_ids(2, 8, &mut rng);
+    let f32s = [DType::F32; 3];
+    for (low, got) in [
+        (DType::F16, m.dtypes::<f16>(&x, &ids, &mut rng)),
+        (DType::BF16, m.dtypes::<bf16>(&x, &ids, &mut rng)),
+        (DType::F32, m.dtypes::<f32>(&x, &ids, &mut rng)),
+    ] {
+        assert_eq!(got[..3], f32s, "{low}");
+        assert_eq!(got[3..], [low, low, low, DType::F32, low, DType::F32], "{low}");
+    }
 }
 
 // ---- the weight cast cache in a long loop -------------------------------------------------------

@@ -20,9 +20,18 @@
 //!   ([`Borrowed`], read with `&self`), an owned tensor as an owned one ([`Owned`]), anything
 //!   else as itself ([`Same`]); `__amp_get` picks the right one by plain method lookup, as the
 //!   three are distinct types.
-//! - `recv.forward(..)` (an `amp::nn` module's, whose precision `L` is a type parameter) is
-//!   wrapped in [`Hint`]: when the call's value is a `Tensor<?L>` whose `L` is still open, the
-//!   casting level unifies it with the region's low type; any other value passes through.
+//! - `recv.forward(..)` / `recv.loss(..)` without a turbofish: the receiver goes through the
+//!   same two-level lookup, `(&W::new(recv)).__amp_in::<L>()`. An `amp::nn` module whose
+//!   compute precision is a type parameter ([`AsModule`]: the module, or a reference or
+//!   pointer to one) comes back as [`In`], whose `forward` / `loss` call the module's own with
+//!   `::<L>` (so `block.forward(&x, rng)`, whose value is the f32 residual stream, runs in
+//!   `L` too); anything else comes back as it went in, and its own method is found as written.
+//!   A place receiver goes in as a method call would take it: mutably when the macro sees the
+//!   place is mutable (`&mut place`), else through [`PlaceMut`] / [`PlaceRef`]
+//!   (`place.__amp_place()`: a `&mut T` reborrowed, anything else borrowed); a temporary is
+//!   moved in, so a `forward(self)` of its own still works. The call's value then goes through
+//!   [`Hint`], for modules of the user's own: a `Tensor<?L>` whose `L` is still open is
+//!   unified with the region's low type; any other value passes through.
 //! - A region ([`Region`]) is entered by every `#[autocast]` function and records its low
 //!   type: a bare `#[autocast]` (f16 by default, not chosen) entered from a region of another
 //!   type panics with the fix, instead of silently running its ops in f16.
@@ -58,8 +67,9 @@ pub use half::{bf16, f16};
 pub mod autocast_traits {
     pub use super::{
         BorrowHeld as _, BorrowOpt as _, CastPass as _, CastSpec as _, HintPass as _, HintSpec as _, KeepF64 as _,
-        KeepF64Opt as _, ManyPass as _, ManySpec as _, OptPass as _, OptSpec as _, PromoteOpPass as _,
-        PromoteOpSpec as _, PromotePass as _, PromoteSpec as _, TakeHeld as _,
+        KeepF64Opt as _, ManyPass as _, ManySpec as _, ModulePass as _, ModuleSpec as _, OptPass as _, OptSpec as _,
+        PlaceMut as _, PlaceRef as _, PromoteOpPass as _, PromoteOpSpec as _, PromotePass as _, PromoteSpec as _,
+        TakeHeld as _,
     };
 }
 
@@ -305,10 +315,168 @@ impl<T> OptPass for &W<T> {
     }
 }
 
-// ---- a module's forward (`self.fc1.forward(&x)`) -----------------------------------------
+// ---- a module's method (`self.fc1.forward(&x)`, `block.forward(&x, rng)`) --------------------
 
-/// The value of a `forward` call, waiting for its type: a `Tensor<L>` whose precision the
-/// call left open (an `amp::nn` module's `forward::<L, _>`) is fixed to the region's `L`.
+/// A place receiver of `m.forward(..)` / `m.loss(..)`, handed on the way a method call would
+/// take it: a `&mut T` by value (reborrowed, so it can be used again), anything else as `&T`
+/// ([`PlaceRef`]).
+pub trait PlaceMut {
+    /// The reborrowed reference.
+    fn __amp_place(self) -> Self;
+}
+impl<T: ?Sized> PlaceMut for &mut T {
+    #[inline(always)]
+    fn __amp_place(self) -> Self {
+        self
+    }
+}
+
+/// A place receiver that is not a `&mut T`: borrowed.
+pub trait PlaceRef {
+    /// A shared borrow of it.
+    fn __amp_place(&self) -> &Self;
+}
+impl<T: ?Sized> PlaceRef for T {
+    #[inline(always)]
+    fn __amp_place(&self) -> &Self {
+        self
+    }
+}
+
+/// An `amp::nn` module whose methods take the compute precision as a type parameter that
+/// their arguments need not fix ([`Linear`](crate::nn::Linear), [`Mlp`](crate::nn::Mlp),
+/// [`CausalSelfAttention`](crate::nn::CausalSelfAttention), [`Block`](crate::nn::Block),
+/// [`Gpt`](crate::nn::Gpt)), or a reference or pointer to one.
+pub trait AsModule {
+    /// The module.
+    type Module;
+    /// A reference to it.
+    fn module(&self) -> &Self::Module;
+}
+
+macro_rules! as_module {
+    ($($m:ident),*) => {$(
+        impl<W: Precision> AsModule for crate::nn::$m<W> {
+            type Module = Self;
+            #[inline(always)]
+            fn module(&self) -> &Self {
+                self
+            }
+        }
+    )*};
+}
+as_module!(Linear, Mlp, CausalSelfAttention, Block, Gpt);
+
+macro_rules! as_module_through {
+    ($($ptr:ty),*) => {$(
+        impl<T: AsModule + ?Sized> AsModule for $ptr {
+            type Module = T::Module;
+            #[inline(always)]
+            fn module(&self) -> &T::Module {
+                (**self).module()
+            }
+        }
+    )*};
+}
+as_module_through!(&T, &mut T, Box<T>, std::rc::Rc<T>, Arc<T>);
+
+/// A module (held as `H`: the module, or a reference or pointer to it) whose `forward` /
+/// `loss` run in the region's low type `P`: each method is the module's own with `P` as its
+/// compute precision, the other arguments unchanged.
+pub struct In<M, H, P>(H, std::marker::PhantomData<(fn() -> M, P)>);
+
+/// An `amp::nn` module ([`AsModule`]): wrapped in [`In`] (level 1).
+pub trait ModuleSpec {
+    /// The module.
+    type Module;
+    /// How it is held.
+    type Held;
+    /// The module, its methods in `P`.
+    fn __amp_in<P: Precision>(&self) -> In<Self::Module, Self::Held, P>;
+}
+impl<T: AsModule> ModuleSpec for W<T> {
+    type Module = T::Module;
+    type Held = T;
+    #[inline(always)]
+    fn __amp_in<P: Precision>(&self) -> In<T::Module, T, P> {
+        In(self.take(), std::marker::PhantomData)
+    }
+}
+
+/// Anything else (a module of your own, a tensor): handed back, so its own method is found
+/// as written (level 2).
+pub trait ModulePass {
+    /// The receiver.
+    type Value;
+    /// The receiver, untouched.
+    fn __amp_in<P>(&self) -> Self::Value;
+}
+impl<T> ModulePass for &W<T> {
+    type Value = T;
+    #[inline(always)]
+    fn __amp_in<P>(&self) -> T {
+        self.take()
+    }
+}
+
+impl<W: Precision, H: AsModule<Module = crate::nn::Linear<W>>, P: Precision> In<crate::nn::Linear<W>, H, P> {
+    /// [`Linear::forward`](crate::nn::Linear::forward) in `P`.
+    #[inline]
+    #[track_caller]
+    pub fn forward<X: Precision>(self, x: &Tensor<X>) -> Tensor<P> {
+        self.0.module().forward::<P, X>(x)
+    }
+}
+
+impl<W: Precision, H: AsModule<Module = crate::nn::Mlp<W>>, P: Precision> In<crate::nn::Mlp<W>, H, P> {
+    /// [`Mlp::forward`](crate::nn::Mlp::forward) in `P`.
+    #[inline]
+    #[track_caller]
+    pub fn forward<X: Precision>(self, x: &Tensor<X>, rng: &mut crate::Rng) -> Tensor<P> {
+        self.0.module().forward::<P, X>(x, rng)
+    }
+}
+
+impl<W: Precision, H: AsModule<Module = crate::nn::CausalSelfAttention<W>>, P: Precision>
+    In<crate::nn::CausalSelfAttention<W>, H, P>
+{
+    /// [`CausalSelfAttention::forward`](crate::nn::CausalSelfAttention::forward) in `P`.
+    #[inline]
+    #[track_caller]
+    pub fn forward<X: Precision>(self, x: &Tensor<X>, rng: &mut crate::Rng) -> Tensor<P> {
+        self.0.module().forward::<P, X>(x, rng)
+    }
+}
+
+impl<W: Precision, H: AsModule<Module = crate::nn::Block<W>>, P: Precision> In<crate::nn::Block<W>, H, P> {
+    /// [`Block::forward`](crate::nn::Block::forward) in `P` (its value is the f32 residual
+    /// stream, so only the region can say what `P` is).
+    #[inline]
+    #[track_caller]
+    pub fn forward(self, x: &Tensor<f32>, rng: &mut crate::Rng) -> Tensor<f32> {
+        self.0.module().forward::<P>(x, rng)
+    }
+}
+
+impl<W: Precision, H: AsModule<Module = crate::nn::Gpt<W>>, P: Precision> In<crate::nn::Gpt<W>, H, P> {
+    /// [`Gpt::forward`](crate::nn::Gpt::forward) in `P`.
+    #[inline]
+    #[track_caller]
+    pub fn forward(self, ids: &crate::Indices, rng: &mut crate::Rng) -> Tensor<P> {
+        self.0.module().forward::<P>(ids, rng)
+    }
+    /// [`Gpt::loss`](crate::nn::Gpt::loss) in `P` (an f32 loss, so only the region can say
+    /// what `P` is).
+    #[inline]
+    #[track_caller]
+    pub fn loss(self, ids: &crate::Indices, targets: &crate::Indices, rng: &mut crate::Rng) -> Tensor<f32> {
+        self.0.module().loss::<P>(ids, targets, rng)
+    }
+}
+
+/// The value of a `forward` / `loss` call of a module of your own, waiting for its type: a
+/// `Tensor<L>` whose precision the call left open (`fn forward<L: Precision>(..) ->
+/// Tensor<L>`) is fixed to the region's `L`.
 pub struct Hint<L, T>(Cell<Option<T>>, std::marker::PhantomData<L>);
 
 impl<L, T> Hint<L, T> {

@@ -14,10 +14,19 @@
 //!   compiler cannot derive from `P: Precision`, so they are added to the signature when the
 //!   body has a promote op or an operator (only then: a generic caller of a forward without
 //!   promotions needs no more than `P: Precision`).
-//! - `m.forward(..)` without a turbofish keeps its call as written and hands its value to
-//!   `Hint::<T, _>`, which fixes an open `Tensor<?L>` (an `amp::nn` module's `forward::<L, _>`)
-//!   to `T` by unification during method lookup and passes anything else through: no receiver
-//!   wrapper, so a user type's `forward` by `&mut self` or `self` is found as before.
+//! - `m.forward(..)` / `m.loss(..)` without a turbofish: the receiver goes through the same
+//!   two-level lookup, `(&W::new(m)).__amp_in::<T>()`: an `amp::nn` module whose compute
+//!   precision is a type parameter comes back as `In`, whose `forward` / `loss` call the
+//!   module's own with `::<T>` (`Block::forward`'s value is the f32 residual stream, so only
+//!   this can fix its precision); anything else comes back as it went in, and its own method is
+//!   found as written. So the receiver goes in the form a method call would take it in: a
+//!   temporary is moved (a `forward(self)` still works); a place is borrowed mutably where the
+//!   function's own bindings show it is mutable (a `mut` binding, a parameter or `let` typed
+//!   `&mut _`, `&mut self`: `&mut place`, unless an argument uses the same variable), and
+//!   otherwise through `place.__amp_place()`, which reborrows a `&mut T` and borrows anything
+//!   else. The value then goes through `Hint::<T, _>`, which fixes an open `Tensor<?L>` (a
+//!   user type's `fn forward<L>(..) -> Tensor<L>`) to `T` by unification during method lookup
+//!   and passes anything else through.
 //! - The region entered at the top records `T` and whether the attribute chose it, so a bare
 //!   `#[autocast]` called from a region of another type can panic with the fix.
 //! - Receivers that are places (`x`, `self.w`, `v[i]`) are borrowed, never moved (a tensor
@@ -35,8 +44,9 @@
 use std::collections::{HashMap, HashSet};
 
 use proc_macro2::{Span, TokenStream};
-use quote::{quote, quote_spanned};
+use quote::{ToTokens, quote, quote_spanned};
 use syn::spanned::Spanned;
+use syn::visit::Visit;
 use syn::visit_mut::{self, VisitMut};
 use syn::{Expr, ExprClosure, Pat, Stmt, Type};
 
@@ -87,6 +97,119 @@ struct Rewriter<'a> {
     /// Whether a promote op or operator was rewritten (a generic low type then needs the
     /// bounds that compute its promotions).
     promoted: bool,
+    /// How each name is bound in the function (for the receiver of a module's method).
+    bindings: HashMap<String, Binding>,
+}
+
+/// Methods whose receiver may be an `amp::nn` module taking the compute precision as a type
+/// parameter (`Linear::forward::<L, _>`, `Block::forward::<L>`, `Gpt::loss::<L>`).
+const MODULE_METHODS: &[&str] = &["forward", "loss"];
+
+/// How a name is bound, as far as the function's own syntax shows.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Binding {
+    /// `mut x` (or `mut self`): `&mut x` borrows it mutably.
+    Mut,
+    /// A `&mut _` (`&mut self`, `x: &mut T`, `let x = &mut ..`, `ref mut x`): the places
+    /// under it can be borrowed mutably, `x` itself is reborrowed.
+    MutRef,
+    /// Anything else, or bound in more than one way (shadowed): borrowed shared.
+    Plain,
+}
+
+/// Every binding in `f`'s signature and body (not in nested items), by name; a name bound in
+/// two ways is `Plain`.
+fn bindings(f: &syn::ItemFn) -> HashMap<String, Binding> {
+    struct Collect(HashMap<String, Binding>);
+    impl Collect {
+        fn add(&mut self, name: String, kind: Binding) {
+            self.0.entry(name).and_modify(|k| *k = if *k == kind { kind } else { Binding::Plain }).or_insert(kind);
+        }
+        /// `x: &mut T` / `let x = &mut ..`: a plain identifier pattern bound to a `&mut`.
+        fn mut_ref_ident(&mut self, pat: &Pat) -> bool {
+            match pat {
+                Pat::Ident(pi) if pi.by_ref.is_none() && pi.mutability.is_none() && pi.subpat.is_none() => {
+                    self.add(pi.ident.to_string(), Binding::MutRef);
+                    true
+                }
+                _ => false,
+            }
+        }
+    }
+    fn is_mut_ref(ty: &Type) -> bool {
+        matches!(ty, Type::Reference(r) if r.mutability.is_some())
+    }
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_receiver(&mut self, r: &'ast syn::Receiver) {
+            let kind = match (&r.reference, &r.mutability) {
+                (Some(_), Some(_)) => Binding::MutRef,
+                (Some(_), None) => Binding::Plain,
+                (None, Some(_)) => Binding::Mut,
+                (None, None) if is_mut_ref(&r.ty) => Binding::MutRef,
+                (None, None) => Binding::Plain,
+            };
+            self.add("self".into(), kind);
+        }
+        fn visit_pat_ident(&mut self, pi: &'ast syn::PatIdent) {
+            let kind = match (&pi.by_ref, &pi.mutability) {
+                (Some(_), Some(_)) => Binding::MutRef,
+                (None, Some(_)) => Binding::Mut,
+                _ => Binding::Plain,
+            };
+            self.add(pi.ident.to_string(), kind);
+            if let Some((_, sub)) = &pi.subpat {
+                self.visit_pat(sub);
+            }
+        }
+        fn visit_pat_type(&mut self, pt: &'ast syn::PatType) {
+            if !(is_mut_ref(&pt.ty) && self.mut_ref_ident(&pt.pat)) {
+                self.visit_pat(&pt.pat);
+            }
+        }
+        fn visit_local(&mut self, l: &'ast syn::Local) {
+            let mut_init = l.init.as_ref().is_some_and(|i| {
+                matches!(&*i.expr, Expr::Reference(r) if r.mutability.is_some()) && i.diverge.is_none()
+            });
+            if !(mut_init && self.mut_ref_ident(&l.pat)) {
+                self.visit_pat(&l.pat);
+            }
+            if let Some(init) = &l.init {
+                self.visit_expr(&init.expr);
+                if let Some((_, els)) = &init.diverge {
+                    self.visit_expr(els);
+                }
+            }
+        }
+        // Nested items have their own bindings; macro bodies are not rewritten.
+        fn visit_item(&mut self, _: &'ast syn::Item) {}
+        fn visit_macro(&mut self, _: &'ast syn::Macro) {}
+    }
+    let mut c = Collect(HashMap::new());
+    c.visit_signature(&f.sig);
+    c.visit_block(&f.block);
+    c.0
+}
+
+/// The variable a place expression starts from (`self` in `self.blocks[i]`), and whether the
+/// place is that variable itself.
+fn place_root(e: &Expr) -> Option<(String, bool)> {
+    match e {
+        Expr::Path(p) if p.qself.is_none() => p.path.get_ident().map(|i| (i.to_string(), true)),
+        Expr::Field(f) => place_root(&f.base).map(|(r, _)| (r, false)),
+        Expr::Index(i) => place_root(&i.expr).map(|(r, _)| (r, false)),
+        Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => place_root(&u.expr).map(|(r, _)| (r, false)),
+        Expr::Paren(p) => place_root(&p.expr),
+        _ => None,
+    }
+}
+
+/// Whether the identifier `name` occurs anywhere in `tokens`.
+fn mentions(tokens: TokenStream, name: &str) -> bool {
+    tokens.into_iter().any(|t| match t {
+        proc_macro2::TokenTree::Ident(i) => i == name,
+        proc_macro2::TokenTree::Group(g) => mentions(g.stream(), name),
+        _ => false,
+    })
 }
 
 /// Runs the rewrite on `f` and wraps its body in an autocast region.
@@ -108,6 +231,7 @@ pub(crate) fn expand(opts: &Options, mut f: syn::ItemFn, p: &TokenStream) -> Tok
         untyped: Vec::new(),
         rewrote: false,
         promoted: false,
+        bindings: bindings(&f),
     };
     for list in &opts.lists {
         for path in &list.names {
@@ -399,8 +523,8 @@ impl Rewriter<'_> {
     /// checks its own body again: entering a region resets the guard count.)
     fn method_runs_as_written(&self, mc: &syn::ExprMethodCall) -> bool {
         let name = mc.method.to_string();
-        // `m.forward::<f32, _>(x)`: a precision chosen explicitly is kept.
-        if name == "forward" && mc.turbofish.is_some() {
+        // `m.forward::<f32, _>(x)`, `gpt.loss::<f32>(..)`: a precision chosen explicitly is kept.
+        if MODULE_METHODS.contains(&name.as_str()) && mc.turbofish.is_some() {
             return true;
         }
         if self.user_methods.contains_key(&name) {
@@ -416,18 +540,40 @@ impl Rewriter<'_> {
         self.user_fns.iter().any(|(want, _)| segs.ends_with(want))
     }
 
-    /// `m.forward(..)` without a turbofish: an `amp::nn` module's `forward::<L, _>` leaves its
-    /// precision open (it is in the return type only), so the call's value goes through
-    /// `Hint`, which fixes an open `Tensor<_>` to the region's low type and hands anything
-    /// else on untouched. The call itself is as written (a user type's `forward`, by `&self`,
-    /// `&mut self` or `self`, inherent or from a trait, is found by the usual lookup).
-    fn rewrite_forward(&mut self, mc: &syn::ExprMethodCall) -> Option<TokenStream> {
-        if mc.method != "forward" || mc.turbofish.is_some() || self.user_methods.contains_key("forward") {
+    /// `m.forward(..)` / `m.loss(..)` without a turbofish: an `amp::nn` module's method in the
+    /// region's low type, any other type's own method as written (see the notes at the top).
+    fn rewrite_module_call(&mut self, mc: &syn::ExprMethodCall) -> Option<TokenStream> {
+        let name = mc.method.to_string();
+        if !MODULE_METHODS.contains(&name.as_str()) || mc.turbofish.is_some() || self.user_methods.contains_key(&name) {
             return None;
         }
         self.rewrote = true;
-        let (p, low) = (self.p, &self.low);
-        Some(quote_spanned!(mc.span()=> (&#p::Hint::<#low, _>::new(#mc)).__amp_low()))
+        let form = self.module_receiver(&mc.receiver, &mc.args);
+        // The arguments in the user's own parentheses, so an error about them (a missing
+        // argument) points at, and suggests a fix to, the call as written.
+        let mut args = TokenStream::new();
+        mc.paren_token.surround(&mut args, |t| mc.args.to_tokens(t));
+        let (p, low, method) = (self.p, &self.low, &mc.method);
+        let call = quote_spanned!(mc.span()=> (&#p::W::new(#form)).__amp_in::<#low>().#method #args);
+        Some(quote_spanned!(mc.span()=> (&#p::Hint::<#low, _>::new(#call)).__amp_low()))
+    }
+
+    /// The receiver of a module's method, in the form a method call would take it in: a
+    /// temporary moved; a place borrowed mutably where the function's bindings show it can be
+    /// (and no argument uses the same variable: the borrow is taken before the arguments are
+    /// evaluated), else `place.__amp_place()` (a `&mut T` reborrowed, anything else borrowed).
+    fn module_receiver(&self, recv: &Expr, args: &syn::punctuated::Punctuated<Expr, syn::Token![,]>) -> TokenStream {
+        if !is_place(recv) {
+            // In parentheses: `{ v }.forward(..)` (moving a variable) keeps its braces lint-free.
+            return quote!((#recv));
+        }
+        let span = recv.span();
+        let mutable = place_root(recv).is_some_and(|(root, bare)| {
+            let kind = self.bindings.get(&root).copied().unwrap_or(Binding::Plain);
+            let can = kind == Binding::Mut || (kind == Binding::MutRef && !bare);
+            can && !mentions(quote!(#args), &root)
+        });
+        if mutable { quote_spanned!(span=> &mut #recv) } else { quote_spanned!(span=> #recv.__amp_place()) }
     }
 
     /// `a.add(&b)`: both operands to their promoted type.
@@ -724,7 +870,7 @@ impl VisitMut for Rewriter<'_> {
                 let as_written = self.method_runs_as_written(mc);
                 if let Some(t) = self.rewrite_method_call(mc) {
                     *e = Expr::Verbatim(t);
-                } else if let Some(t) = self.rewrite_forward(mc) {
+                } else if let Some(t) = self.rewrite_module_call(mc) {
                     *e = Expr::Verbatim(t);
                 }
                 if as_written {
@@ -975,8 +1121,15 @@ mod tests {
         assert!(got.contains("Region::enter::<P>(true, true, \"f\")"), "{got}");
         assert!(got.contains("P: ::amp_core::__private::Promote<"), "{got}");
         assert!(got.contains("::core::primitive::f32: ::amp_core::__private::Promote<"), "{got}");
-        // `forward` without a turbofish: its value through `Hint`, the call as written.
-        assert!(got.contains("(&::amp_core::__private::Hint::<P, _>::new(self.fc1.forward(x))).__amp_low()"), "{got}");
+        // `forward` without a turbofish: the receiver through the module dispatch (`In` for an
+        // `amp::nn` module, itself otherwise), the value through `Hint`.
+        let flat: String = got.split_whitespace().collect();
+        assert!(flat.contains("leth=(&::amp_core::__private::Hint::<P,_,>::new("), "{got}");
+        assert!(
+            flat.contains("(&::amp_core::__private::W::new(self.fc1.__amp_place())).__amp_in::<P>().forward(x),))"),
+            "{got}"
+        );
+        assert!(flat.contains(".__amp_low();"), "{got}");
         // `Vec<Tensor<f32>>`: each element conformed.
         assert!(got.contains("::amp_core::__private::conform_vec::<f32, _>(vec![r, self.pair(x).0])"), "{got}");
         // Without promotions, no bounds: a generic caller needs only `P: Precision`.
@@ -999,5 +1152,53 @@ mod tests {
         );
         assert!(got.contains("::core::primitive::f32,\n    >(true, true, \"h\")"), "{got}");
         assert!(got.contains("match pair(x) {"), "{got}");
+    }
+
+    #[test]
+    fn module_receivers_keep_their_form() {
+        let got = expanded(
+            quote!(bf16),
+            quote! {
+                fn f(&mut self, s: &mut S, mut local: L, x: &Tensor<f32>, rng: &mut Rng) -> Tensor<f32> {
+                    let a = self.blocks[0].forward(x, rng);
+                    let b = self.head.forward(&self.prep(x));
+                    let c = s.forward(x);
+                    let d = s.inner.forward(x);
+                    let e = local.forward(x);
+                    let g = Consumed(vec![1.0]).forward(3.0);
+                    let shadow = 3;
+                    let mut shadow = shadow;
+                    let h = shadow.forward(x);
+                    let r = &mut local;
+                    let i = r.cell.loss(x, x, rng);
+                    let j = gpt.loss(&ids, &ids, rng);
+                    let k = self.fc.forward::<f32, _>(x);
+                    a
+                }
+            },
+        );
+        let flat: String = got.split_whitespace().collect();
+        let recv = |form: &str, call: &str| {
+            let want =
+                format!("(&::amp_core::__private::W::new({form})).__amp_in::<::amp_core::__private::bf16>().{call}");
+            assert!(flat.contains(&want), "{want} in\n{got}");
+        };
+        // `&mut self`: places under it borrowed mutably, unless an argument uses `self`.
+        recv("&mutself.blocks[0]", "forward(x,rng)");
+        recv("self.head.__amp_place()", "forward(&self.prep(x))");
+        // A `&mut` parameter itself is reborrowed; a place under it is borrowed mutably.
+        recv("s.__amp_place()", "forward(x)");
+        recv("&muts.inner", "forward(x)");
+        // A `mut` binding: `&mut`; a temporary: moved (its own `forward(self)` still works).
+        recv("&mutlocal", "forward(x)");
+        recv("(Consumed(vec![1.0]))", "forward(3.0)");
+        // Bound two ways (shadowed): shared.
+        recv("shadow.__amp_place()", "forward(x)");
+        // `let r = &mut ..`: places under it borrowed mutably; a name from elsewhere: shared.
+        recv("&mutr.cell", "loss(x,x,rng)");
+        recv("gpt.__amp_place()", "loss(&ids,&ids,rng)");
+        // Each value goes through `Hint`; a turbofish is as written, under an `OffGuard`.
+        assert_eq!(flat.matches("Hint::<::amp_core::__private::bf16,_,>::new(").count(), 9, "{got}");
+        assert!(flat.contains("OffGuard::new();self.fc.forward::<f32,_>(x)"), "{got}");
     }
 }

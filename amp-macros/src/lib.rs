@@ -60,11 +60,13 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 /// - f64 tensors are left as they are (as PyTorch's autocast leaves them): an op on f64
 ///   operands runs in f64 whatever its category. (A generic `Tensor<E>` is cast like the other
 ///   precisions: the compiler cannot see that `E` is f64.)
-/// - `m.forward(..)` without a turbofish on an `amp::nn` module (`Linear`, `Mlp`,
-///   `CausalSelfAttention`, `Gpt`) runs in the autocast type: the open precision of the
-///   `Tensor<L>` it returns is fixed to it. A `forward` of your own is called as written
-///   (`&self`, `&mut self` or `self`, inherent or from a trait); if it returns a tensor whose
-///   precision is left open, that follows the autocast type too.
+/// - `m.forward(..)` and `m.loss(..)` without a turbofish on an `amp::nn` module (`Linear`,
+///   `Mlp`, `CausalSelfAttention`, `Block`, `Gpt`; held directly, by reference, `Box`, `Rc` or
+///   `Arc`) run in the autocast type: `block.forward(&x, rng)` is `block.forward::<P>(&x, rng)`,
+///   `gpt.loss(..)` is `gpt.loss::<P>(..)`, whatever their values' precision. A turbofish keeps
+///   the precision written (`m.forward::<f32, _>(x)` runs as written). A `forward` or `loss` of
+///   your own is called as written (`&self`, `&mut self` or `self`, inherent or from a trait);
+///   if it returns a tensor whose precision is left open, that follows the autocast type too.
 /// - The declared return type is honoured: a `Tensor<X>` in it gets a final cast to `X`.
 /// - Each f32 parameter is cast once per call to the outermost `#[autocast]` function, however
 ///   often it is used, in nested `#[autocast]` calls too (the weight cast cache; `cache = false`
@@ -98,8 +100,15 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 /// - `#[autocast(P)]` sees only the function's own generics, not the `impl` block's. A generic
 ///   caller of an `#[autocast(P)]` function that promotes states the same `Promote` bounds;
 ///   so does a trait's declaration of such a method.
-/// - `amp::nn::Block::forward` returns the f32 residual stream, so its precision cannot be
-///   inferred from its value: write `block.forward::<P>(..)`.
+/// - The receiver of a turbofish-less `forward` / `loss` is taken the way a method call takes
+///   it as far as the function's own syntax shows: a temporary is moved; a `&mut` variable is
+///   reborrowed; a place under a `mut` binding, a parameter or `let` typed `&mut _`, or
+///   `&mut self` is borrowed mutably (unless an argument uses the same variable), any other
+///   place shared. So a `forward(self)` of your own on a variable needs `{ v }.forward(..)`; a
+///   `&mut self` one on a place the syntax does not show mutable (a field of a `&mut` binding
+///   whose type is inferred) needs `(&mut v.field).forward(..)`; and where the mutable borrow
+///   of a module held by a mutable place meets a live shared borrow, `(&self.m).forward(..)`
+///   borrows it shared.
 /// - In a generic function, promoting `Tensor<E>` with another precision needs the bound that
 ///   computes it, `E: Promote<f32>`; without it the operands are left as they are.
 /// - A receiver that is a variable is borrowed: a by-value method of a non-`Copy`, non-tensor

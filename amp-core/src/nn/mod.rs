@@ -15,9 +15,11 @@
 //!   values) run in `L` with f32 accumulation; layer norm, softmax and the loss run in f32; the
 //!   residual stream stays f32 (an f32 + `L` add promotes to f32). With `L = f32` this is plain
 //!   f32 training. Weight casts are differentiable, so gradients arrive in f32.
-//! - Inside `#[autocast]`, `self.fc.forward(&x)` needs no turbofish: `L` appears in the
-//!   returned `Tensor<L>`, and the macro fixes it to the region's type. [`Block::forward`]
-//!   returns the f32 residual stream, so its `L` has to be written (`block.forward::<P>(..)`).
+//! - Inside `#[autocast]` no method needs a turbofish: `self.fc.forward(&x)`,
+//!   `block.forward(&x, rng)` and `gpt.loss(&ids, &targets, rng)` run in the region's type.
+//!   The macro hands the module's own method that type as `L`, which matters most where `L`
+//!   shows in no argument and no value ([`Block::forward`] returns the f32 residual stream,
+//!   [`Gpt::loss`] an f32 loss). Written out (`block.forward::<f32>(..)`), a precision is kept.
 //! - `train()` / `eval()` (from [`crate::Params`]) reach every submodule; only dropout reads it.
 
 mod attention;

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use amp_core::backend::{BinaryOp, CrossEntropySpec, DimSplit, ReduceOp, UnaryOp};
 use amp_core::layout::Layout;
-use amp_core::{Cpu, Device, Indices, Mask, Precision, Rng, Tensor, bf16, f16};
+use amp_core::nn::{Gpt, GptConfig};
+use amp_core::param::ToDevice;
+use amp_core::{Cpu, Device, Indices, Mask, Params, Precision, Rng, Tensor, bf16, f16};
 
 /// Kernel calls made on `Mirror`.
 static CALLS: AtomicUsize = AtomicUsize::new(0);
@@ -294,4 +296,39 @@ fn tensors_move_between_devices_and_keep_their_values() {
     let back = m.to_device(&Cpu);
     assert_eq!(back.shape(), &[2, 2]);
     assert_eq!(back.to_vec(), x.t().contiguous().to_vec());
+}
+
+/// Loss and every parameter's gradient (by name) of a GPT step in precision `L`.
+fn gpt_step<L: Precision, D: Device>(model: &Gpt<f32, D>) -> (Vec<u64>, Vec<(String, Vec<u64>)>) {
+    let ids = Indices::from_vec((0..12).map(|i| (i * 7) % 17).collect(), &[2, 6]);
+    let targets = Indices::from_vec((0..12).map(|i| (i * 3 + 1) % 17).collect(), &[2, 6]);
+    let loss = model.loss::<L>(&ids, &targets, &mut Rng::seed(5));
+    let grads = loss.backward();
+    let bits = |t: &Tensor<f32, D>| t.to_vec().iter().map(|v| v.to_bits() as u64).collect::<Vec<_>>();
+    let per_param = model
+        .named_params()
+        .into_iter()
+        .map(|(name, p)| (name, bits(grads.get(p).expect("every parameter has a gradient"))))
+        .collect();
+    (bits(&loss), per_param)
+}
+
+#[test]
+fn a_model_moves_to_another_device_in_one_call_and_trains_there_bit_for_bit() {
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 2, n_heads: 2, dropout: 0.1 };
+    let cpu = Gpt::new(config, &mut Rng::seed(1));
+    let moved: Gpt<f32, Mirror> = cpu.to_device(&Mirror);
+    assert_eq!(moved.named_params().len(), cpu.named_params().len());
+    for ((n1, p1), (n2, p2)) in cpu.named_params().into_iter().zip(moved.named_params()) {
+        assert_eq!(n1, n2);
+        assert_eq!(p1.to_vec(), p2.to_vec(), "{n1} moved with its values");
+        assert_ne!(p1.id(), p2.id(), "{n1}: a moved parameter is a new parameter");
+    }
+    assert_eq!(moved.config, cpu.config, "configs are cloned");
+    assert_eq!(gpt_step::<f32, _>(&moved), gpt_step::<f32, _>(&cpu), "f32");
+    assert_eq!(gpt_step::<f16, _>(&moved), gpt_step::<f16, _>(&cpu), "f16");
+    assert_eq!(gpt_step::<bf16, _>(&moved), gpt_step::<bf16, _>(&cpu), "bf16");
+    // And back: the round trip keeps every value.
+    let back: Gpt = moved.to_device(&Cpu);
+    assert_eq!(gpt_step::<f16, _>(&back), gpt_step::<f16, _>(&cpu));
 }

@@ -2,7 +2,7 @@ use amp_macros::Params;
 
 use super::{Dropout, Linear};
 use crate::indices::Mask;
-use crate::{Precision, Rng, Tensor};
+use crate::{Cpu, Device, Precision, Rng, Tensor};
 
 /// Causal multi-head self-attention (GPT-2 layout: one `qkv` projection, then `proj`).
 ///
@@ -10,11 +10,11 @@ use crate::{Precision, Rng, Tensor};
 /// policy table's fp32 category), and the probabilities are cast back to `L` for `p v`.
 /// Its weights are `W` (f32 by default).
 #[derive(Params, Debug, Clone)]
-pub struct CausalSelfAttention<W: Precision = f32> {
+pub struct CausalSelfAttention<W: Precision = f32, D: Device = Cpu> {
     /// `[3 d, d]`: queries, keys and values in one GEMM.
-    pub qkv: Linear<W>,
+    pub qkv: Linear<W, D>,
     /// `[d, d]` output projection.
-    pub proj: Linear<W>,
+    pub proj: Linear<W, D>,
     /// Dropout on the attention probabilities.
     pub attn_dropout: Dropout,
     /// Dropout on the output.
@@ -42,9 +42,9 @@ impl CausalSelfAttention {
     }
 }
 
-impl<W: Precision> CausalSelfAttention<W> {
+impl<W: Precision, D: Device> CausalSelfAttention<W, D> {
     /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
-    pub fn to_precision<P: Precision>(&self) -> CausalSelfAttention<P> {
+    pub fn to_precision<P: Precision>(&self) -> CausalSelfAttention<P, D> {
         CausalSelfAttention {
             qkv: self.qkv.to_precision(),
             proj: self.proj.to_precision(),
@@ -54,7 +54,7 @@ impl<W: Precision> CausalSelfAttention<W> {
         }
     }
     /// `x: [B, T, d]` to `[B, T, d]` in precision `L`.
-    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X>, rng: &mut Rng) -> Tensor<L> {
+    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>, rng: &mut Rng) -> Tensor<L, D> {
         let (b, t, d) = (x.shape()[0], x.shape()[1], x.shape()[2]);
         let (h, hd) = (self.n_heads, d / self.n_heads);
         // [B, T, 3, H, hd] -> [3, B, H, T, hd]

@@ -1,4 +1,4 @@
-use crate::{Param, Params, Precision, Rng, Tensor};
+use crate::{Device, Param, Params, Precision, Rng, Tensor};
 
 /// Dropout with probability `p` in training mode, the identity in evaluation mode.
 #[derive(Debug, Clone)]
@@ -18,7 +18,7 @@ impl Dropout {
         self.training
     }
     /// Zeroes elements with probability `p` (scaling the rest by `1/(1-p)`) when training.
-    pub fn forward<E: Precision>(&self, x: &Tensor<E>, rng: &mut Rng) -> Tensor<E> {
+    pub fn forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>, rng: &mut Rng) -> Tensor<E, D> {
         x.dropout(self.p, self.training, rng)
     }
     /// Switches dropout on or off. (Dropout is `Params<E>` for every element type `E`, so it
@@ -37,12 +37,13 @@ impl Dropout {
     }
 }
 
-/// No parameters, of any element type; `set_training` reaches it from the enclosing module.
-impl<E: Precision> Params<E> for Dropout {
-    fn named_params(&self) -> Vec<(String, &Param<E>)> {
+/// No parameters, of any element type on any device; `set_training` reaches it from the
+/// enclosing module.
+impl<E: Precision, D: Device> Params<E, D> for Dropout {
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
         Vec::new()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         Vec::new()
     }
     fn set_training(&mut self, training: bool) {

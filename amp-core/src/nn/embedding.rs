@@ -1,13 +1,13 @@
 use amp_macros::Params;
 
-use crate::{Indices, Param, Precision, Rng, Tensor};
+use crate::{Cpu, Device, Indices, Param, Precision, Rng, Tensor};
 
 /// A lookup table `[num_embeddings, dim]` of precision `W` (f32 by default); rows are gathered
 /// by index, as f32 (embedding is a pass-through op, and the residual stream is f32).
 #[derive(Params, Debug, Clone)]
-pub struct Embedding<W: Precision = f32> {
+pub struct Embedding<W: Precision = f32, D: Device = Cpu> {
     /// `[num_embeddings, dim]`.
-    pub weight: Param<W>,
+    pub weight: Param<W, D>,
 }
 
 impl Embedding {
@@ -17,14 +17,14 @@ impl Embedding {
     }
 }
 
-impl<W: Precision> Embedding<W> {
+impl<W: Precision, D: Device> Embedding<W, D> {
     /// Rows for `ids: [...]`, giving `[..., dim]` in f32. A bf16 table is widened first, so its
     /// gradient is summed over repeated ids in f32 and rounded to bf16 once.
-    pub fn forward(&self, ids: &Indices) -> Tensor<f32> {
+    pub fn forward(&self, ids: &Indices) -> Tensor<f32, D> {
         self.weight.cast::<f32>().embedding(ids)
     }
     /// A copy with its table rounded to precision `P` (a new parameter: its own id).
-    pub fn to_precision<P: Precision>(&self) -> Embedding<P> {
+    pub fn to_precision<P: Precision>(&self) -> Embedding<P, D> {
         Embedding { weight: self.weight.to_precision() }
     }
 }

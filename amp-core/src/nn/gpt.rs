@@ -3,7 +3,7 @@ use amp_macros::Params;
 use super::{CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear, Mlp};
 use crate::error::{Error, Result};
 use crate::ops::loss::CrossEntropyOptions;
-use crate::{Indices, Precision, Rng, Tensor};
+use crate::{Cpu, Device, Indices, Precision, Rng, Tensor};
 
 /// Size of a [`Gpt`].
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -42,15 +42,15 @@ impl GptConfig {
 /// A pre-LayerNorm decoder block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`, residual in f32.
 /// Its weights are `W` (f32 by default).
 #[derive(Params, Debug, Clone)]
-pub struct Block<W: Precision = f32> {
+pub struct Block<W: Precision = f32, D: Device = Cpu> {
     /// Norm before attention.
-    pub ln1: LayerNorm<W>,
+    pub ln1: LayerNorm<W, D>,
     /// Causal self-attention.
-    pub attn: CausalSelfAttention<W>,
+    pub attn: CausalSelfAttention<W, D>,
     /// Norm before the MLP.
-    pub ln2: LayerNorm<W>,
+    pub ln2: LayerNorm<W, D>,
     /// The MLP.
-    pub mlp: Mlp<W>,
+    pub mlp: Mlp<W, D>,
 }
 
 impl Block {
@@ -65,9 +65,9 @@ impl Block {
     }
 }
 
-impl<W: Precision> Block<W> {
+impl<W: Precision, D: Device> Block<W, D> {
     /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
-    pub fn to_precision<P: Precision>(&self) -> Block<P> {
+    pub fn to_precision<P: Precision>(&self) -> Block<P, D> {
         Block {
             ln1: self.ln1.to_precision(),
             attn: self.attn.to_precision(),
@@ -76,7 +76,7 @@ impl<W: Precision> Block<W> {
         }
     }
     /// `x: [B, T, d]` (f32 residual stream) to the same shape.
-    pub fn forward<L: Precision>(&self, x: &Tensor<f32>, rng: &mut Rng) -> Tensor<f32> {
+    pub fn forward<L: Precision>(&self, x: &Tensor<f32, D>, rng: &mut Rng) -> Tensor<f32, D> {
         let a = self.attn.forward::<L, f32>(&self.ln1.forward(x), rng);
         let x = x.add(&a.cast::<f32>());
         let m = self.mlp.forward::<L, f32>(&self.ln2.forward(&x), rng);
@@ -88,19 +88,19 @@ impl<W: Precision> Block<W> {
 /// precision `W`: f32 master weights by default; `gpt.to_precision::<bf16>()` gives the
 /// pure-bf16 model (see [`crate::optim`]).
 #[derive(Params, Debug, Clone)]
-pub struct Gpt<W: Precision = f32> {
+pub struct Gpt<W: Precision = f32, D: Device = Cpu> {
     /// Token embeddings `[vocab, d]`.
-    pub tok_emb: Embedding<W>,
+    pub tok_emb: Embedding<W, D>,
     /// Position embeddings `[block_size, d]`.
-    pub pos_emb: Embedding<W>,
+    pub pos_emb: Embedding<W, D>,
     /// Dropout on the embeddings.
     pub drop: Dropout,
     /// The decoder blocks.
-    pub blocks: Vec<Block<W>>,
+    pub blocks: Vec<Block<W, D>>,
     /// Final norm.
-    pub ln_f: LayerNorm<W>,
+    pub ln_f: LayerNorm<W, D>,
     /// Output projection to the vocabulary.
-    pub head: Linear<W>,
+    pub head: Linear<W, D>,
     /// The sizes.
     #[param(skip)]
     pub config: GptConfig,
@@ -128,12 +128,12 @@ impl Gpt {
     }
 }
 
-impl<W: Precision> Gpt<W> {
+impl<W: Precision, D: Device> Gpt<W, D> {
     /// A copy with every weight rounded to precision `P` (new parameters: their own ids, so an
     /// optimizer of the original does not step the copy). `Gpt::new(config, rng)
     /// .to_precision::<bf16>()` is the pure-bf16 model with the f32 model's initialisation,
     /// rounded to nearest.
-    pub fn to_precision<P: Precision>(&self) -> Gpt<P> {
+    pub fn to_precision<P: Precision>(&self) -> Gpt<P, D> {
         Gpt {
             tok_emb: self.tok_emb.to_precision(),
             pos_emb: self.pos_emb.to_precision(),
@@ -146,7 +146,7 @@ impl<W: Precision> Gpt<W> {
     }
     /// Logits `[B, T, vocab]` in precision `L` for token ids `[B, T]`.
     #[track_caller]
-    pub fn forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Tensor<L> {
+    pub fn forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Tensor<L, D> {
         let t = ids.shape()[1];
         assert!(
             t <= self.config.block_size,
@@ -162,7 +162,7 @@ impl<W: Precision> Gpt<W> {
     }
     /// Mean cross-entropy (in f32) of next-token predictions; targets `[B, T]` with -100 to
     /// ignore a position.
-    pub fn loss<L: Precision>(&self, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Tensor<f32> {
+    pub fn loss<L: Precision>(&self, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Tensor<f32, D> {
         let logits = self.forward::<L>(ids, rng);
         let v = self.config.vocab_size;
         let n = targets.numel();

@@ -1,16 +1,16 @@
 use amp_macros::Params;
 
-use crate::{Param, Precision, Tensor};
+use crate::{Cpu, Device, Param, Precision, Tensor};
 
 /// Layer normalisation over the last dim with learnable `weight` (ones) and `bias` (zeros) of
 /// precision `W` (f32 by default). Always computed in f32 (fp32 category of the policy table),
 /// whatever the input and weight precisions.
 #[derive(Params, Debug, Clone)]
-pub struct LayerNorm<W: Precision = f32> {
+pub struct LayerNorm<W: Precision = f32, D: Device = Cpu> {
     /// Scale, `[dim]`.
-    pub weight: Param<W>,
+    pub weight: Param<W, D>,
     /// Shift, `[dim]`.
-    pub bias: Param<W>,
+    pub bias: Param<W, D>,
     /// Added to the variance (PyTorch default 1e-5).
     #[param(skip)]
     pub eps: f64,
@@ -23,13 +23,13 @@ impl LayerNorm {
     }
 }
 
-impl<W: Precision> LayerNorm<W> {
+impl<W: Precision, D: Device> LayerNorm<W, D> {
     /// Normalises `x: [..., dim]`, returning f32 (bf16 weights are widened to f32 first).
-    pub fn forward<X: Precision>(&self, x: &Tensor<X>) -> Tensor<f32> {
+    pub fn forward<X: Precision>(&self, x: &Tensor<X, D>) -> Tensor<f32, D> {
         x.cast::<f32>().layer_norm(Some(&self.weight.cast::<f32>()), Some(&self.bias.cast::<f32>()), self.eps)
     }
     /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
-    pub fn to_precision<P: Precision>(&self) -> LayerNorm<P> {
+    pub fn to_precision<P: Precision>(&self) -> LayerNorm<P, D> {
         LayerNorm { weight: self.weight.to_precision(), bias: self.bias.to_precision(), eps: self.eps }
     }
 }

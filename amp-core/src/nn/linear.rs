@@ -1,17 +1,17 @@
 use amp_macros::Params;
 
-use crate::{Param, Precision, Rng, Tensor};
+use crate::{Cpu, Device, Param, Precision, Rng, Tensor};
 
 /// `y = x Wᵀ + b` with `W: [out, in]` (PyTorch's layout and names: `weight`, `bias`).
 /// Runs in the compute precision `L` (lower-precision category of the policy table). The
 /// weights are `W`: f32 master weights by default, bf16 for pure-bf16 training
 /// ([`Linear::to_precision`]).
 #[derive(Params, Debug, Clone)]
-pub struct Linear<W: Precision = f32> {
+pub struct Linear<W: Precision = f32, D: Device = Cpu> {
     /// `[out_features, in_features]`.
-    pub weight: Param<W>,
+    pub weight: Param<W, D>,
     /// `[out_features]`, if the layer has a bias.
-    pub bias: Option<Param<W>>,
+    pub bias: Option<Param<W, D>>,
 }
 
 impl Linear {
@@ -34,15 +34,15 @@ impl Linear {
     }
 }
 
-impl<W: Precision> Linear<W> {
+impl<W: Precision, D: Device> Linear<W, D> {
     /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
-    pub fn to_precision<P: Precision>(&self) -> Linear<P> {
+    pub fn to_precision<P: Precision>(&self) -> Linear<P, D> {
         Linear { weight: self.weight.to_precision(), bias: self.bias.as_ref().map(Param::to_precision) }
     }
     /// Applies the layer to `x: [..., in]`, giving `[..., out]` in precision `L` (one GEMM with
     /// the bias in the accumulator: the `linear` op, lower-precision category).
     #[track_caller]
-    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X>) -> Tensor<L> {
+    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>) -> Tensor<L, D> {
         let bias = self.bias.as_ref().map(|b| b.cast::<L>());
         x.cast::<L>().linear(&self.weight.cast::<L>(), bias.as_ref())
     }

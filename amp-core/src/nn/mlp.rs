@@ -1,16 +1,16 @@
 use amp_macros::Params;
 
 use super::{Dropout, Linear};
-use crate::{Precision, Rng, Tensor};
+use crate::{Cpu, Device, Precision, Rng, Tensor};
 
 /// The transformer MLP: `Linear(d, 4d) -> GELU -> Linear(4d, d) -> Dropout`.
 /// Its weights are `W` (f32 by default).
 #[derive(Params, Debug, Clone)]
-pub struct Mlp<W: Precision = f32> {
+pub struct Mlp<W: Precision = f32, D: Device = Cpu> {
     /// Expansion, `[hidden, d]`.
-    pub fc: Linear<W>,
+    pub fc: Linear<W, D>,
     /// Projection back, `[d, hidden]`.
-    pub proj: Linear<W>,
+    pub proj: Linear<W, D>,
     /// Residual dropout.
     pub dropout: Dropout,
 }
@@ -26,13 +26,13 @@ impl Mlp {
     }
 }
 
-impl<W: Precision> Mlp<W> {
+impl<W: Precision, D: Device> Mlp<W, D> {
     /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
-    pub fn to_precision<P: Precision>(&self) -> Mlp<P> {
+    pub fn to_precision<P: Precision>(&self) -> Mlp<P, D> {
         Mlp { fc: self.fc.to_precision(), proj: self.proj.to_precision(), dropout: self.dropout.clone() }
     }
     /// `x: [..., d]` to `[..., d]` in precision `L` (GELU runs in `L`: a pass-through op).
-    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X>, rng: &mut Rng) -> Tensor<L> {
+    pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>, rng: &mut Rng) -> Tensor<L, D> {
         let h = self.fc.forward::<L, X>(x).gelu();
         self.dropout.forward(&self.proj.forward::<L, L>(&h), rng)
     }

@@ -15,7 +15,7 @@
 //!   scaler has already marked such a step as skipped).
 
 use crate::autograd::{AnyTensor, Grads};
-use crate::backend::{Cpu, Device};
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 
@@ -45,7 +45,7 @@ pub fn clip_coefficient(total_norm: f32, max_norm: f32) -> f32 {
 
 /// The global L2 norm of every gradient in `grads` (the norm of the per-gradient norms, in
 /// f32), as [`try_clip_grad_norm`] measures it.
-pub fn grad_norm(grads: &Grads) -> f32 {
+pub fn grad_norm<D: Device>(grads: &Grads<D>) -> f32 {
     let norms: Vec<f32> = grads.iter().map(|(_, g)| crate::with_any!(g, t => tensor_norm(t))).collect();
     norms.iter().map(|n| n * n).sum::<f32>().sqrt()
 }
@@ -56,7 +56,7 @@ pub fn grad_norm(grads: &Grads) -> f32 {
 /// Every gradient in `grads` takes part (in a training step those are the gradients of the
 /// model's parameters and of any other leaf marked with `requires_grad_()`). Gradients that
 /// are not f32 are measured and scaled in their own accumulation type.
-pub fn try_clip_grad_norm(grads: &mut Grads, max_norm: f32) -> Result<f32> {
+pub fn try_clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Result<f32> {
     if max_norm.is_nan() || max_norm <= 0.0 {
         return Err(Error::InvalidArgument {
             op: "clip_grad_norm",
@@ -74,12 +74,12 @@ pub fn try_clip_grad_norm(grads: &mut Grads, max_norm: f32) -> Result<f32> {
 
 /// Like [`try_clip_grad_norm`]; panics on an invalid `max_norm`.
 #[track_caller]
-pub fn clip_grad_norm(grads: &mut Grads, max_norm: f32) -> f32 {
+pub fn clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> f32 {
     crate::error::or_panic(try_clip_grad_norm(grads, max_norm))
 }
 
 /// Clamps every gradient value to `[-clip_value, clip_value]` (PyTorch's `clip_grad_value_`).
-pub fn try_clip_grad_value(grads: &mut Grads, clip_value: f32) -> Result<()> {
+pub fn try_clip_grad_value<D: Device>(grads: &mut Grads<D>, clip_value: f32) -> Result<()> {
     if clip_value.is_nan() || clip_value < 0.0 {
         return Err(Error::InvalidArgument {
             op: "clip_grad_value",
@@ -95,13 +95,13 @@ pub fn try_clip_grad_value(grads: &mut Grads, clip_value: f32) -> Result<()> {
 
 /// Like [`try_clip_grad_value`]; panics on an invalid `clip_value`.
 #[track_caller]
-pub fn clip_grad_value(grads: &mut Grads, clip_value: f32) {
+pub fn clip_grad_value<D: Device>(grads: &mut Grads<D>, clip_value: f32) {
     crate::error::or_panic(try_clip_grad_value(grads, clip_value))
 }
 
 /// The L2 norm of one gradient, in f32 (f64 gradients are summed in f64, then rounded).
-fn tensor_norm<E: Precision>(t: &crate::Tensor<E>) -> f32 {
-    let sum = Cpu.sum_squares(&t.storage, &t.layout);
+fn tensor_norm<E: Precision, D: Device>(t: &crate::Tensor<E, D>) -> f32 {
+    let sum = t.device().sum_squares(&t.storage, &t.layout);
     if E::DTYPE == crate::DType::F64 { sum.sqrt() as f32 } else { (sum as f32).sqrt() }
 }
 
@@ -116,12 +116,13 @@ enum Pass {
 
 impl Pass {
     /// Runs the pass over one gradient on its device (one rounding per element).
-    fn run(self, g: &mut AnyTensor) {
-        fn typed<E: Precision>(t: &mut crate::Tensor<E>, pass: Pass) {
+    fn run<D: Device>(self, g: &mut AnyTensor<D>) {
+        fn typed<E: Precision, D: Device>(t: &mut crate::Tensor<E, D>, pass: Pass) {
             t.make_exclusive();
+            let dev = t.device().clone();
             match pass {
-                Pass::Scale(c) => Cpu.scale_in_place(&mut t.storage, c),
-                Pass::Clamp(c) => Cpu.clamp_in_place(&mut t.storage, c),
+                Pass::Scale(c) => dev.scale_in_place(&mut t.storage, c),
+                Pass::Clamp(c) => dev.clamp_in_place(&mut t.storage, c),
             }
         }
         crate::with_any!(g, t => typed(t, self))

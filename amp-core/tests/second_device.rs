@@ -332,3 +332,29 @@ fn a_model_moves_to_another_device_in_one_call_and_trains_there_bit_for_bit() {
     let back: Gpt = moved.to_device(&Cpu);
     assert_eq!(gpt_step::<f16, _>(&back), gpt_step::<f16, _>(&cpu));
 }
+
+#[test]
+fn gradient_clipping_runs_on_the_gradients_device() {
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.0 };
+    let cpu = Gpt::new(config, &mut Rng::seed(2));
+    let moved: Gpt<f32, Mirror> = cpu.to_device(&Mirror);
+    let ids = Indices::from_vec((0..8).map(|i| (i * 5) % 17).collect(), &[1, 8]);
+    let targets = Indices::from_vec((0..8).map(|i| (i * 2 + 3) % 17).collect(), &[1, 8]);
+    let mut g_cpu = cpu.loss::<bf16>(&ids, &targets, &mut Rng::seed(0)).backward();
+    let mut g_mir = moved.loss::<bf16>(&ids, &targets, &mut Rng::seed(0)).backward();
+    let before = CALLS.load(Ordering::Relaxed);
+    let n_mir = amp_core::clip::clip_grad_norm(&mut g_mir, 0.05);
+    amp_core::clip::clip_grad_value(&mut g_mir, 0.001);
+    assert!(CALLS.load(Ordering::Relaxed) > before, "clipping ran Mirror kernels");
+    let n_cpu = amp_core::clip::clip_grad_norm(&mut g_cpu, 0.05);
+    amp_core::clip::clip_grad_value(&mut g_cpu, 0.001);
+    assert_eq!(n_mir.to_bits(), n_cpu.to_bits());
+    assert!(n_cpu > 0.05, "the norm was clipped: {n_cpu}");
+    for ((_, pc), (_, pm)) in cpu.named_params().into_iter().zip(moved.named_params()) {
+        let (a, b) = (g_cpu.get(pc).unwrap().to_vec(), g_mir.get(pm).unwrap().to_vec());
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+}

@@ -791,19 +791,25 @@ pub fn save_tensors(path: impl AsRef<Path>, tensors: &TensorFile) -> Result<()> 
 
 // ---- weights -----------------------------------------------------------------------------
 
-/// The model's parameters as a safetensors file: in their element type (`F32`, or `BF16` for a
-/// pure-bf16 model), PyTorch names, metadata `format = pt` (what `safetensors.torch` writes)
-/// and the checksum. Saving the same model twice gives the same bytes.
+/// The model's parameters and buffers as a safetensors file: parameters in their element type
+/// (`F32`, or `BF16` for a pure-bf16 model), buffers (running statistics) in `F32`, PyTorch
+/// names, metadata `format = pt` (what `safetensors.torch` writes) and the checksum. Saving the
+/// same model twice gives the same bytes.
 pub fn weights_to_bytes<E: Precision>(model: &impl Params<E>) -> Result<Vec<u8>> {
-    let mut named = model.named_params();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let buffers: Vec<(String, Vec<usize>, Vec<f32>)> =
+        model.named_buffers().into_iter().map(|(n, b)| (n, b.shape().to_vec(), b.to_vec())).collect();
+    let params = model.named_params();
+    let mut named: Vec<(&str, &[usize], Values<'_>)> =
+        params.iter().map(|(n, p)| (n.as_str(), p.shape(), Values::of(p.data()))).collect();
+    named.extend(buffers.iter().map(|(n, shape, v)| (n.as_str(), &shape[..], Values::F32(v))));
+    named.sort_by(|a, b| a.0.cmp(b.0));
     if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
         return Err(Error::State {
             context: "checkpoint".into(),
-            detail: format!("the model has two parameters named `{}`", w[0].0),
+            detail: format!("the model has two parameters or buffers named `{}`", w[0].0),
         });
     }
-    Ok(encode(named.iter().map(|(name, p)| (name.as_str(), p.shape(), Values::of(p.data()))).collect()))
+    Ok(encode(named))
 }
 
 /// Saves the model's parameters to `path` (safetensors in their element type, PyTorch names),
@@ -1049,12 +1055,17 @@ fn assign<E: Precision>(
     model: &mut impl Params<E>,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
-    let mut params = model.named_params_mut();
+    // What the model holds: every parameter, then every buffer, by name, with its shape.
+    let n_params = model.named_params().len();
+    let targets: Vec<(String, Vec<usize>)> = (model.named_params().into_iter().map(|(n, p)| (n, p.shape().to_vec())))
+        .chain(model.named_buffers().into_iter().map(|(n, b)| (n, b.shape().to_vec())))
+        .collect();
+    let kind = |i: usize| if i < n_params { "parameter" } else { "buffer" };
     let mut errors = Vec::new();
-    let mut seen = HashSet::with_capacity(params.len());
-    for (name, _) in &params {
+    let mut seen = HashSet::with_capacity(targets.len());
+    for (name, _) in &targets {
         if !seen.insert(name.as_str()) {
-            errors.push(format!("the model has two parameters named `{name}`"));
+            errors.push(format!("the model has two parameters or buffers named `{name}`"));
         }
     }
     // Model name -> (file name, tensor).
@@ -1079,20 +1090,25 @@ fn assign<E: Precision>(
     let label = |file: &str, model: &str| {
         if file == model { format!("`{file}`") } else { format!("`{file}` (mapped to `{model}`)") }
     };
-    let mut plan = Vec::new(); // (parameter index, values)
+    let mut plan = Vec::new(); // (target index, values)
     let mut missing = Vec::new();
-    for (i, (name, p)) in params.iter().enumerate() {
+    for (i, (name, shape)) in targets.iter().enumerate() {
         match mapped.remove(name) {
-            None => missing.push((name.clone(), p.shape().to_vec())),
-            Some((file, StoredTensor::Int { file_dtype, .. })) => {
+            None => missing.push((name.clone(), shape.clone(), kind(i))),
+            Some((file, StoredTensor::Int { file_dtype, .. })) if i < n_params => {
                 errors.push(not_float(&label(&file, name), &file_dtype))
             }
-            Some((file, StoredTensor::Float(t))) if t.shape != p.shape() => errors.push(format!(
-                "tensor {} has shape {:?} in the file, but the model's parameter has shape {:?}",
+            Some((file, t)) if t.shape() != &shape[..] => errors.push(format!(
+                "tensor {} has shape {:?} in the file, but the model's {} has shape {:?}",
                 label(&file, name),
-                t.shape,
-                p.shape()
+                t.shape(),
+                kind(i),
+                shape
             )),
+            // A buffer may be stored as integers (PyTorch's `num_batches_tracked` is I64).
+            Some((_, StoredTensor::Int { indices, .. })) => {
+                plan.push((i, indices.as_slice().iter().map(|&v| v as f32).collect()))
+            }
             Some((_, StoredTensor::Float(t))) => plan.push((i, t.values)),
         }
     }
@@ -1112,8 +1128,8 @@ fn assign<E: Precision>(
         };
         list(errors, "problems");
         if opts.strict {
-            let missing_msgs = missing.iter().map(|(name, shape)| {
-                format!("tensor `{name}` is missing: the model has this parameter (shape {shape:?}), the file does not")
+            let missing_msgs = missing.iter().map(|(name, shape, kind)| {
+                format!("tensor `{name}` is missing: the model has this {kind} (shape {shape:?}), the file does not")
             });
             list(missing_msgs.collect(), "missing parameters");
             let unexpected_msgs = unexpected.iter().map(|(file, name)| {
@@ -1122,8 +1138,9 @@ fn assign<E: Precision>(
             list(unexpected_msgs.collect(), "unexpected tensors");
         }
         let mut detail = parts.join("; ");
+        let missing_names: Vec<(String, Vec<usize>)> = missing.iter().map(|(n, s, _)| (n.clone(), s.clone())).collect();
         if opts.strict && mismatch {
-            if let Some(hint) = prefix_hint(&missing, &unexpected) {
+            if let Some(hint) = prefix_hint(&missing_names, &unexpected) {
                 detail.push_str(&format!(". {hint}"));
             }
             detail.push_str(
@@ -1135,12 +1152,19 @@ fn assign<E: Precision>(
         return Err(file_err(path, detail));
     }
     let loaded = plan.len();
-    for (i, values) in plan {
+    let (for_params, for_buffers): (Vec<_>, Vec<_>) = plan.into_iter().partition(|(i, _)| *i < n_params);
+    let mut params = model.named_params_mut();
+    for (i, values) in for_params {
         E::from_f32_slice(&values, params[i].1.data_mut());
+    }
+    drop(params);
+    let mut buffers = model.named_buffers_mut();
+    for (i, values) in for_buffers {
+        buffers[i - n_params].1.make_mut().copy_from_slice(&values);
     }
     Ok(LoadReport {
         loaded,
-        missing: missing.into_iter().map(|(name, _)| name).collect(),
+        missing: missing.into_iter().map(|(name, _, _)| name).collect(),
         unexpected: unexpected.into_iter().map(|(file, _)| file).collect(),
         dropped,
     })

@@ -119,6 +119,17 @@ pub trait Params<E: Precision = f32, D: Device = Cpu> {
     fn named_params(&self) -> Vec<(String, &Param<E, D>)>;
     /// Every parameter with its dotted name, mutably.
     fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)>;
+    /// Every buffer with its dotted name: state that is saved in checkpoints and moved with the
+    /// module but never trained (no gradient, no optimizer state), such as batch norm's
+    /// running statistics. None by default; `#[derive(Params)]` lists the fields marked
+    /// `#[param(buffer)]` and every submodule's buffers.
+    fn named_buffers(&self) -> Vec<(String, &Tensor<f32, D>)> {
+        Vec::new()
+    }
+    /// Every buffer with its dotted name, mutably.
+    fn named_buffers_mut(&mut self) -> Vec<(String, &mut Tensor<f32, D>)> {
+        Vec::new()
+    }
     /// Total number of scalar parameters.
     fn num_params(&self) -> usize {
         self.named_params().iter().map(|(_, p)| p.numel()).sum()
@@ -134,6 +145,29 @@ pub trait Params<E: Precision = f32, D: Device = Cpu> {
     /// Evaluation mode: dropout is the identity (PyTorch's `model.eval()`).
     fn eval(&mut self) {
         self.set_training(false)
+    }
+}
+
+/// What a `#[param(buffer)]` field must be: an f32 tensor on the module's device.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "a `#[param(buffer)]` field must be a `Tensor<f32>` (on the module's device), not `{Self}`",
+    label = "not an f32 tensor",
+    note = "buffers (running statistics, counters) are kept in f32 whatever the parameters' precision, as PyTorch keeps batch norm's"
+)]
+pub trait IsBuffer<D: Device> {
+    /// The field as a buffer.
+    fn as_buffer(&self) -> &Tensor<f32, D>;
+    /// The field as a buffer, mutably.
+    fn as_buffer_mut(&mut self) -> &mut Tensor<f32, D>;
+}
+
+impl<D: Device> IsBuffer<D> for Tensor<f32, D> {
+    fn as_buffer(&self) -> &Tensor<f32, D> {
+        self
+    }
+    fn as_buffer_mut(&mut self) -> &mut Tensor<f32, D> {
+        self
     }
 }
 
@@ -166,6 +200,12 @@ impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Vec<T> {
     fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         self.iter_mut().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params_mut())).collect()
     }
+    fn named_buffers(&self) -> Vec<(String, &Tensor<f32, D>)> {
+        self.iter().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_buffers())).collect()
+    }
+    fn named_buffers_mut(&mut self) -> Vec<(String, &mut Tensor<f32, D>)> {
+        self.iter_mut().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_buffers_mut())).collect()
+    }
     fn set_training(&mut self, training: bool) {
         self.iter_mut().for_each(|m| m.set_training(training))
     }
@@ -177,6 +217,12 @@ impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Option<T> {
     }
     fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         self.as_mut().map(|m| m.named_params_mut()).unwrap_or_default()
+    }
+    fn named_buffers(&self) -> Vec<(String, &Tensor<f32, D>)> {
+        self.as_ref().map(|m| m.named_buffers()).unwrap_or_default()
+    }
+    fn named_buffers_mut(&mut self) -> Vec<(String, &mut Tensor<f32, D>)> {
+        self.as_mut().map(|m| m.named_buffers_mut()).unwrap_or_default()
     }
     fn set_training(&mut self, training: bool) {
         if let Some(m) = self {
@@ -191,6 +237,12 @@ impl<E: Precision, D: Device, T: Params<E, D> + ?Sized> Params<E, D> for Box<T> 
     }
     fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         (**self).named_params_mut()
+    }
+    fn named_buffers(&self) -> Vec<(String, &Tensor<f32, D>)> {
+        (**self).named_buffers()
+    }
+    fn named_buffers_mut(&mut self) -> Vec<(String, &mut Tensor<f32, D>)> {
+        (**self).named_buffers_mut()
     }
     fn set_training(&mut self, training: bool) {
         (**self).set_training(training)
@@ -221,6 +273,13 @@ impl<E: Precision, D: Device> ToDevice for Param<E, D> {
     type On<D2: Device> = Param<E, D2>;
     fn to_device<D2: Device>(&self, device: &D2) -> Param<E, D2> {
         Param::to_device(self, device)
+    }
+}
+
+impl<E: Precision, D: Device> ToDevice for Tensor<E, D> {
+    type On<D2: Device> = Tensor<E, D2>;
+    fn to_device<D2: Device>(&self, device: &D2) -> Tensor<E, D2> {
+        Tensor::to_device(self, device)
     }
 }
 

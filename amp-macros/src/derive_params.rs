@@ -23,6 +23,9 @@
 //! - f16 anywhere in a visited field's type (`Param<f16>`, `Linear<f16>`) is refused: no
 //!   optimizer updates f16 parameters (pure f16 training is not supported), and `#[param(skip)]`
 //!   would freeze the weight, so the message says to keep it f32 and autocast.
+//! - `#[param(buffer)]` marks an f32 tensor field as a buffer (running statistics): listed by
+//!   `named_buffers` (with every submodule's), saved in checkpoints and moved by `to_device`,
+//!   never given a gradient or optimizer state.
 //! - The impl is `Params<E, D>` for one device `D`: the struct's type parameter bounded by
 //!   `Device` (`struct Mlp<D: Device = Cpu>`), which also gets `ToDevice` (`model.to_device(&dev)`
 //!   rebuilds it on another device); any device for a generic wrapper; otherwise the CPU.
@@ -38,10 +41,11 @@ use syn::{Data, DeriveInput, Fields, LitStr, Type, parse_quote};
 #[derive(Default)]
 struct FieldOpts {
     skip: Option<Span>,
+    buffer: Option<Span>,
     rename: Option<LitStr>,
 }
 
-const KEYS: &[&str] = &["skip", "rename"];
+const KEYS: &[&str] = &["skip", "buffer", "rename"];
 
 /// Parses every `#[param(...)]` on a field, collecting all errors rather than the first.
 fn field_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> FieldOpts {
@@ -53,6 +57,12 @@ fn field_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> FieldOp
                     return Err(meta.error("duplicate `skip`"));
                 }
                 opts.skip = Some(meta.path.span());
+                Ok(())
+            } else if meta.path.is_ident("buffer") {
+                if opts.buffer.is_some() {
+                    return Err(meta.error("duplicate `buffer`"));
+                }
+                opts.buffer = Some(meta.path.span());
                 Ok(())
             } else if meta.path.is_ident("rename") {
                 if opts.rename.is_some() {
@@ -70,7 +80,9 @@ fn field_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> FieldOp
             } else {
                 let key = meta.path.get_ident().map(|i| i.to_string()).unwrap_or_default();
                 let hint = suggest(&key).map(|s| format!("; did you mean `{s}`?")).unwrap_or_default();
-                Err(meta.error(format!("unknown `param` option `{key}`: expected `skip` or `rename = \"...\"`{hint}")))
+                Err(meta.error(format!(
+                    "unknown `param` option `{key}`: expected `skip`, `buffer` or `rename = \"...\"`{hint}"
+                )))
             }
         });
         if let Err(e) = res {
@@ -79,6 +91,12 @@ fn field_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> FieldOp
     }
     if let (Some(span), Some(_)) = (opts.skip, &opts.rename) {
         errors.push(syn::Error::new(span, "`skip` and `rename` cannot be combined: a skipped field has no name"));
+    }
+    if let (Some(span), Some(_)) = (opts.buffer, opts.skip) {
+        errors.push(syn::Error::new(
+            span,
+            "`buffer` and `skip` cannot be combined: a buffer is saved and moved with the module, a skipped field is not",
+        ));
     }
     opts
 }
@@ -275,6 +293,8 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
 
     // (member, name, type) of every visited field.
     let mut visited = Vec::new();
+    // (member, name, type) of every `#[param(buffer)]` field.
+    let mut buffer_fields = Vec::new();
     let members: Vec<(syn::Member, String, &syn::Field)> = match &fields {
         Fields::Named(named) => named
             .named
@@ -311,6 +331,10 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
             let mut e = syn::Error::new(name_span, format!("two fields are both named `{name}` in the state_dict"));
             e.combine(syn::Error::new(first, "the first one is here"));
             errors.push(e);
+        }
+        if opts.buffer.is_some() {
+            buffer_fields.push((member, name, field.ty.clone()));
+            continue;
         }
         visited.push((member, name, field.ty.clone()));
     }
@@ -355,7 +379,12 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
         Elem::TypeParam(p.clone())
     } else if let Some((_, name, _)) = visited.iter().find(|(_, _, ty)| names_ident(ty, "bf16")) {
         Elem::Bf16Field(name.clone())
-    } else if !visited.is_empty() && visited.iter().all(|(_, _, ty)| type_params.iter().any(|p| mentions(ty, p))) {
+    } else if !visited.is_empty()
+        && visited.iter().all(|(_, _, ty)| {
+            // The device parameter says where the parameters live, not their element type.
+            type_params.iter().filter(|p| !device_params.contains(p)).any(|p| mentions(ty, p))
+        })
+    {
         Elem::Generic
     } else {
         Elem::F32
@@ -408,6 +437,8 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
     let mut visit = Vec::new();
     let mut visit_mut = Vec::new();
     let mut set_training = Vec::new();
+    let mut buffers = Vec::new();
+    let mut buffers_mut = Vec::new();
     for (member, name, ty) in &visited {
         // Named after the Rust field (always a valid identifier), read in the compiler's help.
         let check = match member {
@@ -449,6 +480,8 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
                 fn __amp_visit(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Param<E, D>)>;
                 fn __amp_visit_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Param<E, D>)>;
                 fn __amp_set_training(&mut self, training: bool);
+                fn __amp_buffers(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Tensor<f32, D>)>;
+                fn __amp_buffers_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Tensor<f32, D>)>;
             }
             // Report `f32: check` (with the message above), not the `Params` bound behind it.
             #[diagnostic::do_not_recommend]
@@ -461,6 +494,12 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
                 }
                 fn __amp_set_training(&mut self, training: bool) {
                     #krate::Params::<E, D>::set_training(self, training)
+                }
+                fn __amp_buffers(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Tensor<f32, D>)> {
+                    #krate::Params::<E, D>::named_buffers(self)
+                }
+                fn __amp_buffers_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Tensor<f32, D>)> {
+                    #krate::Params::<E, D>::named_buffers_mut(self)
                 }
             }
         });
@@ -478,6 +517,26 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
                 __amp_out.push((#krate::param::join_name(#name, &__amp_name), __amp_param));
             }
         });
+        let call_buffers = quote_spanned!(ty.span()=> <#ty as #check<#e, #dev>>::__amp_buffers);
+        let call_buffers_mut = quote_spanned!(ty.span()=> <#ty as #check<#e, #dev>>::__amp_buffers_mut);
+        buffers.push(quote! {
+            for (__amp_name, __amp_buffer) in #call_buffers(&self.#member) {
+                __amp_out.push((#krate::param::join_name(#name, &__amp_name), __amp_buffer));
+            }
+        });
+        buffers_mut.push(quote! {
+            for (__amp_name, __amp_buffer) in #call_buffers_mut(&mut self.#member) {
+                __amp_out.push((#krate::param::join_name(#name, &__amp_name), __amp_buffer));
+            }
+        });
+    }
+    // A buffer field must be an f32 tensor on the module's device; the error lands on its type.
+    for (member, name, ty) in &buffer_fields {
+        let as_buffer = quote_spanned!(ty.span()=> <#ty as #krate::param::IsBuffer<#dev>>::as_buffer);
+        let as_buffer_mut = quote_spanned!(ty.span()=> <#ty as #krate::param::IsBuffer<#dev>>::as_buffer_mut);
+        buffers.push(quote! { __amp_out.push((::std::string::String::from(#name), #as_buffer(&self.#member))); });
+        buffers_mut
+            .push(quote! { __amp_out.push((::std::string::String::from(#name), #as_buffer_mut(&mut self.#member))); });
     }
 
     Ok(quote! {
@@ -501,6 +560,18 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
                 }
                 fn set_training(&mut self, __amp_training: bool) {
                     #(#set_training)*
+                }
+                fn named_buffers(&self) -> ::std::vec::Vec<(::std::string::String, &#krate::Tensor<f32, #dev>)> {
+                    #[allow(unused_mut)]
+                    let mut __amp_out = ::std::vec::Vec::new();
+                    #(#buffers)*
+                    __amp_out
+                }
+                fn named_buffers_mut(&mut self) -> ::std::vec::Vec<(::std::string::String, &mut #krate::Tensor<f32, #dev>)> {
+                    #[allow(unused_mut)]
+                    let mut __amp_out = ::std::vec::Vec::new();
+                    #(#buffers_mut)*
+                    __amp_out
                 }
             }
             #to_device

@@ -1,6 +1,7 @@
 //! Data: datasets, a seeded, resumable data loader, in-memory tensors as a dataset
-//! ([`TensorDataset`]), and the two token tasks the training example uses (generated
-//! multi-digit addition, and a character-level text file).
+//! ([`TensorDataset`]), the two token tasks the training example uses (generated
+//! multi-digit addition, and a character-level text file), and a generated image task for
+//! convolutional models ([`ShapesTask`]).
 //!
 //! In-memory inputs and labels, batched as in PyTorch's
 //! `DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)`:
@@ -45,11 +46,13 @@
 
 mod addition;
 mod loader;
+mod shapes;
 mod tensor_dataset;
 mod text;
 
 pub use addition::{Accuracy, AdditionConfig, AdditionDataset, AdditionTask, AdditionVocab};
 pub use loader::{DataLoader, EpochBatches, LoaderPosition};
+pub use shapes::{SHAPE_NAMES, ShapesConfig, ShapesTask};
 pub use tensor_dataset::{Rows, TensorDataset};
 pub use text::{CharTextDataset, CharVocab};
 

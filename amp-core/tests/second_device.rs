@@ -6,7 +6,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use amp_core::backend::{BinaryOp, CrossEntropySpec, DimSplit, ReduceOp, UnaryOp};
+use amp_core::backend::{
+    BatchNormStats, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Pool2dSpec, ReduceOp, UnaryOp,
+};
 use amp_core::layout::Layout;
 use amp_core::{Cpu, Device, Indices, Mask, Precision, Rng, Tensor, bf16, f16};
 
@@ -195,6 +197,88 @@ impl Device for Mirror {
     fn mse<E: Precision>(&self, a: (&Buf<E>, &Layout), b: (&Buf<E>, &Layout)) -> Buf<E> {
         hit();
         Buf(Cpu.mse(v(a), v(b)))
+    }
+    fn conv2d<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        w: (&Buf<E>, &Layout),
+        bias: Option<(&Buf<E>, &Layout)>,
+        spec: &Conv2dSpec,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.conv2d(v(x), v(w), bias.map(v), spec))
+    }
+    fn conv2d_backward_input<E: Precision>(
+        &self,
+        g: (&Buf<E>, &Layout),
+        w: (&Buf<E>, &Layout),
+        spec: &Conv2dSpec,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.conv2d_backward_input(v(g), v(w), spec))
+    }
+    fn conv2d_backward_weight<E: Precision>(
+        &self,
+        x: Option<(&Buf<E>, &Layout)>,
+        g: (&Buf<E>, &Layout),
+        spec: &Conv2dSpec,
+        bias: bool,
+    ) -> (Option<Buf<E>>, Option<Buf<E>>) {
+        hit();
+        let (gw, gb) = Cpu.conv2d_backward_weight(x.map(v), v(g), spec, bias);
+        (gw.map(Buf), gb.map(Buf))
+    }
+    fn max_pool2d<E: Precision>(&self, x: &Buf<E>, l: &Layout, spec: &Pool2dSpec) -> Buf<E> {
+        hit();
+        Buf(Cpu.max_pool2d(&x.0, l, spec))
+    }
+    fn max_pool2d_backward<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+        spec: &Pool2dSpec,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.max_pool2d_backward(v(x), v(g), spec))
+    }
+    fn avg_pool2d<E: Precision>(&self, x: &Buf<E>, l: &Layout, spec: &Pool2dSpec) -> Buf<E> {
+        hit();
+        Buf(Cpu.avg_pool2d(&x.0, l, spec))
+    }
+    fn avg_pool2d_backward<E: Precision>(&self, g: &Buf<E>, l: &Layout, spec: &Pool2dSpec) -> Buf<E> {
+        hit();
+        Buf(Cpu.avg_pool2d_backward(&g.0, l, spec))
+    }
+    fn batch_norm<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        weight: Option<(&Buf<E>, &Layout)>,
+        bias: Option<(&Buf<E>, &Layout)>,
+        stats: BatchNormStats<'_, Buf<f32>>,
+        eps: f64,
+    ) -> (Buf<E>, Self::RowStats<E>) {
+        hit();
+        let stats = match stats {
+            BatchNormStats::Batch { running, momentum } => {
+                BatchNormStats::Batch { running: running.map(|(m, v)| (&mut m.0, &mut v.0)), momentum }
+            }
+            BatchNormStats::Given { mean, var } => BatchNormStats::Given { mean: v(mean), var: v(var) },
+        };
+        let (y, stats) = Cpu.batch_norm(v(x), weight.map(v), bias.map(v), stats, eps);
+        (Buf(y), stats)
+    }
+    fn batch_norm_backward<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+        weight: Option<(&Buf<E>, &Layout)>,
+        stats: &Self::RowStats<E>,
+        needs: (bool, bool),
+        training: bool,
+    ) -> (Buf<E>, Option<Buf<E>>, Option<Buf<E>>) {
+        hit();
+        let (gx, gw, gb) = Cpu.batch_norm_backward(v(x), v(g), weight.map(v), stats, needs, training);
+        (Buf(gx), gw.map(Buf), gb.map(Buf))
     }
     fn gather_rows<E: Precision>(&self, w: (&Buf<E>, &Layout), ids: &[i64], d: usize) -> Buf<E> {
         hit();

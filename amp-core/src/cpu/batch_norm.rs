@@ -36,12 +36,11 @@ pub(crate) struct BatchStats<A> {
 /// deviations from it, so a large offset does not cancel).
 pub(crate) fn batch_stats<E: Precision>(x: &[E], s: DimSplit) -> BatchStats<E::Acc> {
     let m = s.outer * s.inner;
-    let inv = E::Acc::c(1.0 / m as f64);
     let per = par_row_ranges(s.dim, m, |cs| {
         cs.map(|c| {
             let mut sum = E::Acc::zero();
             for_each_buf(x, s, c, |b| sum += sum_buf(b));
-            let mean = sum * inv;
+            let mean = sum / E::Acc::c(m as f64);
             let mut ss = E::Acc::zero();
             for_each_buf(x, s, c, |b| {
                 let mut lanes = E::Acc::zero();

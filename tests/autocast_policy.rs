@@ -60,6 +60,11 @@ macro_rules! all_cases {
             let b = w.narrow(1, 0, 1).reshape(&[2]);
             Some(x.linear(&w, Some(&b)).dtype())
         });
+        // The f16 weight and bias are lowered with the f32 input.
+        case!("conv2d", $low, |x: f32, w: f16| [f32, f16] {
+            let (x, b) = (x.reshape(&[1, 1, 2, 3]), w.reshape(&[6]).narrow(0, 0, 1));
+            Some(x.conv2d(&w.reshape(&[1, 1, 2, 3]), Some(&b), amp::Conv2dOptions::default()).dtype())
+        });
         // fp32
         case!("exp", $low, |x: f16| [f16] Some(x.exp().dtype()));
         case!("log", $low, |x: bf16| [bf16] Some(x.log().dtype()));
@@ -109,6 +114,15 @@ macro_rules! all_cases {
         case!("div_scalar", $low, |x: f16| [f16] Some(x.div_scalar(2.0).dtype()));
         case!("rdiv_scalar", $low, |x: f16| [f16] Some(x.rdiv_scalar(2.0).dtype()));
         case!("dropout", $low, |x: f16| [f16] Some(x.dropout(0.5, true, &mut Rng::seed(0)).dtype()));
+        // Batch norm runs in its input's precision (f32 statistics inside, f32 buffers).
+        case!("batch_norm", $low, |x: f16| [f16] {
+            let (mut mean, mut var) = (Tensor::<f32>::zeros(&[3]), Tensor::<f32>::ones(&[3]));
+            let train = amp::BatchNormOptions { training: true, ..Default::default() };
+            Some(x.batch_norm(Some(&mut mean), Some(&mut var), None, None, train).dtype())
+        });
+        case!("max_pool2d", $low, |x: bf16| [bf16] Some(x.unsqueeze(0).max_pool2d((2, 2), (1, 1), (1, 1)).dtype()));
+        case!("avg_pool2d", $low, |x: f16| [f16] Some(x.unsqueeze(0).avg_pool2d((1, 2), (1, 1), (0, 0)).dtype()));
+        case!("adaptive_avg_pool2d", $low, |x: bf16| [bf16] Some(x.unsqueeze(0).adaptive_avg_pool2d((1, 1)).dtype()));
         case!("embedding", $low, |x: f16| [f16] Some(x.t().embedding(&ids()).dtype()));
         case!("masked_fill", $low, |x: bf16| [bf16] Some(x.masked_fill(&mask(), -1e4).dtype()));
         case!("max", $low, |x: f16| [f16] Some(x.max(1, false).dtype()));
@@ -123,6 +137,7 @@ macro_rules! all_cases {
         });
         case!("reshape", $low, |x: f16| [f16] Some(x.reshape(&[3, 2]).dtype()));
         case!("flatten", $low, |x: f16| [f16] Some(x.flatten().dtype()));
+        case!("flatten_dims", $low, |x: bf16| [bf16] Some(x.unsqueeze(0).flatten_dims(1, 2).dtype()));
         case!("permute", $low, |x: bf16| [bf16] Some(x.permute(&[1, 0]).dtype()));
         case!("transpose", $low, |x: f16| [f16] Some(x.transpose(0, 1).dtype()));
         case!("t", $low, |x: f16| [f16] Some(x.t().dtype()));
@@ -151,7 +166,7 @@ fn the_table_is_printable_and_complete() {
         assert!(text.contains(&format!("| `{}` |", row.op)), "{} missing from the printed table", row.op);
     }
     let count = |c| POLICY.iter().filter(|r| r.category == c).count();
-    assert_eq!(count(Category::LowerPrecision), 2); // matmul, linear
+    assert_eq!(count(Category::LowerPrecision), 3); // matmul, linear, conv2d
     assert!(count(Category::Fp32) >= 9 && count(Category::Fp32Accumulate) >= 6 && count(Category::Promote) >= 7);
     assert_eq!(policy::lookup("try_softmax").map(|r| r.category), Some(Category::Fp32Accumulate));
     assert_eq!(policy::promote_dtype(DType::F16, DType::BF16), DType::F32);

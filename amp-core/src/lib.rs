@@ -56,6 +56,8 @@ pub use cpu::memory as cpu_memory;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use indices::{Indices, Mask};
+pub use ops::batch_norm::BatchNormOptions;
+pub use ops::conv::Conv2dOptions;
 pub use ops::loss::CrossEntropyOptions;
 pub use param::{Param, Params};
 pub use precision::{DType, NeedsLossScaling, Precision, Promote, Promoted};

@@ -371,6 +371,37 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     pub fn flatten(&self) -> Self {
         self.reshape(&[self.numel()])
     }
+    /// Merges dims `start..=end` into one (PyTorch's `flatten(start_dim, end_dim)`; a view
+    /// of contiguous data): `[2, 3, 4, 5].flatten_dims(1, 2)` is `[2, 12, 5]`. A 0-dim
+    /// tensor with `(0, 0)` becomes `[1]`, as in PyTorch.
+    pub fn try_flatten_dims(&self, start: usize, end: usize) -> Result<Self> {
+        if self.rank() == 0 && start == 0 && end == 0 {
+            return self.try_reshape(&[1]);
+        }
+        check_dim("flatten_dims", start, self.shape())?;
+        check_dim("flatten_dims", end, self.shape())?;
+        if start > end {
+            return Err(Error::Shape {
+                op: "flatten_dims",
+                detail: format!("the start dim {start} comes after the end dim {end}"),
+                shapes: vec![self.shape().to_vec()],
+            });
+        }
+        let s = self.shape();
+        let shape = [&s[..start], &[s[start..=end].iter().product()], &s[end + 1..]].concat();
+        self.try_reshape(&shape)
+    }
+    /// Merges dims `start..=end` into one; panics with [`Tensor::try_flatten_dims`]'s error.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// let x = Tensor::<f32>::zeros(&[2, 3, 4, 5]);
+    /// assert_eq!(x.flatten_dims(1, 3).shape(), &[2, 60]);
+    /// ```
+    #[track_caller]
+    pub fn flatten_dims(&self, start: usize, end: usize) -> Self {
+        or_panic(self.try_flatten_dims(start, end))
+    }
 
     /// Reorders dims: output dim `i` is input dim `perm[i]`.
     pub fn try_permute(&self, perm: &[usize]) -> Result<Self> {

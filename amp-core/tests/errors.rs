@@ -283,3 +283,158 @@ fn plain_cat_panics_with_the_message() {
 fn plain_embedding_panics_with_the_message() {
     t(&[3, 2]).embedding(&Indices::from_vec(vec![0, 3], &[2]));
 }
+
+#[test]
+fn conv2d_errors_name_the_shapes_and_options() {
+    use amp_core::Conv2dOptions;
+    let one = Conv2dOptions::default();
+    let (x, w) = (t(&[2, 3, 5]), t(&[4, 3, 3, 3]));
+    same_error(
+        x.try_conv2d(&w, None, one),
+        || x.conv2d(&w, None, one),
+        "conv2d: needs an input [N, C_in, H, W] and a weight [C_out, C_in / groups, kH, kW] (shapes [[2, 3, 5], [4, 3, 3, 3]])",
+    );
+    let x = t(&[1, 4, 5, 5]);
+    let (w, g3) = (t(&[6, 2, 3, 3]), Conv2dOptions { groups: 3, ..one });
+    same_error(
+        x.try_conv2d(&w, None, g3),
+        || x.conv2d(&w, None, g3),
+        "conv2d: groups 3 must divide the input's 4 and the weight's 6 channels (shapes [[1, 4, 5, 5], [6, 2, 3, 3]])",
+    );
+    let (w, g2) = (t(&[6, 3, 3, 3]), Conv2dOptions { groups: 2, ..one });
+    same_error(
+        x.try_conv2d(&w, None, g2),
+        || x.conv2d(&w, None, g2),
+        "conv2d: the weight's dim 1 must be the input channels per group, 4 / 2 = 2 (shapes [[1, 4, 5, 5], [6, 3, 3, 3]])",
+    );
+    let (w, b) = (t(&[6, 4, 3, 3]), t(&[5]));
+    same_error(
+        x.try_conv2d(&w, Some(&b), one),
+        || x.conv2d(&w, Some(&b), one),
+        "conv2d: the bias must have shape [6] (shapes [[1, 4, 5, 5], [6, 4, 3, 3], [5]])",
+    );
+    let zero = Conv2dOptions { stride: (0, 1), ..one };
+    same_error(
+        x.try_conv2d(&w, None, zero),
+        || x.conv2d(&w, None, zero),
+        "conv2d: invalid argument `stride`: must be at least 1 in both dims, got (0, 1) (input shape [1, 4, 5, 5])",
+    );
+    let (small, big) = (t(&[1, 1, 2, 2]), t(&[1, 1, 3, 3]));
+    same_error(
+        small.try_conv2d(&big, None, one),
+        || small.conv2d(&big, None, one),
+        "conv2d: the kernel 3x3 with dilation (1, 1) is larger than the input 2x2 padded by (0, 0) (shapes [[1, 1, 2, 2], [1, 1, 3, 3]])",
+    );
+    // Padding makes it fit.
+    let padded = small.conv2d(&big, None, Conv2dOptions { padding: (1, 1), ..one });
+    assert_eq!(padded.shape(), &[1, 1, 2, 2]);
+}
+
+#[test]
+fn pooling_errors_name_the_shapes_and_windows() {
+    let m = t(&[4, 4]);
+    same_error(
+        m.try_max_pool2d((2, 2), (2, 2), (0, 0)),
+        || m.max_pool2d((2, 2), (2, 2), (0, 0)),
+        "max_pool2d: needs an input [N, C, H, W] or [C, H, W] (shapes [[4, 4]])",
+    );
+    let x = t(&[1, 1, 4, 4]);
+    same_error(
+        x.try_max_pool2d((2, 2), (1, 1), (2, 0)),
+        || x.max_pool2d((2, 2), (1, 1), (2, 0)),
+        "max_pool2d: invalid argument `padding`: must be at most half the kernel (2, 2), got (2, 0) (input shape [1, 1, 4, 4])",
+    );
+    same_error(
+        x.try_avg_pool2d((0, 2), (1, 1), (0, 0)),
+        || x.avg_pool2d((0, 2), (1, 1), (0, 0)),
+        "avg_pool2d: invalid argument `kernel`: must be at least 1 in both dims, got (0, 2) (input shape [1, 1, 4, 4])",
+    );
+    let small = t(&[1, 1, 2, 2]);
+    same_error(
+        small.try_avg_pool2d((3, 3), (1, 1), (0, 0)),
+        || small.avg_pool2d((3, 3), (1, 1), (0, 0)),
+        "avg_pool2d: the kernel (3, 3) is larger than the input 2x2 padded by (0, 0) (shapes [[1, 1, 2, 2]])",
+    );
+    same_error(
+        x.try_adaptive_avg_pool2d((0, 2)),
+        || x.adaptive_avg_pool2d((0, 2)),
+        "adaptive_avg_pool2d: invalid argument `output_size`: must be at least 1 in both dims, got (0, 2) (input shape [1, 1, 4, 4])",
+    );
+    let empty = t(&[1, 1, 0, 4]);
+    same_error(
+        empty.try_adaptive_avg_pool2d((2, 2)),
+        || empty.adaptive_avg_pool2d((2, 2)),
+        "adaptive_avg_pool2d: needs a non-empty H and W (shapes [[1, 1, 0, 4]])",
+    );
+}
+
+#[test]
+fn batch_norm_errors_name_the_buffers_and_the_mode() {
+    use amp_core::BatchNormOptions;
+    let (train, eval) = (BatchNormOptions { training: true, ..Default::default() }, BatchNormOptions::default());
+    let v = t(&[4]);
+    same_error(
+        v.try_batch_norm(None, None, None, None, train),
+        || v.batch_norm(None, None, None, None, train),
+        "batch_norm: needs an input [N, C, ...] with at least two dims (shapes [[4]])",
+    );
+    let x = t(&[2, 3, 4]);
+    let w = t(&[4]);
+    same_error(
+        x.try_batch_norm(None, None, Some(&w), None, train),
+        || x.batch_norm(None, None, Some(&w), None, train),
+        "batch_norm: weight must have shape [3] (the input's channels, dim 1) (shapes [[2, 3, 4], [4]])",
+    );
+    let buffers = |c: usize, d: usize| (t(&[c]), t(&[d]));
+    let ((mut m, mut s), (mut m2, mut s2)) = (buffers(2, 3), buffers(2, 3));
+    same_error(
+        x.try_batch_norm(Some(&mut m), Some(&mut s), None, None, train),
+        || x.batch_norm(Some(&mut m2), Some(&mut s2), None, None, train),
+        "batch_norm: running_mean must have shape [3] (the input's channels, dim 1) (shapes [[2, 3, 4], [2], [3]])",
+    );
+    let (mut m, mut m2) = (t(&[3]), t(&[3]));
+    same_error(
+        x.try_batch_norm(Some(&mut m), None, None, None, train),
+        || x.batch_norm(Some(&mut m2), None, None, None, train),
+        "batch_norm: needs both running_mean and running_var, or neither (shapes [[2, 3, 4], [3]])",
+    );
+    same_error(
+        x.try_batch_norm(None, None, None, None, eval),
+        || x.batch_norm(None, None, None, None, eval),
+        "batch_norm: needs running_mean and running_var in eval (training = false) (shapes [[2, 3, 4]])",
+    );
+    let row = t(&[1, 3]);
+    same_error(
+        row.try_batch_norm(None, None, None, None, train),
+        || row.batch_norm(None, None, None, None, train),
+        "batch_norm: needs more than 1 value per channel in training, got 1 (shapes [[1, 3]])",
+    );
+    let bad = BatchNormOptions { eps: -1.0, ..train };
+    same_error(
+        x.try_batch_norm(None, None, None, None, bad),
+        || x.batch_norm(None, None, None, None, bad),
+        "batch_norm: invalid argument `eps`: must be finite (eps also >= 0), got -1 (input shape [2, 3, 4])",
+    );
+    // A refused call leaves the buffers alone.
+    let (mut m, mut s) = (Tensor::<f32>::full(&[3], 0.5), Tensor::<f32>::full(&[3], 2.0));
+    assert!(x.try_batch_norm(Some(&mut m), Some(&mut s), Some(&w), None, train).is_err());
+    assert_eq!((m.to_vec(), s.to_vec()), (vec![0.5; 3], vec![2.0; 3]));
+}
+
+#[test]
+fn flatten_dims_errors() {
+    let x = t(&[2, 3, 4]);
+    same_error(
+        x.try_flatten_dims(1, 3),
+        || x.flatten_dims(1, 3),
+        "flatten_dims: dim 3 is out of range for a tensor of rank 3 (shape [2, 3, 4])",
+    );
+    same_error(
+        x.try_flatten_dims(2, 1),
+        || x.flatten_dims(2, 1),
+        "flatten_dims: the start dim 2 comes after the end dim 1 (shapes [[2, 3, 4]])",
+    );
+    assert_eq!(x.flatten_dims(0, 1).shape(), &[6, 4]);
+    assert_eq!(x.flatten_dims(2, 2).shape(), &[2, 3, 4]);
+    assert_eq!(Tensor::<f32>::scalar(2.0).flatten_dims(0, 0).shape(), &[1]);
+}

@@ -318,3 +318,82 @@ fn split_gradients_are_exact_and_leave_shared_gradients_alone() {
     let doubled: Vec<f32> = (0..12).map(|j| (j / 4 + 1) as f32 + 2.0 * j as f32).collect();
     assert_eq!(acc.get(&x).unwrap().to_vec(), doubled);
 }
+
+#[test]
+fn conv2d_with_stride_padding_dilation_groups_and_bias() {
+    use amp_core::Conv2dOptions;
+    let x = randn(&[2, 4, 7, 6], 130);
+    let w = randn(&[6, 2, 3, 2], 131); // groups 2: 4 / 2 input channels per group
+    let b = randn(&[6], 132);
+    let opts = Conv2dOptions { stride: (2, 2), padding: (1, 1), dilation: (2, 2), groups: 2 };
+    gradcheck(&[x.clone(), w.clone(), b.clone()], |t| weighted(&t[0].conv2d(&t[1], Some(&t[2]), opts), 133));
+    gradcheck(&[x.clone(), w.clone()], |t| weighted(&t[0].conv2d(&t[1], None, opts), 134));
+    // Defaults; mixed per-dim options; only the weight, or only the bias, needing gradients.
+    gradcheck(&[randn(&[1, 3, 5, 5], 135), randn(&[2, 3, 3, 3], 136)], |t| {
+        weighted(&t[0].conv2d(&t[1], None, Conv2dOptions::default()), 137)
+    });
+    let mixed = Conv2dOptions { stride: (1, 3), padding: (2, 0), dilation: (1, 2), groups: 1 };
+    gradcheck(&[x.clone(), randn(&[3, 4, 2, 2], 138), b.narrow(0, 0, 3)], |t| {
+        weighted(&t[0].conv2d(&t[1], Some(&t[2]), mixed), 139)
+    });
+    gradcheck(std::slice::from_ref(&w), |t| weighted(&x.conv2d(&t[0], Some(&b), opts), 140));
+    gradcheck(std::slice::from_ref(&b), |t| weighted(&x.conv2d(&w, Some(&t[0]), opts), 141));
+    // A strided (permuted) input and a depthwise convolution (groups = channels).
+    let depthwise = Conv2dOptions { padding: (1, 1), groups: 4, ..Default::default() };
+    gradcheck(&[randn(&[2, 6, 7, 4], 142), randn(&[4, 1, 3, 3], 143)], |t| {
+        weighted(&t[0].permute(&[0, 3, 2, 1]).conv2d(&t[1], None, depthwise), 144)
+    });
+}
+
+#[test]
+fn pooling_max_average_and_adaptive() {
+    let x = randn(&[2, 3, 7, 6], 150);
+    // Overlapping windows (kernel 3, stride 2) with padding, and disjoint ones.
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].max_pool2d((3, 2), (2, 2), (1, 1)), 151));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].max_pool2d((2, 2), (2, 2), (0, 0)), 152));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].avg_pool2d((3, 3), (2, 1), (1, 1)), 153));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].avg_pool2d((2, 3), (2, 3), (0, 0)), 154));
+    // Adaptive windows that overlap (7 -> 3, 6 -> 4), one window, more outputs than inputs.
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].adaptive_avg_pool2d((3, 4)), 155));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].adaptive_avg_pool2d((1, 1)), 156));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].adaptive_avg_pool2d((9, 8)), 157));
+    // A 3-D input and a transposed one.
+    gradcheck(&[randn(&[3, 5, 5], 158)], |t| weighted(&t[0].max_pool2d((3, 3), (1, 1), (1, 1)), 159));
+    gradcheck(&[randn(&[2, 3, 6, 7], 160)], |t| {
+        weighted(&t[0].transpose(2, 3).avg_pool2d((2, 2), (1, 1), (1, 0)), 161)
+    });
+}
+
+#[test]
+fn batch_norm_in_training_and_in_eval() {
+    use amp_core::BatchNormOptions;
+    let x = randn(&[3, 4, 2, 3], 170);
+    let (w, b) = (randn(&[4], 171), randn(&[4], 172));
+    let train = BatchNormOptions { training: true, ..Default::default() };
+    let eval = BatchNormOptions::default();
+    // Running buffers (f32), fresh in every evaluation: training updates them.
+    let mean = Tensor::<f32>::from_f64s(&[0.3, -0.2, 1.0, 0.0], &[4]);
+    let var = Tensor::<f32>::from_f64s(&[0.5, 2.0, 1.25, 0.75], &[4]);
+    let run = |t: &Tensor<f64>, w: Option<&Tensor<f64>>, b: Option<&Tensor<f64>>, opts| {
+        let (mut m, mut v) = (mean.clone(), var.clone());
+        t.batch_norm(Some(&mut m), Some(&mut v), w, b, opts)
+    };
+    // Training: through the batch statistics, with and without affine and buffers.
+    gradcheck(&[x.clone(), w.clone(), b.clone()], |t| weighted(&run(&t[0], Some(&t[1]), Some(&t[2]), train), 173));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].batch_norm(None, None, None, None, train), 174));
+    gradcheck(&[x.clone(), w.clone()], |t| weighted(&t[0].batch_norm(None, None, Some(&t[1]), None, train), 175));
+    // Eval: a fixed affine map of the input.
+    gradcheck(&[x.clone(), w.clone(), b.clone()], |t| weighted(&run(&t[0], Some(&t[1]), Some(&t[2]), eval), 176));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&run(&t[0], None, None, eval), 177));
+    // [N, C] input, a large offset (two-pass variance), and a strided input.
+    gradcheck(&[randn(&[5, 4], 178)], |t| weighted(&run(&t[0], Some(&w), None, train), 179));
+    gradcheck(&[randn(&[4, 4, 3], 180).add_scalar(1000.0)], |t| weighted(&run(&t[0], None, Some(&b), train), 181));
+    gradcheck(&[randn(&[3, 2, 4], 182)], |t| weighted(&run(&t[0].transpose(1, 2), None, None, train), 183));
+}
+
+#[test]
+fn flatten_dims_is_a_reshape() {
+    let x = randn(&[2, 3, 4, 2], 190);
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].flatten_dims(1, 2), 191));
+    gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].permute(&[3, 1, 0, 2]).flatten_dims(0, 3), 192));
+}

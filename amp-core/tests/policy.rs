@@ -76,3 +76,58 @@ fn autocast_through_amp_core_directly() {
         x.cast::<bf16>().matmul(&m.w1.cast::<bf16>()).gelu().matmul(&m.w2.cast::<bf16>()).cast::<f32>().log_softmax(1);
     assert_eq!(y.to_vec(), by_hand.to_vec());
 }
+
+struct ConvBlock {
+    w: Param,
+    b: Param,
+}
+
+impl ConvBlock {
+    /// conv2d lowered to bf16 (its bias too); batch norm, pooling and flatten_dims run as
+    /// their bf16 input, batch norm with f32 running buffers.
+    #[autocast(bf16)]
+    fn forward(&self, x: &Tensor<f32>, mean: &mut Tensor<f32>, var: &mut Tensor<f32>) -> Tensor<f32> {
+        let y = x.conv2d(&self.w, Some(&self.b), amp_core::Conv2dOptions { padding: (1, 1), ..Default::default() });
+        assert_eq!(y.dtype(), DType::BF16);
+        let train = amp_core::BatchNormOptions { training: true, ..Default::default() };
+        let n = y.batch_norm(Some(mean), Some(var), None, None, train);
+        assert_eq!(n.dtype(), DType::BF16, "batch_norm runs as its input");
+        let p = n.relu().max_pool2d((2, 2), (2, 2), (0, 0)).avg_pool2d((1, 2), (1, 1), (0, 0));
+        let p = p.adaptive_avg_pool2d((1, 1)).flatten_dims(1, 3);
+        assert_eq!(p.dtype(), DType::BF16, "pooling and flatten_dims run as their input");
+        p.sum(1, false)
+    }
+}
+
+#[test]
+fn autocast_lowers_conv2d_and_passes_batch_norm_and_pooling_through() {
+    let mut rng = Rng::seed(2);
+    let m = ConvBlock {
+        w: Param::new(Tensor::randn(&[3, 2, 3, 3], &mut rng)),
+        b: Param::new(Tensor::randn(&[3], &mut rng)),
+    };
+    let x = Tensor::<f32>::randn(&[2, 2, 4, 4], &mut rng);
+    let (mut mean, mut var) = (Tensor::<f32>::zeros(&[3]), Tensor::<f32>::ones(&[3]));
+    let y = m.forward(&x, &mut mean, &mut var);
+    assert_eq!(y.dtype(), DType::F32);
+    assert!(mean.to_vec().iter().any(|v| *v != 0.0), "training updated the f32 running mean");
+    let g = y.sum_all().backward();
+    assert_eq!(g.get(&m.w).unwrap().dtype(), DType::F32);
+    assert_eq!(g.get(&m.b).unwrap().dtype(), DType::F32);
+}
+
+/// A helper without the attribute: its conv2d is not rewritten.
+fn unreached_conv(x: &Tensor<f32>, w: &Tensor<f32>) -> Tensor<f32> {
+    x.conv2d(w, None, amp_core::Conv2dOptions::default())
+}
+
+#[autocast(bf16)]
+fn calls_unreached_conv(x: &Tensor<f32>, w: &Tensor<f32>) -> Tensor<f32> {
+    unreached_conv(x, w)
+}
+
+#[test]
+#[should_panic(expected = "`conv2d` ran on a f32 tensor inside a `#[autocast]` (bf16) region")]
+fn conv2d_unreached_by_autocast_panics_with_the_fix() {
+    calls_unreached_conv(&Tensor::zeros(&[1, 1, 3, 3]), &Tensor::zeros(&[1, 1, 2, 2]));
+}

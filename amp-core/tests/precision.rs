@@ -478,3 +478,220 @@ fn overflow_gives_inf_and_nan_propagates() {
     for_each_precision!(overflow_gives_inf);
     for_each_precision!(nan_propagates);
 }
+
+// ---- convolution, pooling, batch norm ----------------------------------------------------------
+
+fn convolutions<E: Precision>() {
+    use amp_core::Conv2dOptions;
+    let (x, w, b) = (randn(&[2, 4, 9, 8], 200), randn(&[6, 2, 3, 3], 201), randn(&[6], 202));
+    let opts = Conv2dOptions { stride: (2, 1), padding: (1, 1), dilation: (1, 2), groups: 2 };
+    // f32 accumulation and the bias inside the GEMM: one rounding.
+    check!(E, "conv2d", ONCE, [x.clone(), w.clone(), b.clone()], |t| t[0].conv2d(&t[1], Some(&t[2]), opts));
+    check!(E, "conv2d no bias", ONCE, [x.clone(), w.clone()], |t| t[0].conv2d(&t[1], None, opts));
+    // k = 256·3·3 = 2304 taps: a 16-bit accumulator would drift far past one rounding.
+    let one = Conv2dOptions::default();
+    check!(E, "conv2d large k", ONCE, [unif(&[1, 256, 5, 5], 203), unif(&[2, 256, 3, 3], 204), unif(&[2], 205)], |t| t
+        [0]
+    .conv2d(&t[1], Some(&t[2]), one));
+    let same = Conv2dOptions { padding: (1, 1), ..Default::default() };
+    check!(E, "conv2d (parallel)", ONCE, [randn(&[4, 16, 16, 16], 206), randn(&[16, 16, 3, 3], 207)], |t| t[0]
+        .conv2d(&t[1], None, same));
+    // Each gradient is a sum of f32 products rounded once (col2im sums the input gradient's
+    // products in f32 too).
+    check_grad!(E, "conv2d", ONCE, [x.clone(), w.clone(), b.clone()], |t| t[0].conv2d(&t[1], Some(&t[2]), opts));
+    check_grad!(E, "conv2d (parallel)", ONCE, [randn(&[4, 16, 16, 16], 208), randn(&[16, 16, 3, 3], 209)], |t| t[0]
+        .conv2d(&t[1], None, same));
+}
+
+fn pooling<E: Precision>() {
+    let x = randn(&[2, 3, 9, 8], 210);
+    check!(E, "max_pool2d", EXACT, [x.clone()], |t| t[0].max_pool2d((3, 3), (2, 2), (1, 1)));
+    check!(E, "avg_pool2d", ONCE, [x.clone()], |t| t[0].avg_pool2d((3, 2), (2, 2), (1, 1)));
+    check!(E, "adaptive_avg_pool2d", ONCE, [x.clone()], |t| t[0].adaptive_avg_pool2d((4, 3)));
+    check!(E, "max_pool2d (parallel)", EXACT, [randn(&[8, 16, 32, 32], 211)], |t| t[0].max_pool2d(
+        (2, 2),
+        (2, 2),
+        (0, 0)
+    ));
+    check!(E, "avg_pool2d (parallel)", ONCE, [randn(&[8, 16, 32, 32], 212)], |t| t[0].avg_pool2d(
+        (3, 3),
+        (1, 1),
+        (1, 1)
+    ));
+    // Disjoint windows route each gradient to one input (exact); overlapping ones sum in f32.
+    check_grad!(E, "max_pool2d disjoint", EXACT, [x.clone()], |t| t[0].max_pool2d((2, 2), (2, 2), (0, 0)));
+    check_grad!(E, "max_pool2d overlapping", ONCE, [x.clone()], |t| t[0].max_pool2d((3, 3), (1, 1), (1, 1)));
+    check_grad!(E, "avg_pool2d", ONCE, [x.clone()], |t| t[0].avg_pool2d((3, 2), (2, 2), (1, 1)));
+    check_grad!(E, "adaptive_avg_pool2d", ONCE, [x.clone()], |t| t[0].adaptive_avg_pool2d((4, 3)));
+}
+
+fn batch_norms<E: Precision>() {
+    use amp_core::BatchNormOptions;
+    let x = randn(&[4, 5, 6, 7], 220).mul_scalar(2.0).add_scalar(1.0);
+    let (w, b) = (randn(&[5], 221), randn(&[5], 222));
+    let train = BatchNormOptions { training: true, ..Default::default() };
+    let (mean, var) = (Tensor::<f32>::from_f64s(&[0.5, -1.0, 1.0, 0.0, 2.0], &[5]), Tensor::<f32>::full(&[5], 3.0));
+    // Statistics in f32, one rounding of the output, in both modes.
+    let bn = |t: &[Tensor<E>], opts| {
+        let (mut m, mut v) = (mean.clone(), var.clone());
+        t[0].batch_norm(Some(&mut m), Some(&mut v), Some(&t[1]), Some(&t[2]), opts)
+    };
+    let bn64 = |t: &[Tensor<f64>], opts| {
+        let (mut m, mut v) = (mean.clone(), var.clone());
+        t[0].batch_norm(Some(&mut m), Some(&mut v), Some(&t[1]), Some(&t[2]), opts)
+    };
+    macro_rules! both {
+        ($check:ident, $name:expr, $opts:expr) => {{
+            let inputs = [x.clone(), w.clone(), b.clone()];
+            let low: Vec<Tensor<E>> = inputs.iter().map(|t| t.cast::<E>()).collect();
+            let exact: Vec<Tensor<f64>> = low.iter().map(|t| t.cast::<f64>()).collect();
+            $check(&bn(&low, $opts), &bn64(&exact, $opts), ONCE, $name);
+        }};
+    }
+    both!(assert_close_ulps, "batch_norm training", train);
+    both!(assert_close_ulps, "batch_norm eval", BatchNormOptions::default());
+    check!(E, "batch_norm no affine", ONCE, [x.clone()], |t| t[0].batch_norm(None, None, None, None, train));
+    check!(E, "batch_norm (parallel)", ONCE, [randn(&[16, 8, 32, 32], 223)], |t| t[0]
+        .batch_norm(None, None, None, None, train));
+    check_grad!(E, "batch_norm training", ONCE, [x.clone(), w.clone(), b.clone()], |t| t[0].batch_norm(
+        None,
+        None,
+        Some(&t[1]),
+        Some(&t[2]),
+        train
+    ));
+    check_grad!(E, "batch_norm eval", ONCE, [x.clone(), w.clone(), b.clone()], |t| {
+        let (mut m, mut v) = (mean.clone(), var.clone());
+        t[0].batch_norm(Some(&mut m), Some(&mut v), Some(&t[1]), Some(&t[2]), BatchNormOptions::default())
+    });
+}
+
+#[test]
+fn convolution_pooling_and_batch_norm_match_f64() {
+    for_each_precision!(convolutions);
+    for_each_precision!(pooling);
+    for_each_precision!(batch_norms);
+}
+
+/// Direct loops in f64, written from PyTorch's definitions, for the pooling ops and batch norm
+/// (the checks above compare an op with itself in f64; these check what it computes).
+#[test]
+fn pooling_and_batch_norm_follow_pytorch_definitions() {
+    use amp_core::BatchNormOptions;
+    let (n, c, h, w) = (2, 3, 7, 6);
+    let x = randn(&[n, c, h, w], 230);
+    let xv = x.to_vec();
+    let at = |p: usize, i: isize, j: isize| -> Option<f64> {
+        (i >= 0 && j >= 0 && i < h as isize && j < w as isize).then(|| xv[(p * h + i as usize) * w + j as usize])
+    };
+    // max_pool2d / avg_pool2d: kernel (3, 2), stride (2, 1), padding (1, 1).
+    let (k, s, pd) = ((3usize, 2usize), (2usize, 1usize), (1usize, 1usize));
+    let (oh, ow) = ((h + 2 * pd.0 - k.0) / s.0 + 1, (w + 2 * pd.1 - k.1) / s.1 + 1);
+    let (mut max, mut avg) = (Vec::new(), Vec::new());
+    for p in 0..n * c {
+        for i in 0..oh {
+            for j in 0..ow {
+                let taps: Vec<Option<f64>> = (0..k.0)
+                    .flat_map(|a| (0..k.1).map(move |b| (a, b)))
+                    .map(|(a, b)| at(p, (i * s.0 + a) as isize - pd.0 as isize, (j * s.1 + b) as isize - pd.1 as isize))
+                    .collect();
+                max.push(taps.iter().flatten().fold(f64::NEG_INFINITY, |m, v| m.max(*v)));
+                // count_include_pad: padding counts in the divisor.
+                avg.push(taps.iter().flatten().sum::<f64>() / (k.0 * k.1) as f64);
+            }
+        }
+    }
+    let close = |got: Vec<f64>, want: &[f64], what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-12 * (1.0 + w.abs()), "{what}: {g} vs {w}");
+        }
+    };
+    close(x.max_pool2d(k, s, pd).to_vec(), &max, "max_pool2d");
+    close(x.avg_pool2d(k, s, pd).to_vec(), &avg, "avg_pool2d");
+    // adaptive_avg_pool2d to (3, 4): windows [floor(i H / o), ceil((i + 1) H / o)).
+    let (o0, o1) = (3usize, 4usize);
+    let mut adaptive = Vec::new();
+    for p in 0..n * c {
+        for i in 0..o0 {
+            let (h0, h1) = (i * h / o0, ((i + 1) * h).div_ceil(o0));
+            for j in 0..o1 {
+                let (w0, w1) = (j * w / o1, ((j + 1) * w).div_ceil(o1));
+                let sum: f64 =
+                    (h0..h1).flat_map(|a| (w0..w1).map(move |b| (a, b))).map(|(a, b)| xv[(p * h + a) * w + b]).sum();
+                adaptive.push(sum / ((h1 - h0) * (w1 - w0)) as f64);
+            }
+        }
+    }
+    close(x.adaptive_avg_pool2d((o0, o1)).to_vec(), &adaptive, "adaptive_avg_pool2d");
+    // batch_norm in training: per channel, the batch mean and the biased variance.
+    let (wt, bs) = (randn(&[c], 231), randn(&[c], 232));
+    let m = (n * h * w) as f64;
+    let mut want = vec![0.0; xv.len()];
+    for ch in 0..c {
+        let idx: Vec<usize> = (0..n).flat_map(|s| (0..h * w).map(move |e| (s * c + ch) * h * w + e)).collect();
+        let mean = idx.iter().map(|&i| xv[i]).sum::<f64>() / m;
+        let var = idx.iter().map(|&i| (xv[i] - mean).powi(2)).sum::<f64>() / m;
+        for &i in &idx {
+            want[i] = (xv[i] - mean) / (var + 1e-5).sqrt() * wt.to_vec()[ch] + bs.to_vec()[ch];
+        }
+    }
+    let train = BatchNormOptions { training: true, ..Default::default() };
+    close(x.batch_norm(None, None, Some(&wt), Some(&bs), train).to_vec(), &want, "batch_norm");
+}
+
+/// Eval leaves the running buffers bit for bit as they were, however often it runs; training
+/// moves them by exactly PyTorch's rule, `(1 - momentum) * running + momentum * stat` with
+/// the unbiased variance, computed here independently in f64 and rounded once into f32.
+#[test]
+fn batch_norm_running_statistics() {
+    use amp_core::BatchNormOptions;
+    let (n, c, hw) = (3, 4, 10);
+    let x = randn(&[n, c, 2, 5], 240).mul_scalar(3.0).add_scalar(0.5);
+    let mut mean = Tensor::<f32>::from_f64s(&[0.1, -0.7, 2.5, 0.0], &[c]);
+    let mut var = Tensor::<f32>::from_f64s(&[1.0, 0.3, 4.0, 0.9], &[c]);
+    let bits = |t: &Tensor<f32>| t.to_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let (mean0, var0) = (bits(&mean), bits(&var));
+    let eval = BatchNormOptions::default();
+    let first = x.batch_norm(Some(&mut mean), Some(&mut var), None, None, eval).to_vec();
+    for _ in 0..100 {
+        let y = x.batch_norm(Some(&mut mean), Some(&mut var), None, None, eval).to_vec();
+        assert_eq!(y, first, "eval is a function of the running statistics alone");
+    }
+    assert_eq!((bits(&mean), bits(&var)), (mean0.clone(), var0.clone()), "eval changed the running statistics");
+    // A clone shares the buffers: training must not write through it.
+    let (mean_seen, var_seen) = (mean.clone(), var.clone());
+    // Training, three steps with different momenta, checked against f64 arithmetic.
+    let xv = x.to_vec();
+    let m = (n * hw) as f64;
+    let (mut want_mean, mut want_var) = (mean.to_f64_vec(), var.to_f64_vec());
+    for momentum in [0.1, 0.25, 1.0] {
+        let train = BatchNormOptions { training: true, momentum, ..Default::default() };
+        x.batch_norm(Some(&mut mean), Some(&mut var), None, None, train);
+        for ch in 0..c {
+            let vals: Vec<f64> =
+                (0..n).flat_map(|s| (0..hw).map(move |e| (s * c + ch) * hw + e)).map(|i| xv[i]).collect();
+            let mu = vals.iter().sum::<f64>() / m;
+            let unbiased = vals.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / (m - 1.0);
+            want_mean[ch] = ((1.0 - momentum) * want_mean[ch] + momentum * mu) as f32 as f64;
+            want_var[ch] = ((1.0 - momentum) * want_var[ch] + momentum * unbiased) as f32 as f64;
+        }
+        assert_eq!(mean.to_f64_vec(), want_mean, "running mean after momentum {momentum}");
+        assert_eq!(var.to_f64_vec(), want_var, "running var after momentum {momentum}");
+    }
+    assert_eq!((bits(&mean_seen), bits(&var_seen)), (mean0, var0), "a clone of the buffers saw the update");
+    // Low-precision input: the statistics are f32 (E::Acc), the buffers f32; values exact in
+    // every precision (integers, M - 1 = 8) give an exact expectation.
+    fn low<E: Precision>() {
+        let vals = [3.0, 0.0, 8.0, 1.0, 6.0, 2.0, 7.0, 5.0, 4.0]; // one channel, M = 9, mean 4
+        let x = Tensor::<E>::from_f64s(&vals, &[1, 1, 3, 3]);
+        let (mut mean, mut var) = (Tensor::<f32>::zeros(&[1]), Tensor::<f32>::ones(&[1]));
+        let train = BatchNormOptions { training: true, momentum: 0.5, ..Default::default() };
+        let _ = x.batch_norm(Some(&mut mean), Some(&mut var), None, None, train);
+        let mu = vals.iter().sum::<f64>() / 9.0;
+        let unbiased = vals.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / 8.0; // 60 / 8
+        assert_eq!(mean.to_f64_vec(), vec![(0.5 * mu) as f32 as f64], "{}", E::DTYPE);
+        assert_eq!(var.to_f64_vec(), vec![(0.5 + 0.5 * unbiased) as f32 as f64], "{}", E::DTYPE);
+    }
+    for_each_precision!(low);
+}

@@ -6,11 +6,15 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use amp_core::backend::{BinaryOp, CrossEntropySpec, DimSplit, ReduceOp, UnaryOp};
+use amp_core::backend::{
+    BatchNormStats, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Pool2dSpec, ReduceOp, UnaryOp,
+};
 use amp_core::layout::Layout;
 use amp_core::nn::{Gpt, GptConfig};
 use amp_core::param::ToDevice;
-use amp_core::{Cpu, Device, Indices, Mask, Params, Precision, Rng, Tensor, bf16, f16};
+use amp_core::{
+    BatchNormOptions, Conv2dOptions, Cpu, Device, Indices, Mask, Params, Precision, Rng, Tensor, bf16, f16,
+};
 
 /// Kernel calls made on `Mirror`.
 static CALLS: AtomicUsize = AtomicUsize::new(0);
@@ -198,6 +202,88 @@ impl Device for Mirror {
         hit();
         Buf(Cpu.mse(v(a), v(b)))
     }
+    fn conv2d<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        w: (&Buf<E>, &Layout),
+        bias: Option<(&Buf<E>, &Layout)>,
+        spec: &Conv2dSpec,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.conv2d(v(x), v(w), bias.map(v), spec))
+    }
+    fn conv2d_backward_input<E: Precision>(
+        &self,
+        g: (&Buf<E>, &Layout),
+        w: (&Buf<E>, &Layout),
+        spec: &Conv2dSpec,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.conv2d_backward_input(v(g), v(w), spec))
+    }
+    fn conv2d_backward_weight<E: Precision>(
+        &self,
+        x: Option<(&Buf<E>, &Layout)>,
+        g: (&Buf<E>, &Layout),
+        spec: &Conv2dSpec,
+        bias: bool,
+    ) -> (Option<Buf<E>>, Option<Buf<E>>) {
+        hit();
+        let (gw, gb) = Cpu.conv2d_backward_weight(x.map(v), v(g), spec, bias);
+        (gw.map(Buf), gb.map(Buf))
+    }
+    fn max_pool2d<E: Precision>(&self, x: &Buf<E>, l: &Layout, spec: &Pool2dSpec) -> Buf<E> {
+        hit();
+        Buf(Cpu.max_pool2d(&x.0, l, spec))
+    }
+    fn max_pool2d_backward<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+        spec: &Pool2dSpec,
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.max_pool2d_backward(v(x), v(g), spec))
+    }
+    fn avg_pool2d<E: Precision>(&self, x: &Buf<E>, l: &Layout, spec: &Pool2dSpec) -> Buf<E> {
+        hit();
+        Buf(Cpu.avg_pool2d(&x.0, l, spec))
+    }
+    fn avg_pool2d_backward<E: Precision>(&self, g: &Buf<E>, l: &Layout, spec: &Pool2dSpec) -> Buf<E> {
+        hit();
+        Buf(Cpu.avg_pool2d_backward(&g.0, l, spec))
+    }
+    fn batch_norm<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        weight: Option<(&Buf<E>, &Layout)>,
+        bias: Option<(&Buf<E>, &Layout)>,
+        stats: BatchNormStats<'_, Buf<f32>>,
+        eps: f64,
+    ) -> (Buf<E>, Self::RowStats<E>) {
+        hit();
+        let stats = match stats {
+            BatchNormStats::Batch { running, momentum } => {
+                BatchNormStats::Batch { running: running.map(|(m, v)| (&mut m.0, &mut v.0)), momentum }
+            }
+            BatchNormStats::Given { mean, var } => BatchNormStats::Given { mean: v(mean), var: v(var) },
+        };
+        let (y, stats) = Cpu.batch_norm(v(x), weight.map(v), bias.map(v), stats, eps);
+        (Buf(y), stats)
+    }
+    fn batch_norm_backward<E: Precision>(
+        &self,
+        x: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+        weight: Option<(&Buf<E>, &Layout)>,
+        stats: &Self::RowStats<E>,
+        needs: (bool, bool),
+        training: bool,
+    ) -> (Buf<E>, Option<Buf<E>>, Option<Buf<E>>) {
+        hit();
+        let (gx, gw, gb) = Cpu.batch_norm_backward(v(x), v(g), weight.map(v), stats, needs, training);
+        (Buf(gx), gw.map(Buf), gb.map(Buf))
+    }
     fn gather_rows<E: Precision>(&self, w: (&Buf<E>, &Layout), ids: &[i64], d: usize) -> Buf<E> {
         hit();
         Buf(Cpu.gather_rows(v(w), ids, d))
@@ -285,6 +371,55 @@ fn a_device_defined_outside_the_crate_runs_every_op_and_its_backward_bit_for_bit
     assert!(g_w_c.iter().any(|v| *v != 0.0), "the step has a non-trivial gradient");
     // Every forward op and every backward ran a Mirror kernel (dozens of calls, not a few).
     assert!(calls > 60, "only {calls} kernel calls reached the device");
+}
+
+/// A small CNN step over the convolution, pooling and batch-norm kernels: conv2d with bias,
+/// stride, padding, dilation and groups; batch norm in training (running buffers updated) and
+/// in eval; max, average and adaptive pooling; a bf16 convolution; flatten_dims and a linear
+/// head. Returns the loss, every leaf's gradient and the running buffers, as f64.
+fn cnn_step<D: Device>(dev: &D) -> Vec<Vec<f64>> {
+    let mut rng = Rng::seed(21);
+    let mut leaf =
+        |shape: &[usize], k: f64| Tensor::<f32>::randn(shape, &mut rng).mul_scalar(k).to_device(dev).requires_grad_();
+    let x = leaf(&[2, 4, 9, 9], 1.0);
+    let (w1, b1) = (leaf(&[6, 2, 3, 3], 0.3), leaf(&[6], 0.1));
+    let (gamma, beta) = (leaf(&[6], 1.0), leaf(&[6], 0.5));
+    let w2 = leaf(&[8, 6, 2, 2], 0.2);
+    let head = leaf(&[3, 48], 0.1);
+    let mut mean = Tensor::<f32>::zeros(&[6]).to_device(dev);
+    let mut var = Tensor::<f32>::ones(&[6]).to_device(dev);
+    let opts = Conv2dOptions { stride: (2, 1), padding: (1, 2), dilation: (1, 2), groups: 2 };
+    let h = x.conv2d(&w1, Some(&b1), opts); // [2, 6, 5, 9]
+    let train = BatchNormOptions { training: true, ..Default::default() };
+    let h = h.batch_norm(Some(&mut mean), Some(&mut var), Some(&gamma), Some(&beta), train).relu();
+    let p = h.max_pool2d((3, 3), (2, 2), (1, 1)); // [2, 6, 3, 5]
+    let q = p.cast::<bf16>().conv2d(&w2.cast::<bf16>(), None, Conv2dOptions::default()).cast::<f32>(); // [2, 8, 2, 4]
+    let e = h.batch_norm(Some(&mut mean), Some(&mut var), Some(&gamma), None, BatchNormOptions::default());
+    let a = e.avg_pool2d((2, 2), (1, 2), (1, 0)).mean_all();
+    let z = q.adaptive_avg_pool2d((3, 2)).flatten_dims(1, 3).linear(&head, None); // [2, 3]
+    let loss = z.cross_entropy(&Indices::from_vec(vec![2, 0], &[2])).add(&a);
+    let grads = loss.backward();
+    let mut out = vec![loss.to_f64_vec()];
+    for p in [&x, &w1, &b1, &gamma, &beta, &w2, &head] {
+        out.push(grads.get(p).expect("a gradient for every leaf").to_f64_vec());
+    }
+    out.extend([mean.to_f64_vec(), var.to_f64_vec()]);
+    out
+}
+
+#[test]
+fn convolution_pooling_and_batch_norm_run_on_the_second_device_bit_for_bit() {
+    let before = CALLS.load(Ordering::Relaxed);
+    let on_mirror = cnn_step(&Mirror);
+    let calls = CALLS.load(Ordering::Relaxed) - before;
+    let on_cpu = cnn_step(&Cpu);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let names = ["loss", "x", "w1", "b1", "gamma", "beta", "w2", "head", "running mean", "running var"];
+    for ((m, c), name) in on_mirror.iter().zip(&on_cpu).zip(names) {
+        assert_eq!(bits(m), bits(c), "{name}");
+        assert!(c.iter().all(|v| v.is_finite()) && c.iter().any(|v| *v != 0.0), "{name} is non-trivial");
+    }
+    assert!(calls > 40, "only {calls} kernel calls reached the device");
 }
 
 #[test]

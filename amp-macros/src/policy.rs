@@ -113,6 +113,12 @@ const fn assoc(name: &'static str, category: Category, args: &'static [Arg], why
 pub(crate) const TABLE: &[Op] = &[
     op("matmul", Lower, &[T], "tensor-core shaped: low-precision inputs, f32 accumulation in the kernel"),
     op("linear", Lower, &[T, OptT], "x Wᵀ + b: a matmul with the bias added before the single rounding"),
+    op(
+        "conv2d",
+        Lower,
+        &[T, OptT, O],
+        "a GEMM over the input's columns (im2col): low-precision inputs, f32 accumulation and the bias in the kernel",
+    ),
     // fp32: range or precision loss in 16 bits.
     op("exp", Fp32, &[], "overflows f16 above 11.1"),
     op("log", Fp32, &[], "precision near 1 and of small inputs"),
@@ -153,6 +159,16 @@ pub(crate) const TABLE: &[Op] = &[
     op("div_scalar", Passthrough, &[O], "elementwise"),
     op("rdiv_scalar", Passthrough, &[O], "elementwise"),
     op("dropout", Passthrough, &[O, O, O], "a mask and a scale"),
+    op(
+        "batch_norm",
+        Passthrough,
+        &[OptT, OptT, OptT, OptT, O],
+        "on no autocast list of PyTorch's (unlike layer_norm): runs in the input's precision, as cuDNN's does, with \
+         its statistics in f32 inside the kernel and the running buffers always f32",
+    ),
+    op("max_pool2d", Passthrough, &[O, O, O], "a selection, exact"),
+    op("avg_pool2d", Passthrough, &[O, O, O], "a short window's mean, summed in f32 inside the kernel"),
+    op("adaptive_avg_pool2d", Passthrough, &[O], "a window's mean, summed in f32 inside the kernel"),
     op("embedding", Passthrough, &[O], "a gather: rows come out in the table's precision"),
     op("masked_fill", Passthrough, &[O, O], "a select"),
     op("max", Passthrough, &[O, O], "a selection, exact"),
@@ -161,6 +177,7 @@ pub(crate) const TABLE: &[Op] = &[
     op("argmin", Passthrough, &[O, O], "indices"),
     op("reshape", Passthrough, &[O], "a view"),
     op("flatten", Passthrough, &[], "a view"),
+    op("flatten_dims", Passthrough, &[O, O], "a view"),
     op("permute", Passthrough, &[O], "a view"),
     op("transpose", Passthrough, &[O, O], "a view"),
     op("t", Passthrough, &[], "a view"),

@@ -99,6 +99,132 @@ pub struct CrossEntropySpec<'a> {
     pub smoothing: f64,
 }
 
+/// A 2-D convolution with every size resolved (the op checks them): input
+/// `[batch, in_channels, input.0, input.1]`, weight
+/// `[out_channels, in_channels / groups, kernel.0, kernel.1]`, output
+/// `[batch, out_channels, output.0, output.1]`. Pairs are (height, width); the input is
+/// zero-padded by `padding` on each side, as in PyTorch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dSpec {
+    /// N.
+    pub batch: usize,
+    /// C_in.
+    pub in_channels: usize,
+    /// C_out.
+    pub out_channels: usize,
+    /// Channel groups: output channels of group `g` see input channels of group `g` only.
+    pub groups: usize,
+    /// The input's (H, W).
+    pub input: (usize, usize),
+    /// The weight's (kH, kW).
+    pub kernel: (usize, usize),
+    /// The output's (oH, oW): `(H + 2 padding - dilation (k - 1) - 1) / stride + 1` per dim.
+    pub output: (usize, usize),
+    /// Steps between windows.
+    pub stride: (usize, usize),
+    /// Zeros added on each side.
+    pub padding: (usize, usize),
+    /// Steps between the taps of a window.
+    pub dilation: (usize, usize),
+}
+
+impl Conv2dSpec {
+    /// The output size along one dim, or `None` when the dilated kernel does not fit the
+    /// padded input (or the stride is 0).
+    pub fn output_size(input: usize, kernel: usize, stride: usize, padding: usize, dilation: usize) -> Option<usize> {
+        let span = dilation.checked_mul(kernel.checked_sub(1)?)?.checked_add(1)?;
+        let padded = input.checked_add(2usize.checked_mul(padding)?)?;
+        (stride > 0 && padded >= span).then(|| (padded - span) / stride + 1)
+    }
+    /// Input channels per group (the weight's dim 1).
+    pub fn group_in(&self) -> usize {
+        self.in_channels / self.groups
+    }
+    /// Output channels per group.
+    pub fn group_out(&self) -> usize {
+        self.out_channels / self.groups
+    }
+}
+
+/// Where the windows of a 2-D pooling lie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolWindow {
+    /// Windows of `kernel` every `stride` over the input padded by `padding` on each side
+    /// (pairs are (height, width)). Padding counts as -inf for a max and as 0 for an average,
+    /// whose divisor is always `kernel.0 * kernel.1` (PyTorch's `count_include_pad=True`).
+    Fixed {
+        /// The window's (kH, kW).
+        kernel: (usize, usize),
+        /// Steps between windows.
+        stride: (usize, usize),
+        /// Padding on each side.
+        padding: (usize, usize),
+    },
+    /// PyTorch's adaptive windows: along a dim of input size `n` and output size `m`, output
+    /// `i` covers `[floor(i n / m), ceil((i + 1) n / m))`, and an average divides by the
+    /// window's size.
+    Adaptive,
+}
+
+/// A 2-D pooling with every size resolved: `planes` planes of `input` (every leading dim of
+/// an `[N, C, H, W]` tensor, `N·C`) pooled into planes of `output`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool2dSpec {
+    /// Number of (H, W) planes.
+    pub planes: usize,
+    /// The input's (H, W).
+    pub input: (usize, usize),
+    /// The output's (oH, oW).
+    pub output: (usize, usize),
+    /// Where the windows lie.
+    pub window: PoolWindow,
+}
+
+impl Pool2dSpec {
+    /// The input range `[start, end)` that output index `o` pools along `axis` (0: rows,
+    /// 1: columns), clipped to the input, and the window's full size along that axis (the
+    /// factor of an average's divisor: the kernel size for fixed windows, padding included).
+    pub fn window(&self, axis: usize, o: usize) -> (usize, usize, usize) {
+        let pick = |p: (usize, usize)| if axis == 0 { p.0 } else { p.1 };
+        let (n, m) = (pick(self.input), pick(self.output));
+        match self.window {
+            PoolWindow::Fixed { kernel, stride, padding } => {
+                let (k, s, p) = (pick(kernel), pick(stride), pick(padding));
+                let start = (o * s) as isize - p as isize;
+                let end = start + k as isize;
+                (start.clamp(0, n as isize) as usize, end.clamp(0, n as isize) as usize, k)
+            }
+            PoolWindow::Adaptive => {
+                let (start, end) = (o * n / m, ((o + 1) * n).div_ceil(m));
+                (start, end, end - start)
+            }
+        }
+    }
+}
+
+/// Where a batch norm's statistics come from.
+#[derive(Debug)]
+pub enum BatchNormStats<'a, S> {
+    /// Training: each channel is normalised with its batch mean and biased variance. With
+    /// `running` (mean and variance, contiguous `[C]` f32 storages owned alone), each
+    /// becomes `(1 - momentum) * running + momentum * stat` with the batch mean and the
+    /// unbiased variance, computed in f64 and rounded once into f32 (PyTorch's update).
+    Batch {
+        /// The running mean and variance to update in place.
+        running: Option<(&'a mut S, &'a mut S)>,
+        /// The weight of the new statistic.
+        momentum: f64,
+    },
+    /// Eval: each channel is normalised with the given mean and variance (`[C]` f32 views,
+    /// left as they are).
+    Given {
+        /// The running mean.
+        mean: (&'a S, &'a Layout),
+        /// The running variance.
+        var: (&'a S, &'a Layout),
+    },
+}
+
 /// The CPU: storage is a shared buffer from the caching allocator ([`crate::cpu_memory`]),
 /// kernels run on rayon's thread pool. Its [`Device`] implementation is in `crate::cpu`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -113,7 +239,8 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     /// The storage of a tensor of precision `E` on this device.
     type Storage<E: Precision>: Clone + Send + Sync + 'static;
     /// What a fused row kernel keeps for its backward (a norm's row means and reciprocal
-    /// standard deviations, cross-entropy's row log-sum-exps), in the accumulation type.
+    /// standard deviations, a batch norm's channel ones, cross-entropy's row log-sum-exps),
+    /// in the accumulation type.
     type RowStats<E: Precision>: Send + Sync + 'static;
 
     /// The device's name in messages (`cpu`, `cuda:0`).
@@ -124,6 +251,9 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     // in-place writes rely on.
 
     /// A storage holding `data` (moved to the device).
+    // The device itself makes the storage (a CUDA device copies onto its own GPU), so the
+    // method takes it: not the `Self::from_*` constructor the lint expects.
+    #[allow(clippy::wrong_self_convention)]
     fn from_host<E: Precision>(&self, data: Vec<E>) -> Self::Storage<E>;
     /// `n` elements equal to `value`.
     fn full<E: Precision>(&self, n: usize, value: E) -> Self::Storage<E>;
@@ -292,6 +422,95 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     ) -> Self::Storage<E>;
     /// `mean((a - b)²)` over two views of one shape, as a 0-dim storage rounded once into `E`.
     fn mse<E: Precision>(&self, a: (&Self::Storage<E>, &Layout), b: (&Self::Storage<E>, &Layout)) -> Self::Storage<E>;
+
+    // ---- convolution, pooling and batch norm over [N, C, H, W] (E::Acc inside, one rounding) --
+    // Convolution runs as GEMM (the CPU: im2col and the batched strided matmul; a GPU: its
+    // convolution library), so f16 and bf16 accumulate in f32. Pooling works on the (H, W)
+    // planes of every leading index. Batch norm keeps its statistics per channel (dim 1) in
+    // E::Acc, with running buffers in f32 whatever the input's precision.
+
+    /// The convolution `out[n, o] = bias[o] + Σ_{c, i, j} w[o, c, i, j] · x[n, g·C_g + c,
+    /// h·sh + i·dh - ph, w·sw + j·dw - pw]` (zero outside the input; `g` the group of `o`,
+    /// `C_g` the input channels per group) as `spec` describes, the bias added in the
+    /// accumulator. Contiguous `[N, C_out, oH, oW]`.
+    fn conv2d<E: Precision>(
+        &self,
+        x: (&Self::Storage<E>, &Layout),
+        w: (&Self::Storage<E>, &Layout),
+        bias: Option<(&Self::Storage<E>, &Layout)>,
+        spec: &Conv2dSpec,
+    ) -> Self::Storage<E>;
+    /// The convolution's input gradient from the output gradient `g` (`[N, C_out, oH, oW]`):
+    /// every input position sums `w · g` over the outputs its taps reach (col2im of `wᵀ g`),
+    /// in E::Acc, rounded once. Contiguous `[N, C_in, H, W]`.
+    fn conv2d_backward_input<E: Precision>(
+        &self,
+        g: (&Self::Storage<E>, &Layout),
+        w: (&Self::Storage<E>, &Layout),
+        spec: &Conv2dSpec,
+    ) -> Self::Storage<E>;
+    /// The convolution's weight gradient (`g · colsᵀ` summed over the batch, `[C_out, C_in /
+    /// groups, kH, kW]`) when the input `x` is given, and its bias gradient (`g` summed over
+    /// N, H and W, `[C_out]`) when `bias`; each summed in E::Acc and rounded once.
+    #[allow(clippy::type_complexity)]
+    fn conv2d_backward_weight<E: Precision>(
+        &self,
+        x: Option<(&Self::Storage<E>, &Layout)>,
+        g: (&Self::Storage<E>, &Layout),
+        spec: &Conv2dSpec,
+        bias: bool,
+    ) -> (Option<Self::Storage<E>>, Option<Self::Storage<E>>);
+    /// The max of every window (NaN wins; padding counts as -inf, and every window holds an
+    /// input element), the selected value itself. Contiguous `[planes, oH, oW]`.
+    fn max_pool2d<E: Precision>(&self, x: &Self::Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Self::Storage<E>;
+    /// Max pooling's backward: each output's gradient goes to its window's max (the first in
+    /// row-major order among equal values; the first NaN), recomputed from the input `x`;
+    /// gradients meeting at one input (overlapping windows) are summed in E::Acc, rounded
+    /// once. Contiguous `[planes, H, W]`.
+    fn max_pool2d_backward<E: Precision>(
+        &self,
+        x: (&Self::Storage<E>, &Layout),
+        g: (&Self::Storage<E>, &Layout),
+        spec: &Pool2dSpec,
+    ) -> Self::Storage<E>;
+    /// The average of every window: the sum of its input elements over the divisor of
+    /// [`PoolWindow`], in E::Acc, rounded once. Contiguous `[planes, oH, oW]`.
+    fn avg_pool2d<E: Precision>(&self, x: &Self::Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Self::Storage<E>;
+    /// Average pooling's backward: each input element sums `g / divisor` over the windows
+    /// that hold it, in E::Acc, rounded once. Contiguous `[planes, H, W]`.
+    fn avg_pool2d_backward<E: Precision>(
+        &self,
+        g: &Self::Storage<E>,
+        l: &Layout,
+        spec: &Pool2dSpec,
+    ) -> Self::Storage<E>;
+    /// Batch norm of `x` (`[N, C, ...]`, channels on dim 1): `y = (x - mean) / sqrt(var +
+    /// eps) * weight + bias` per channel with the statistics `stats` says (updating the
+    /// running buffers in training when given), the optional weight and bias of shape `[C]`;
+    /// returns the output and the channel means and reciprocal standard deviations for
+    /// backward.
+    fn batch_norm<E: Precision>(
+        &self,
+        x: (&Self::Storage<E>, &Layout),
+        weight: Option<(&Self::Storage<E>, &Layout)>,
+        bias: Option<(&Self::Storage<E>, &Layout)>,
+        stats: BatchNormStats<'_, Self::Storage<f32>>,
+        eps: f64,
+    ) -> (Self::Storage<E>, Self::RowStats<E>);
+    /// Batch norm's backward: the input gradient (through the batch statistics when
+    /// `training`, `dx = w·rstd·(g - mean(g) - x̂·mean(g·x̂))` per channel; as a fixed affine
+    /// `dx = w·rstd·g` otherwise), and the weight (`Σ g·x̂`) and bias (`Σ g`) gradients where
+    /// `needs` asks for them.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn batch_norm_backward<E: Precision>(
+        &self,
+        x: (&Self::Storage<E>, &Layout),
+        g: (&Self::Storage<E>, &Layout),
+        weight: Option<(&Self::Storage<E>, &Layout)>,
+        stats: &Self::RowStats<E>,
+        needs: (bool, bool),
+        training: bool,
+    ) -> (Self::Storage<E>, Option<Self::Storage<E>>, Option<Self::Storage<E>>);
 
     // ---- gather, scatter-add, embedding, cat --------------------------------------------------
 

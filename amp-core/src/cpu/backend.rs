@@ -5,11 +5,13 @@
 use std::sync::Arc;
 
 use super::alloc::{self, PooledVec};
-use super::{amp, dropout, index, loss, matmul, norm, reduce, softmax};
+use super::{amp, batch_norm, conv, dropout, index, loss, matmul, norm, pool, reduce, softmax};
 use crate::backend::Cpu;
-use crate::backend::{BinaryOp, CrossEntropySpec, Device, DimSplit, ReduceOp, UnaryOp};
+use crate::backend::{
+    BatchNormStats, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Pool2dSpec, ReduceOp, UnaryOp,
+};
 use crate::layout::Layout;
-use crate::precision::Precision;
+use crate::precision::{Accum, Precision};
 
 /// A CPU storage: a shared buffer from the caching allocator.
 pub type Storage<E> = Arc<PooledVec<E>>;
@@ -20,6 +22,8 @@ pub enum RowStats<A> {
     Norm(norm::NormStats<A>),
     /// Cross-entropy's row log-sum-exps.
     LogSumExp(Vec<A>),
+    /// A batch norm's channel means and reciprocal standard deviations.
+    Channels(norm::NormStats<A>),
 }
 
 /// A view's values as one contiguous slice: borrowed from the storage, or a copy of a strided
@@ -278,6 +282,98 @@ impl Device for Cpu {
         let n = a.1.numel();
         let sum = loss::squared_error_sum(&view(a.0, a.1), &view(b.0, b.1));
         self.full(1, E::from_f64(sum / n as f64))
+    }
+
+    // ---- convolution, pooling and batch norm
+
+    fn conv2d<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        w: (&Storage<E>, &Layout),
+        bias: Option<(&Storage<E>, &Layout)>,
+        spec: &Conv2dSpec,
+    ) -> Storage<E> {
+        let (x, w, b) = (view(x.0, x.1), view(w.0, w.1), view_opt(bias));
+        store(conv::forward(&x, &w, b.as_deref(), spec))
+    }
+    fn conv2d_backward_input<E: Precision>(
+        &self,
+        g: (&Storage<E>, &Layout),
+        w: (&Storage<E>, &Layout),
+        spec: &Conv2dSpec,
+    ) -> Storage<E> {
+        store(conv::backward_input(&view(g.0, g.1), &view(w.0, w.1), spec))
+    }
+    fn conv2d_backward_weight<E: Precision>(
+        &self,
+        x: Option<(&Storage<E>, &Layout)>,
+        g: (&Storage<E>, &Layout),
+        spec: &Conv2dSpec,
+        bias: bool,
+    ) -> (Option<Storage<E>>, Option<Storage<E>>) {
+        let x = view_opt(x);
+        let (gw, gb) = conv::backward_weight(x.as_deref(), &view(g.0, g.1), spec, bias);
+        (gw.map(store), gb.map(store))
+    }
+    fn max_pool2d<E: Precision>(&self, x: &Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Storage<E> {
+        store(pool::max_forward(&view(x, l), spec))
+    }
+    fn max_pool2d_backward<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        g: (&Storage<E>, &Layout),
+        spec: &Pool2dSpec,
+    ) -> Storage<E> {
+        store(pool::max_backward(&view(x.0, x.1), &view(g.0, g.1), spec))
+    }
+    fn avg_pool2d<E: Precision>(&self, x: &Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Storage<E> {
+        store(pool::avg_forward(&view(x, l), spec))
+    }
+    fn avg_pool2d_backward<E: Precision>(&self, g: &Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Storage<E> {
+        store(pool::avg_backward(&view(g, l), spec))
+    }
+    fn batch_norm<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        weight: Option<(&Storage<E>, &Layout)>,
+        bias: Option<(&Storage<E>, &Layout)>,
+        stats: BatchNormStats<'_, Storage<f32>>,
+        eps: f64,
+    ) -> (Storage<E>, RowStats<E::Acc>) {
+        let split = DimSplit::of(&x.1.shape, 1);
+        let x = view(x.0, x.1);
+        let (w, b) = (view_opt(weight), view_opt(bias));
+        let stats = match stats {
+            BatchNormStats::Batch { running, momentum } => {
+                let st = batch_norm::batch_stats(&x, split);
+                if let Some((mean, var)) = running {
+                    batch_norm::update_running(exclusive(mean), exclusive(var), &st, momentum);
+                }
+                batch_norm::channel_stats(st.mean, &st.var, eps)
+            }
+            BatchNormStats::Given { mean, var } => {
+                let widen = |v: &[f32]| v.iter().map(|&v| E::Acc::c(v as f64)).collect::<Vec<_>>();
+                let (mean, var) = (widen(&view(mean.0, mean.1)), widen(&view(var.0, var.1)));
+                batch_norm::channel_stats(mean, &var, eps)
+            }
+        };
+        let y = batch_norm::forward(&x, split, &stats, w.as_deref(), b.as_deref());
+        (store(y), RowStats::Channels(stats))
+    }
+    fn batch_norm_backward<E: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        g: (&Storage<E>, &Layout),
+        weight: Option<(&Storage<E>, &Layout)>,
+        stats: &RowStats<E::Acc>,
+        needs: (bool, bool),
+        training: bool,
+    ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
+        let RowStats::Channels(stats) = stats else { unreachable!("batch norm backward with other statistics") };
+        let split = DimSplit::of(&x.1.shape, 1);
+        let (x, g, w) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
+        let (gx, gw, gb) = batch_norm::backward(&x, &g, split, w.as_deref(), stats, needs, training);
+        (store(gx), gw.map(store), gb.map(store))
     }
 
     // ---- gather, scatter-add, embedding, cat

@@ -80,13 +80,27 @@ pub(crate) fn gemm<E: Precision>(
     out: &mut [E],
     parallel: bool,
 ) -> bool {
+    gemm_into(dims, a, b, bias, out, parallel)
+}
+
+/// [`gemm`] with the output rounded once into `O` instead of `E`: with `O = f32`, the f32
+/// accumulators as they are, for a caller that sums them further before its one rounding
+/// (the convolution's col2im).
+pub(crate) fn gemm_into<E: Precision, O: Precision>(
+    dims: (usize, usize, usize),
+    a: Operand<'_, E>,
+    b: Operand<'_, E>,
+    bias: Option<&[f32]>,
+    out: &mut [O],
+    parallel: bool,
+) -> bool {
     match E::DTYPE {
         DType::BF16 if Bf16Pairs::available() => {
-            run::<E, Bf16Pairs>(dims, retype(a), retype(b), bias, out, parallel);
+            run::<O, Bf16Pairs>(dims, retype(a), retype(b), bias, out, parallel);
             true
         }
         DType::F16 if F16Widened::available() => {
-            run::<E, F16Widened>(dims, retype(a), retype(b), bias, out, parallel);
+            run::<O, F16Widened>(dims, retype(a), retype(b), bias, out, parallel);
             true
         }
         _ => false,

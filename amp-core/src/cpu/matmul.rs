@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::gather;
 use super::gemm_half::{self, Operand};
 use crate::layout::Layout;
-use crate::precision::{DType, Precision};
+use crate::precision::{DType, Precision, as_same};
 
 /// Per-batch work below which batches run in parallel rather than each GEMM.
 const SMALL_GEMM_FLOPS: usize = 1 << 24;
@@ -46,30 +46,9 @@ pub(crate) fn matmul_with<E: Precision>(
     let nb: usize = batch.iter().product();
     // Every output is written (the k == 0 case below writes zeros).
     let mut out = super::alloc::take::<E>(nb * m * n);
-    if m * n == 0 {
-        return out;
-    }
-    // Offsets of each batch's matrices (broadcast dims have stride 0).
-    let mut bshape = batch.to_vec();
-    bshape.extend([m, k]);
-    let la_b = la.broadcast_to(&bshape);
-    bshape.truncate(batch.len());
-    bshape.extend([k, n]);
-    let lb_b = lb.broadcast_to(&bshape);
-    let offsets = |i: usize| {
-        let (mut oa, mut ob, mut rest) = (la_b.offset, lb_b.offset, i);
-        for d in (0..batch.len()).rev() {
-            let ix = rest % batch[d];
-            rest /= batch[d];
-            oa += ix * la_b.strides[d];
-            ob += ix * lb_b.strides[d];
-        }
-        (oa, ob)
-    };
     let (a_rs, a_cs) = (la.strides[ra - 2] as isize, la.strides[ra - 1] as isize);
     let (b_rs, b_cs) = (lb.strides[rb - 2] as isize, lb.strides[rb - 1] as isize);
-    let one_gemm = |i: usize, dst: &mut [E], par: gemm::Parallelism| {
-        let (oa, ob) = offsets(i);
+    for_each_batch(la, lb, batch, &mut out, |oa, ob, dst, par| {
         if native {
             let opa = Operand { data: a, offset: oa, rs: a_rs as usize, cs: a_cs as usize };
             let opb = Operand { data: b, offset: ob, rs: b_rs as usize, cs: b_cs as usize };
@@ -111,16 +90,91 @@ pub(crate) fn matmul_with<E: Precision>(
                 par,
             )
         }
+    });
+    out
+}
+
+/// Runs `one(a_offset, b_offset, dst, parallelism)` for every product of a batched `a @ b`
+/// (`dst` its `[m, n]` block of `out`, the offsets those of its operands with broadcast batch
+/// dims at stride 0): batches in parallel when each product is small, one after another with
+/// each product parallel inside otherwise.
+fn for_each_batch<O: Send>(
+    la: &Layout,
+    lb: &Layout,
+    batch: &[usize],
+    out: &mut [O],
+    one: impl Fn(usize, usize, &mut [O], gemm::Parallelism) + Sync + Send,
+) {
+    let (ra, rb) = (la.shape.len(), lb.shape.len());
+    let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
+    if m * n == 0 {
+        return;
+    }
+    // Offsets of each batch's matrices (broadcast dims have stride 0).
+    let mut bshape = batch.to_vec();
+    bshape.extend([m, k]);
+    let la_b = la.broadcast_to(&bshape);
+    bshape.truncate(batch.len());
+    bshape.extend([k, n]);
+    let lb_b = lb.broadcast_to(&bshape);
+    let offsets = |i: usize| {
+        let (mut oa, mut ob, mut rest) = (la_b.offset, lb_b.offset, i);
+        for d in (0..batch.len()).rev() {
+            let ix = rest % batch[d];
+            rest /= batch[d];
+            oa += ix * la_b.strides[d];
+            ob += ix * lb_b.strides[d];
+        }
+        (oa, ob)
     };
+    let nb: usize = batch.iter().product();
     let flops = 2 * m * n * k;
     if nb > 1 && flops < SMALL_GEMM_FLOPS {
-        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| one_gemm(i, dst, gemm::Parallelism::None));
+        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| {
+            let (oa, ob) = offsets(i);
+            one(oa, ob, dst, gemm::Parallelism::None)
+        });
     } else {
         let threads = rayon::current_num_threads();
         for (i, dst) in out.chunks_mut(m * n).enumerate() {
-            one_gemm(i, dst, gemm::Parallelism::Rayon(threads));
+            let (oa, ob) = offsets(i);
+            one(oa, ob, dst, gemm::Parallelism::Rayon(threads));
         }
     }
+}
+
+/// [`matmul`] with each product left in the accumulation type `A` (f32 for f16, bf16 and
+/// f32; f64 for f64) instead of rounded into `E`, for a kernel that sums the products further
+/// and rounds once itself (the convolution's col2im).
+pub(crate) fn matmul_acc<E: Precision, A: Precision>(
+    a: &[E],
+    la: &Layout,
+    b: &[E],
+    lb: &Layout,
+    batch: &[usize],
+) -> Vec<A> {
+    let acc = if E::DTYPE == DType::F64 { DType::F64 } else { DType::F32 };
+    assert_eq!(A::DTYPE, acc, "matmul_acc: {} accumulates in {acc}", E::DTYPE);
+    if let (Some(a), Some(b)) = (as_same::<E, A>(a), as_same::<E, A>(b)) {
+        return matmul(a, la, b, lb, batch); // f32 or f64: the product is in A already
+    }
+    if !gemm_half::available::<E>() {
+        let (a32, la32) = to_f32(a, la);
+        let (b32, lb32) = to_f32(b, lb);
+        return super::convert_par(&matmul(&a32, &la32, &b32, &lb32, batch));
+    }
+    let (ra, rb) = (la.shape.len(), lb.shape.len());
+    let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
+    // The native kernel writes every output, the k == 0 case included (zero accumulators).
+    let mut out = super::alloc::take::<A>(batch.iter().product::<usize>() * m * n);
+    let (a_rs, a_cs) = (la.strides[ra - 2], la.strides[ra - 1]);
+    let (b_rs, b_cs) = (lb.strides[rb - 2], lb.strides[rb - 1]);
+    for_each_batch(la, lb, batch, &mut out, |oa, ob, dst, par| {
+        let opa = Operand { data: a, offset: oa, rs: a_rs, cs: a_cs };
+        let opb = Operand { data: b, offset: ob, rs: b_rs, cs: b_cs };
+        let parallel = !matches!(par, gemm::Parallelism::None);
+        assert!(gemm_half::gemm_into((m, k, n), opa, opb, None, dst, parallel));
+    });
     out
 }
 

@@ -15,6 +15,8 @@
 pub(crate) mod alloc;
 pub mod amp;
 pub mod backend;
+pub(crate) mod batch_norm;
+pub(crate) mod conv;
 pub(crate) mod dropout;
 pub(crate) mod gemm_half;
 pub(crate) mod index;
@@ -22,6 +24,7 @@ pub(crate) mod loss;
 pub(crate) mod matmul;
 pub mod memory;
 pub(crate) mod norm;
+pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rows;
 pub(crate) mod softmax;

@@ -1,5 +1,6 @@
 //! Neural-network modules: Linear, LayerNorm, Embedding, Dropout, a GELU MLP, causal
-//! multi-head self-attention, a pre-LayerNorm decoder block and a small GPT.
+//! multi-head self-attention, a pre-LayerNorm decoder block and a small GPT; for vision,
+//! Conv2d, BatchNorm2d (running statistics as buffers) and pooling.
 //!
 //! Design notes:
 //! - Parameters are f32 master weights (`Param<f32>`) enumerated by `#[derive(Params)]` with
@@ -20,20 +21,27 @@
 //!   The macro hands the module's own method that type as `L`, which matters most where `L`
 //!   shows in no argument and no value ([`Block::forward`] returns the f32 residual stream,
 //!   [`Gpt::loss`] an f32 loss). Written out (`block.forward::<f32>(..)`), a precision is kept.
-//! - `train()` / `eval()` (from [`crate::Params`]) reach every submodule; only dropout reads it.
+//! - `train()` / `eval()` (from [`crate::Params`]) reach every submodule; dropout and batch
+//!   norm read it ([`TrainingMode`] is the field that carries it).
 
 mod attention;
+mod batch_norm;
+mod conv;
 mod dropout;
 mod embedding;
 mod gpt;
 mod layer_norm;
 mod linear;
 mod mlp;
+mod pool;
 
 pub use attention::CausalSelfAttention;
+pub use batch_norm::{BatchNorm2d, TrainingMode};
+pub use conv::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use gpt::{Block, Gpt, GptConfig};
 pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mlp::Mlp;
+pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};

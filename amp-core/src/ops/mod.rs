@@ -6,13 +6,16 @@
 //! ([`crate::Device`]) and records its backward. Nothing here touches memory; the CPU kernels
 //! are in `crate::cpu`, the CUDA ones in `amp-cuda`.
 
+pub mod batch_norm;
 pub mod binary;
+pub mod conv;
 pub mod dropout;
 pub mod embedding;
 pub mod index;
 pub mod loss;
 pub mod matmul;
 pub mod norm;
+pub mod pool;
 pub mod reduce;
 pub mod softmax;
 pub mod unary;

@@ -1,0 +1,106 @@
+use amp_macros::Params;
+
+use crate::ops::batch_norm::BatchNormOptions;
+use crate::{Cpu, Device, Param, Precision, Tensor};
+
+/// Batch norm over the channels of `[N, C, H, W]`, PyTorch's `nn.BatchNorm2d`: learnable
+/// `weight` (ones) and `bias` (zeros), and the buffers `running_mean` (zeros), `running_var`
+/// (ones) and `num_batches_tracked`, saved under PyTorch's names, moved with the module and
+/// never trained. Statistics and buffers are f32 whatever the input precision; the output has
+/// the input's precision.
+///
+/// In training mode (`train()`, the default) each forward normalises with the batch's
+/// statistics and moves the running ones by `momentum`; in evaluation mode (`eval()`) it
+/// normalises with the running statistics and changes nothing, so evaluation is repeatable.
+#[derive(Params, Debug, Clone)]
+pub struct BatchNorm2d<D: Device = Cpu> {
+    /// Scale, `[C]`.
+    pub weight: Param<f32, D>,
+    /// Shift, `[C]`.
+    pub bias: Param<f32, D>,
+    /// Running mean of each channel, `[C]`.
+    #[param(buffer)]
+    pub running_mean: Tensor<f32, D>,
+    /// Running unbiased variance of each channel, `[C]`.
+    #[param(buffer)]
+    pub running_var: Tensor<f32, D>,
+    /// Training forwards so far (0-dim; PyTorch stores it as int64).
+    #[param(buffer)]
+    pub num_batches_tracked: Tensor<f32, D>,
+    /// Weight of a new batch in the running statistics (PyTorch's default 0.1).
+    #[param(skip)]
+    pub momentum: f64,
+    /// Added to the variance (PyTorch's default 1e-5).
+    #[param(skip)]
+    pub eps: f64,
+    /// Training or evaluation mode, set by `train()` / `eval()`.
+    pub mode: TrainingMode,
+}
+
+/// Whether a module is in training mode: a field that `train()` / `eval()` reach (through
+/// [`crate::Params::set_training`]) in a module that behaves differently in the two modes. It holds
+/// no parameters, of any element type on any device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrainingMode {
+    training: bool,
+}
+
+impl TrainingMode {
+    /// Training mode (what a new module starts in, as in PyTorch).
+    pub fn training() -> Self {
+        TrainingMode { training: true }
+    }
+    /// Whether it is training mode.
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+}
+
+impl<E: Precision, D: Device> crate::Params<E, D> for TrainingMode {
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
+        Vec::new()
+    }
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
+        Vec::new()
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}
+
+impl BatchNorm2d {
+    /// Batch norm over `channels`, with PyTorch's defaults, in training mode.
+    pub fn new(channels: usize) -> Self {
+        BatchNorm2d {
+            weight: Param::new(Tensor::ones(&[channels])),
+            bias: Param::new(Tensor::zeros(&[channels])),
+            running_mean: Tensor::zeros(&[channels]),
+            running_var: Tensor::ones(&[channels]),
+            num_batches_tracked: Tensor::scalar(0.0),
+            momentum: 0.1,
+            eps: 1e-5,
+            mode: TrainingMode::training(),
+        }
+    }
+}
+
+impl<D: Device> BatchNorm2d<D> {
+    /// Whether forwards use (and update) batch statistics.
+    pub fn is_training(&self) -> bool {
+        self.mode.is_training()
+    }
+    /// Normalises `x: [N, C, H, W]` (any precision; the output has it): with the batch's
+    /// statistics in training mode (updating the running ones), with the running ones in
+    /// evaluation mode. Takes `&mut self` because training mode updates the buffers, as
+    /// PyTorch's forward does.
+    #[track_caller]
+    pub fn forward<X: Precision>(&mut self, x: &Tensor<X, D>) -> Tensor<X, D> {
+        let opts = BatchNormOptions { training: self.mode.is_training(), momentum: self.momentum, eps: self.eps };
+        let (w, b) = (self.weight.cast::<X>(), self.bias.cast::<X>());
+        let y = x.batch_norm(Some(&mut self.running_mean), Some(&mut self.running_var), Some(&w), Some(&b), opts);
+        if self.mode.is_training() {
+            self.num_batches_tracked = self.num_batches_tracked.add_scalar(1.0);
+        }
+        y
+    }
+}

@@ -15,7 +15,7 @@ use amp::data::{DataLoader, ShapesConfig, ShapesTask};
 use amp::nn::{AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Linear};
 use amp::optim::{AdamW, Optim, WarmupCosine};
 use amp::scaler::{GradScaler, LossScaler, NoScale};
-use amp::{Indices, Params, Precision, Rng, Tensor, autocast, bf16, f16, no_grad};
+use amp::{Indices, Params, Precision, Promote, Rng, Tensor, autocast, bf16, f16, no_grad};
 
 const BATCH: usize = 64;
 
@@ -41,8 +41,10 @@ impl ResBlock {
 
     #[autocast(P)]
     fn forward<P: Precision>(&mut self, x: &Tensor<f32>) -> Tensor<f32> {
-        let h = self.bn1.forward(&self.conv1.forward(x)).relu();
-        let h = self.bn2.forward(&self.conv2.forward(&h));
+        let c = self.conv1.forward(x);
+        let h = self.bn1.forward(&c).relu();
+        let c = self.conv2.forward(&h);
+        let h = self.bn2.forward(&c);
         x.add(&h).relu()
     }
 }
@@ -78,13 +80,20 @@ impl Cnn {
         }
     }
 
-    /// Logits `[N, classes]` in f32 for images `[N, 1, H, W]`.
+    /// Logits `[N, classes]` in f32 for images `[N, 1, H, W]`. The blocks add in f32 (a
+    /// promotion), so a caller generic over `P` states the promotions they use.
     #[autocast(P)]
-    fn forward<P: Precision>(&mut self, x: &Tensor<f32>) -> Tensor<f32> {
+    fn forward<P: Precision>(&mut self, x: &Tensor<f32>) -> Tensor<f32>
+    where
+        P: Promote<f32, Output = f32> + Promote<P, Output = P>,
+        f32: Promote<P, Output = f32>,
+    {
         let n = x.shape()[0];
-        let h = self.bn_stem.forward(&self.stem.forward(x)).relu().cast::<f32>();
+        let c = self.stem.forward(x);
+        let h = self.bn_stem.forward(&c).relu().cast::<f32>();
         let h = self.block1.forward::<P>(&h);
-        let h = self.bn_down.forward(&self.down.forward(&h)).relu().cast::<f32>();
+        let c = self.down.forward(&h);
+        let h = self.bn_down.forward(&c).relu().cast::<f32>();
         let h = self.block2.forward::<P>(&h);
         let h = self.pool.forward(&h).reshape(&[n, 32]);
         self.head.forward(&h).cast::<f32>()
@@ -92,7 +101,11 @@ impl Cnn {
 }
 
 /// Held-out accuracy in evaluation mode (running statistics, no batch-statistic updates).
-fn accuracy<P: Precision>(model: &mut Cnn, images: &Tensor<f32>, labels: &Indices) -> f64 {
+fn accuracy<P: Precision>(model: &mut Cnn, images: &Tensor<f32>, labels: &Indices) -> f64
+where
+    P: Promote<f32, Output = f32> + Promote<P, Output = P>,
+    f32: Promote<P, Output = f32>,
+{
     model.eval();
     let n = images.shape()[0];
     let mut correct = 0;
@@ -106,7 +119,11 @@ fn accuracy<P: Precision>(model: &mut Cnn, images: &Tensor<f32>, labels: &Indice
     correct as f64 / n as f64
 }
 
-fn run<P: Precision, K: LossScaler>(label: &str, task: &ShapesTask, epochs: usize, scaler: &mut K) -> amp::Result<f64> {
+fn run<P: Precision, K: LossScaler>(label: &str, task: &ShapesTask, epochs: usize, scaler: &mut K) -> amp::Result<f64>
+where
+    P: Promote<f32, Output = f32> + Promote<P, Output = P>,
+    f32: Promote<P, Output = f32>,
+{
     let mut rng = Rng::seed(0);
     let mut model = Cnn::new(task.classes(), &mut rng);
     let steps = (epochs * task.train_set().tensors().0.shape()[0] / BATCH) as u64;

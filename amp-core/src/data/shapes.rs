@@ -27,7 +27,7 @@ pub struct ShapesConfig {
 
 impl Default for ShapesConfig {
     fn default() -> Self {
-        ShapesConfig { size: 16, train: 4096, test: 1024, noise: 0.15, seed: 7 }
+        ShapesConfig { size: 16, train: 4096, test: 1024, noise: 0.5, seed: 7 }
     }
 }
 

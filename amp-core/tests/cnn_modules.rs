@@ -1,0 +1,143 @@
+//! The CNN modules: BatchNorm2d's buffers (names, checkpoints, optimizer, train/eval), and
+//! Conv2d / pooling shapes.
+
+use std::path::PathBuf;
+
+use amp_core::checkpoint::{load_weights, read_weights, save_weights};
+use amp_core::nn::{AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d};
+use amp_core::optim::{AdamW, Optimizer};
+use amp_core::{Conv2dOptions, Params, Rng, Tensor};
+
+#[derive(Params)]
+struct Net {
+    conv: Conv2d,
+    bn: BatchNorm2d,
+}
+
+fn net() -> Net {
+    let opts = Conv2dOptions { padding: (1, 1), ..Default::default() };
+    Net { conv: Conv2d::new(2, 3, 3, opts, true, &mut Rng::seed(1)), bn: BatchNorm2d::new(3) }
+}
+
+fn input(seed: u64) -> Tensor<f32> {
+    Tensor::<f32>::randn(&[4, 2, 5, 5], &mut Rng::seed(seed)).mul_scalar(2.0).add_scalar(0.5)
+}
+
+fn bits(t: &Tensor<f32>) -> Vec<u32> {
+    t.to_vec().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn parameters_and_buffers_have_pytorch_names() {
+    let m = net();
+    let params: Vec<String> = m.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(params, ["conv.weight", "conv.bias", "bn.weight", "bn.bias"]);
+    let buffers: Vec<String> = m.named_buffers().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(buffers, ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]);
+    assert_eq!(m.conv.weight.shape(), &[3, 2, 3, 3]);
+}
+
+#[test]
+fn eval_leaves_running_statistics_bit_identical_over_100_forwards() {
+    let mut m = net();
+    m.bn.forward(&m.conv.forward::<f32, f32>(&input(0))); // move them off their initial values
+    m.eval();
+    assert!(!m.bn.is_training(), "eval() on the parent reaches the batch norm");
+    let before: Vec<Vec<u32>> = m.named_buffers().into_iter().map(|(_, b)| bits(b)).collect();
+    let first = m.bn.forward(&m.conv.forward::<f32, f32>(&input(1)));
+    for seed in 0..100 {
+        let y = m.bn.forward(&m.conv.forward::<f32, f32>(&input(100 + seed)));
+        assert_eq!(y.shape(), &[4, 3, 5, 5]);
+    }
+    let after: Vec<Vec<u32>> = m.named_buffers().into_iter().map(|(_, b)| bits(b)).collect();
+    assert_eq!(before, after);
+    // The same input gives the same output in eval mode (no batch statistics).
+    assert_eq!(bits(&m.bn.forward(&m.conv.forward::<f32, f32>(&input(1)))), bits(&first));
+    m.train();
+    assert!(m.bn.is_training());
+}
+
+#[test]
+fn training_moves_running_statistics_by_pytorchs_formula() {
+    let mut bn = BatchNorm2d::new(3);
+    let x = input(5)
+        .narrow(1, 0, 1)
+        .broadcast_to(&[4, 3, 5, 5])
+        .contiguous()
+        .mul(&Tensor::<f32>::from_vec(vec![1.0, 2.0, -3.0], &[1, 3, 1, 1]));
+    let v = x.to_f64_vec();
+    for step in 1..=3 {
+        let (mean0, var0) = (bn.running_mean.to_f64_vec(), bn.running_var.to_f64_vec());
+        bn.forward(&x);
+        for c in 0..3 {
+            let vals: Vec<f64> =
+                (0..4).flat_map(|n| (0..25).map(move |i| (n * 75 + c * 25 + i) as usize)).map(|i| v[i]).collect();
+            let m = vals.iter().sum::<f64>() / 100.0;
+            let unbiased = vals.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / 99.0;
+            let want_mean = 0.9 * mean0[c] + 0.1 * m;
+            let want_var = 0.9 * var0[c] + 0.1 * unbiased;
+            let (got_mean, got_var) = (bn.running_mean.to_f64_vec()[c], bn.running_var.to_f64_vec()[c]);
+            assert!(
+                (got_mean - want_mean).abs() <= 1e-6 * want_mean.abs().max(1.0),
+                "step {step} mean {c}: {got_mean} vs {want_mean}"
+            );
+            assert!(
+                (got_var - want_var).abs() <= 1e-6 * want_var.abs().max(1.0),
+                "step {step} var {c}: {got_var} vs {want_var}"
+            );
+        }
+        assert_eq!(bn.num_batches_tracked.item(), step as f32);
+    }
+}
+
+#[test]
+fn an_optimizer_step_trains_parameters_and_leaves_buffers_alone() {
+    let mut m = net();
+    let y = m.bn.forward(&m.conv.forward::<f32, f32>(&input(2)));
+    let grads = y.square().mean_all().backward();
+    assert_eq!(grads.len(), 4, "conv.weight, conv.bias, bn.weight, bn.bias: no buffer gets a gradient");
+    let buffers: Vec<Vec<u32>> = m.named_buffers().into_iter().map(|(_, b)| bits(b)).collect();
+    let weight = bits(&m.bn.weight);
+    let mut opt = AdamW::new(0.1).build().unwrap();
+    opt.step(&mut m, &grads).unwrap();
+    assert_eq!(buffers, m.named_buffers().into_iter().map(|(_, b)| bits(b)).collect::<Vec<_>>());
+    assert_ne!(weight, bits(&m.bn.weight), "the parameters moved");
+}
+
+#[test]
+fn checkpoints_hold_the_buffers_under_pytorch_names() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cnn_modules");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("net.safetensors");
+    let mut m = net();
+    m.bn.forward(&m.conv.forward::<f32, f32>(&input(3)));
+    save_weights(&file, &m).unwrap();
+    let names: Vec<String> = read_weights(&file).unwrap().into_keys().collect();
+    assert_eq!(
+        names,
+        [
+            "bn.bias",
+            "bn.num_batches_tracked",
+            "bn.running_mean",
+            "bn.running_var",
+            "bn.weight",
+            "conv.bias",
+            "conv.weight"
+        ]
+    );
+    let mut fresh = net();
+    load_weights(&file, &mut fresh).unwrap();
+    assert_eq!(bits(&fresh.bn.running_var), bits(&m.bn.running_var));
+    assert_eq!(fresh.bn.num_batches_tracked.item(), 1.0);
+}
+
+#[test]
+fn pooling_modules_shape_and_autocast_precision() {
+    let x = Tensor::<f32>::randn(&[2, 3, 8, 8], &mut Rng::seed(4));
+    assert_eq!(MaxPool2d::new(2).forward(&x).shape(), &[2, 3, 4, 4]);
+    assert_eq!(AvgPool2d::new(4).forward(&x).shape(), &[2, 3, 2, 2]);
+    assert_eq!(AdaptiveAvgPool2d::new((1, 1)).forward(&x).shape(), &[2, 3, 1, 1]);
+    let conv = Conv2d::new(3, 4, 3, Conv2dOptions { stride: (2, 2), ..Default::default() }, false, &mut Rng::seed(5));
+    let y = conv.forward::<amp_core::bf16, f32>(&x);
+    assert_eq!((y.shape(), y.dtype()), (&[2usize, 4, 3, 3][..], amp_core::DType::BF16));
+}

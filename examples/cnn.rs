@@ -19,6 +19,11 @@ use amp::{Indices, Params, Precision, Promote, Rng, Tensor, autocast, bf16, f16,
 
 const BATCH: usize = 64;
 
+/// A compute precision with the promotions `#[autocast(P)]` bodies use (f16, bf16 and f32 all
+/// have them); a generic caller of an `#[autocast(P)]` function that promotes states them.
+trait Promotes: Precision + Promote<f32, Output = f32> + Promote<Self, Output = Self> {}
+impl<P: Precision + Promote<f32, Output = f32> + Promote<P, Output = P>> Promotes for P {}
+
 /// `relu(x + bn(conv(relu(bn(conv(x))))))`, the residual stream in f32.
 #[derive(Params)]
 struct ResBlock {
@@ -45,7 +50,7 @@ impl ResBlock {
         let h = self.bn1.forward(&c).relu();
         let c = self.conv2.forward(&h);
         let h = self.bn2.forward(&c);
-        x.add(&h).relu()
+        x.add(&h.cast::<f32>()).relu()
     }
 }
 
@@ -80,12 +85,11 @@ impl Cnn {
         }
     }
 
-    /// Logits `[N, classes]` in f32 for images `[N, 1, H, W]`. The blocks add in f32 (a
-    /// promotion), so a caller generic over `P` states the promotions they use.
+    /// Logits `[N, classes]` in f32 for images `[N, 1, H, W]`.
     #[autocast(P)]
-    fn forward<P: Precision>(&mut self, x: &Tensor<f32>) -> Tensor<f32>
+    fn forward<P>(&mut self, x: &Tensor<f32>) -> Tensor<f32>
     where
-        P: Promote<f32, Output = f32> + Promote<P, Output = P>,
+        P: Promotes,
         f32: Promote<P, Output = f32>,
     {
         let n = x.shape()[0];
@@ -101,9 +105,9 @@ impl Cnn {
 }
 
 /// Held-out accuracy in evaluation mode (running statistics, no batch-statistic updates).
-fn accuracy<P: Precision>(model: &mut Cnn, images: &Tensor<f32>, labels: &Indices) -> f64
+fn accuracy<P>(model: &mut Cnn, images: &Tensor<f32>, labels: &Indices) -> f64
 where
-    P: Promote<f32, Output = f32> + Promote<P, Output = P>,
+    P: Promotes,
     f32: Promote<P, Output = f32>,
 {
     model.eval();
@@ -119,9 +123,9 @@ where
     correct as f64 / n as f64
 }
 
-fn run<P: Precision, K: LossScaler>(label: &str, task: &ShapesTask, epochs: usize, scaler: &mut K) -> amp::Result<f64>
+fn run<P, K: LossScaler>(label: &str, task: &ShapesTask, epochs: usize, scaler: &mut K) -> amp::Result<f64>
 where
-    P: Promote<f32, Output = f32> + Promote<P, Output = P>,
+    P: Promotes,
     f32: Promote<P, Output = f32>,
 {
     let mut rng = Rng::seed(0);

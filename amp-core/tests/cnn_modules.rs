@@ -70,8 +70,7 @@ fn training_moves_running_statistics_by_pytorchs_formula() {
         let (mean0, var0) = (bn.running_mean.to_f64_vec(), bn.running_var.to_f64_vec());
         bn.forward(&x);
         for c in 0..3 {
-            let vals: Vec<f64> =
-                (0..4).flat_map(|n| (0..25).map(move |i| (n * 75 + c * 25 + i) as usize)).map(|i| v[i]).collect();
+            let vals: Vec<f64> = (0..4).flat_map(|n| (0..25).map(move |i| n * 75 + c * 25 + i)).map(|i| v[i]).collect();
             let m = vals.iter().sum::<f64>() / 100.0;
             let unbiased = vals.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / 99.0;
             let want_mean = 0.9 * mean0[c] + 0.1 * m;

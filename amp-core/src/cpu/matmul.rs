@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::gather;
 use super::gemm_half::{self, Operand};
 use crate::layout::Layout;
-use crate::precision::{DType, Precision, as_same};
+use crate::precision::{DType, Precision, as_same, as_same_mut};
 
 /// Per-batch work below which batches run in parallel rather than each GEMM.
 const SMALL_GEMM_FLOPS: usize = 1 << 24;
@@ -37,18 +37,53 @@ pub(crate) fn matmul_with<E: Precision>(
     batch: &[usize],
     native: bool,
 ) -> Vec<E> {
+    let (ra, rb) = (la.shape.len(), lb.shape.len());
+    let (m, n) = (la.shape[ra - 2], lb.shape[rb - 1]);
+    // Every output is written (the k == 0 case writes zeros).
+    let mut out = super::alloc::take::<E>(batch.iter().product::<usize>() * m * n);
+    matmul_into_with(a, la, b, lb, batch, &mut out, true, native);
+    out
+}
+
+/// [`matmul`] into `out` (contiguous `[batch..., m, n]`, every element written), on this
+/// thread alone unless `parallel` (for a caller that runs products in parallel itself).
+pub(crate) fn matmul_into<E: Precision>(
+    a: &[E],
+    la: &Layout,
+    b: &[E],
+    lb: &Layout,
+    batch: &[usize],
+    out: &mut [E],
+    parallel: bool,
+) {
+    matmul_into_with(a, la, b, lb, batch, out, parallel, true)
+}
+
+#[allow(clippy::too_many_arguments)] // matmul_into's operands, plus the test switch
+fn matmul_into_with<E: Precision>(
+    a: &[E],
+    la: &Layout,
+    b: &[E],
+    lb: &Layout,
+    batch: &[usize],
+    out: &mut [E],
+    parallel: bool,
+    native: bool,
+) {
     let native = native && gemm_half::available::<E>();
     if matches!(E::DTYPE, DType::BF16 | DType::F16) && !native {
-        return matmul_via_f32(a, la, b, lb, batch);
+        let (a32, la32) = to_f32(a, la);
+        let (b32, lb32) = to_f32(b, lb);
+        let mut out32 = super::alloc::take::<f32>(out.len());
+        matmul_into(&a32, &la32, &b32, &lb32, batch, &mut out32, parallel);
+        return super::convert_par_into(&out32, out);
     }
     let (ra, rb) = (la.shape.len(), lb.shape.len());
     let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
-    let nb: usize = batch.iter().product();
-    // Every output is written (the k == 0 case below writes zeros).
-    let mut out = super::alloc::take::<E>(nb * m * n);
+    assert_eq!(out.len(), batch.iter().product::<usize>() * m * n, "matmul_into: output size");
     let (a_rs, a_cs) = (la.strides[ra - 2] as isize, la.strides[ra - 1] as isize);
     let (b_rs, b_cs) = (lb.strides[rb - 2] as isize, lb.strides[rb - 1] as isize);
-    for_each_batch(la, lb, batch, &mut out, |oa, ob, dst, par| {
+    for_each_batch(la, lb, batch, out, parallel, |oa, ob, dst, par| {
         if native {
             let opa = Operand { data: a, offset: oa, rs: a_rs as usize, cs: a_cs as usize };
             let opb = Operand { data: b, offset: ob, rs: b_rs as usize, cs: b_cs as usize };
@@ -91,18 +126,18 @@ pub(crate) fn matmul_with<E: Precision>(
             )
         }
     });
-    out
 }
 
 /// Runs `one(a_offset, b_offset, dst, parallelism)` for every product of a batched `a @ b`
 /// (`dst` its `[m, n]` block of `out`, the offsets those of its operands with broadcast batch
 /// dims at stride 0): batches in parallel when each product is small, one after another with
-/// each product parallel inside otherwise.
+/// each product parallel inside otherwise; all on this thread unless `parallel`.
 fn for_each_batch<O: Send>(
     la: &Layout,
     lb: &Layout,
     batch: &[usize],
     out: &mut [O],
+    parallel: bool,
     one: impl Fn(usize, usize, &mut [O], gemm::Parallelism) + Sync + Send,
 ) {
     let (ra, rb) = (la.shape.len(), lb.shape.len());
@@ -129,7 +164,12 @@ fn for_each_batch<O: Send>(
     };
     let nb: usize = batch.iter().product();
     let flops = 2 * m * n * k;
-    if nb > 1 && flops < SMALL_GEMM_FLOPS {
+    if !parallel {
+        for (i, dst) in out.chunks_mut(m * n).enumerate() {
+            let (oa, ob) = offsets(i);
+            one(oa, ob, dst, gemm::Parallelism::None);
+        }
+    } else if nb > 1 && flops < SMALL_GEMM_FLOPS {
         out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| {
             let (oa, ob) = offsets(i);
             one(oa, ob, dst, gemm::Parallelism::None)
@@ -143,39 +183,41 @@ fn for_each_batch<O: Send>(
     }
 }
 
-/// [`matmul`] with each product left in the accumulation type `A` (f32 for f16, bf16 and
-/// f32; f64 for f64) instead of rounded into `E`, for a kernel that sums the products further
-/// and rounds once itself (the convolution's col2im).
-pub(crate) fn matmul_acc<E: Precision, A: Precision>(
+/// [`matmul_into`] with each product left in the accumulation type `A` (f32 for f16, bf16
+/// and f32; f64 for f64) instead of rounded into `E`, for a kernel that sums the products
+/// further and rounds once itself (the convolution's col2im and weight gradient).
+pub(crate) fn matmul_acc_into<E: Precision, A: Precision>(
     a: &[E],
     la: &Layout,
     b: &[E],
     lb: &Layout,
     batch: &[usize],
-) -> Vec<A> {
+    out: &mut [A],
+    parallel: bool,
+) {
     let acc = if E::DTYPE == DType::F64 { DType::F64 } else { DType::F32 };
-    assert_eq!(A::DTYPE, acc, "matmul_acc: {} accumulates in {acc}", E::DTYPE);
+    assert_eq!(A::DTYPE, acc, "matmul_acc_into: {} accumulates in {acc}", E::DTYPE);
     if let (Some(a), Some(b)) = (as_same::<E, A>(a), as_same::<E, A>(b)) {
-        return matmul(a, la, b, lb, batch); // f32 or f64: the product is in A already
+        return matmul_into(a, la, b, lb, batch, out, parallel); // f32 or f64: the product is in A already
     }
+    let out = as_same_mut::<A, f32>(out).expect("f16 and bf16 accumulate in f32");
     if !gemm_half::available::<E>() {
         let (a32, la32) = to_f32(a, la);
         let (b32, lb32) = to_f32(b, lb);
-        return super::convert_par(&matmul(&a32, &la32, &b32, &lb32, batch));
+        return matmul_into(&a32, &la32, &b32, &lb32, batch, out, parallel);
     }
     let (ra, rb) = (la.shape.len(), lb.shape.len());
     let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
-    // The native kernel writes every output, the k == 0 case included (zero accumulators).
-    let mut out = super::alloc::take::<A>(batch.iter().product::<usize>() * m * n);
+    assert_eq!(out.len(), batch.iter().product::<usize>() * m * n, "matmul_acc_into: output size");
     let (a_rs, a_cs) = (la.strides[ra - 2], la.strides[ra - 1]);
     let (b_rs, b_cs) = (lb.strides[rb - 2], lb.strides[rb - 1]);
-    for_each_batch(la, lb, batch, &mut out, |oa, ob, dst, par| {
+    // The native kernel writes every output, the k == 0 case included (zero accumulators).
+    for_each_batch(la, lb, batch, out, parallel, |oa, ob, dst, par| {
         let opa = Operand { data: a, offset: oa, rs: a_rs, cs: a_cs };
         let opb = Operand { data: b, offset: ob, rs: b_rs, cs: b_cs };
         let parallel = !matches!(par, gemm::Parallelism::None);
         assert!(gemm_half::gemm_into((m, k, n), opa, opb, None, dst, parallel));
     });
-    out
 }
 
 /// Widens an operand to f32. A view that covers a dense block of storage in some order (a
@@ -267,12 +309,6 @@ pub(crate) fn linear_with<E: Precision>(
         )
     }
     out
-}
-
-fn matmul_via_f32<E: Precision>(a: &[E], la: &Layout, b: &[E], lb: &Layout, batch: &[usize]) -> Vec<E> {
-    let (a32, la32) = to_f32(a, la);
-    let (b32, lb32) = to_f32(b, lb);
-    super::convert_par(&matmul(&a32, &la32, &b32, &lb32, batch))
 }
 
 #[cfg(test)]

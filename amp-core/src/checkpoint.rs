@@ -1056,10 +1056,10 @@ fn assign<E: Precision>(
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     // What the model holds: every parameter, then every buffer, by name, with its shape.
-    let n_params = model.named_params().len();
-    let targets: Vec<(String, Vec<usize>)> = (model.named_params().into_iter().map(|(n, p)| (n, p.shape().to_vec())))
-        .chain(model.named_buffers().into_iter().map(|(n, b)| (n, b.shape().to_vec())))
-        .collect();
+    let mut targets: Vec<(String, Vec<usize>)> =
+        model.named_params().into_iter().map(|(n, p)| (n, p.shape().to_vec())).collect();
+    let n_params = targets.len();
+    targets.extend(model.named_buffers().into_iter().map(|(n, b)| (n, b.shape().to_vec())));
     let kind = |i: usize| if i < n_params { "parameter" } else { "buffer" };
     let mut errors = Vec::new();
     let mut seen = HashSet::with_capacity(targets.len());

@@ -140,3 +140,16 @@ fn pooling_modules_shape_and_autocast_precision() {
     let y = conv.forward::<amp_core::bf16, f32>(&x);
     assert_eq!((y.shape(), y.dtype()), (&[2usize, 4, 3, 3][..], amp_core::DType::BF16));
 }
+
+#[test]
+fn a_cloned_batch_norm_keeps_its_own_running_statistics() {
+    // A PyTorch user's `copy.deepcopy(model)` (a target network, an EMA copy): training the
+    // original must not move the clone's buffers, and the other way round.
+    let mut bn = BatchNorm2d::new(2);
+    let frozen = bn.clone();
+    let before = (bits(&frozen.running_mean), bits(&frozen.running_var));
+    bn.forward(&Tensor::<f32>::randn(&[4, 2, 3, 3], &mut Rng::seed(8)).add_scalar(1.0));
+    assert_eq!((bits(&frozen.running_mean), bits(&frozen.running_var)), before);
+    assert_ne!(bits(&bn.running_mean), before.0, "the trained copy moved");
+    assert_eq!(frozen.num_batches_tracked.item(), 0.0);
+}

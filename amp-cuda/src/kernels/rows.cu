@@ -1,0 +1,364 @@
+// Fused row kernels over contiguous [rows, d] data: softmax and log-softmax, layer norm and
+// RMS norm, cross-entropy, each one kernel per direction; the mean squared error; and the f64
+// mean that the two losses finish with.
+//
+// Design notes:
+// - One block per row (grid-stride over rows). When `cached` (the host checks that the row
+//   fits the dynamic shared memory it passes), a row is read from global memory once into
+//   shared memory in Acc<T> and every later pass reads it there: one read, one write per
+//   element. Otherwise later passes read global memory again (rows too long for shared memory).
+// - Each thread touches the same positions j = threadIdx.x + k·blockDim.x in every pass, so the
+//   cached row needs no barrier between passes; block reductions have their own.
+// - Statistics are those of the CPU backend: the max-subtracted log-sum-exp, the two-pass
+//   variance, rstd = 1 / sqrt(var + eps); they are kept in Acc<T> for backward.
+// - The norm's weight and bias gradients are sums over rows: partial sums over fixed groups of
+//   rows (one thread per (group, column)), then the groups summed in order, so the result does
+//   not depend on scheduling.
+
+extern __shared__ __align__(16) unsigned char amp_dyn[];
+
+// ---- softmax ---------------------------------------------------------------------------------
+
+template <typename T, bool LOG> __device__ void amp_softmax_fwd(T* out, const T* x, i64 rows, i64 d, int cached) {
+    typedef typename Acc<T>::type A;
+    __shared__ A red[AMP_RED_SLOTS];
+    A* buf = reinterpret_cast<A*>(amp_dyn);
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xr = x + row * d;
+        T* yr = out + row * d;
+        A m = amp_neg_inf<A>();
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A v = load(xr[j]);
+            if (cached) buf[j] = v;
+            m = amp_max(m, v);
+        }
+        m = amp_block_max(m, red);
+        A s = A(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A v = cached ? buf[j] : load(xr[j]);
+            A e = exp(v - m);
+            if (cached && !LOG) buf[j] = e;
+            s += e;
+        }
+        s = amp_block_sum(s, red);
+        if (LOG) {
+            A lse = m + log(s);
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+                A v = cached ? buf[j] : load(xr[j]);
+                yr[j] = store<T>(v - lse);
+            }
+        } else {
+            A inv = A(1) / s;
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+                A e = cached ? buf[j] : exp(load(xr[j]) - m);
+                yr[j] = store<T>(e * inv);
+            }
+        }
+    }
+}
+
+// softmax: dx = y (g - Σ g y); log-softmax: dx = g - exp(y) Σ g.
+template <typename T, bool LOG> __device__ void amp_softmax_bwd(T* out, const T* y, const T* g, i64 rows, i64 d) {
+    typedef typename Acc<T>::type A;
+    __shared__ A red[AMP_RED_SLOTS];
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* yr = y + row * d;
+        const T* gr = g + row * d;
+        T* o = out + row * d;
+        A s = A(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A gv = load(gr[j]);
+            s += LOG ? gv : gv * load(yr[j]);
+        }
+        s = amp_block_sum(s, red);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A gv = load(gr[j]), yv = load(yr[j]);
+            o[j] = store<T>(LOG ? gv - exp(yv) * s : yv * (gv - s));
+        }
+    }
+}
+
+// ---- layer norm and RMS norm -------------------------------------------------------------------
+
+template <typename T, bool RMS>
+__device__ void amp_norm_fwd(T* out, typename Acc<T>::type* mean_out, typename Acc<T>::type* rstd_out, const T* x,
+                             const T* w, const T* b, i64 rows, i64 d, double eps, int cached) {
+    typedef typename Acc<T>::type A;
+    __shared__ A red[AMP_RED_SLOTS];
+    A* buf = reinterpret_cast<A*>(amp_dyn);
+    const A inv_d = (A)(1.0 / (double)d), ep = (A)eps;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xr = x + row * d;
+        T* yr = out + row * d;
+        A s = A(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A v = load(xr[j]);
+            if (cached) buf[j] = v;
+            s += v;
+        }
+        A mean = RMS ? A(0) : amp_block_sum(s, red) * inv_d;
+        A ss = A(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A v = (cached ? buf[j] : load(xr[j])) - mean;
+            ss += v * v;
+        }
+        A var = amp_block_sum(ss, red) * inv_d;
+        A rstd = A(1) / sqrt(var + ep);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A v = ((cached ? buf[j] : load(xr[j])) - mean) * rstd;
+            if (w) v = v * load(w[j]);
+            if (b) v = v + load(b[j]);
+            yr[j] = store<T>(v);
+        }
+        if (threadIdx.x == 0) {
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
+        }
+    }
+}
+
+// dx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd, ĝ = g w (RMS: no mean(ĝ)).
+template <typename T, bool RMS>
+__device__ void amp_norm_bwd(T* dx, const T* x, const T* g, const T* w, const typename Acc<T>::type* mean_in,
+                             const typename Acc<T>::type* rstd_in, i64 rows, i64 d, int cached) {
+    typedef typename Acc<T>::type A;
+    __shared__ A red[AMP_RED_SLOTS];
+    A* xh_buf = reinterpret_cast<A*>(amp_dyn);
+    A* gh_buf = xh_buf + d;
+    const A inv_d = (A)(1.0 / (double)d);
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xr = x + row * d;
+        const T* gr = g + row * d;
+        const A mean = mean_in[row], rstd = rstd_in[row];
+        A s_gh = A(0), s_ghx = A(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A xh = (load(xr[j]) - mean) * rstd;
+            A gh = load(gr[j]);
+            if (w) gh = gh * load(w[j]);
+            if (cached) {
+                xh_buf[j] = xh;
+                gh_buf[j] = gh;
+            }
+            s_gh += gh;
+            s_ghx += gh * xh;
+        }
+        A mean_gh = RMS ? A(0) : amp_block_sum(s_gh, red) * inv_d;
+        A mean_ghx = amp_block_sum(s_ghx, red) * inv_d;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            A xh, gh;
+            if (cached) {
+                xh = xh_buf[j];
+                gh = gh_buf[j];
+            } else {
+                xh = (load(xr[j]) - mean) * rstd;
+                gh = load(gr[j]);
+                if (w) gh = gh * load(w[j]);
+            }
+            dx[row * d + j] = store<T>(rstd * (gh - mean_gh - xh * mean_ghx));
+        }
+    }
+}
+
+// Partial sums of g·x̂ (pw) and g (pb) over rows [part·per, (part+1)·per), one thread per
+// (part, column); either output may be null.
+template <typename T>
+__device__ void amp_norm_params_partial(typename Acc<T>::type* pw, typename Acc<T>::type* pb, const T* x, const T* g,
+                                        const typename Acc<T>::type* mean_in, const typename Acc<T>::type* rstd_in,
+                                        i64 rows, i64 d, i64 per, i64 parts) {
+    typedef typename Acc<T>::type A;
+    AMP_GRID_LOOP(pj, parts * d) {
+        i64 part = pj / d, j = pj - part * d;
+        i64 r0 = part * per, r1 = r0 + per < rows ? r0 + per : rows;
+        A sw = A(0), sb = A(0);
+        for (i64 r = r0; r < r1; ++r) {
+            A gv = load(g[r * d + j]);
+            if (pw) sw += gv * ((load(x[r * d + j]) - mean_in[r]) * rstd_in[r]);
+            sb += gv;
+        }
+        if (pw) pw[pj] = sw;
+        if (pb) pb[pj] = sb;
+    }
+}
+
+// The partials summed over parts in order, rounded once.
+template <typename T>
+__device__ void amp_norm_params(T* gw, T* gb, const typename Acc<T>::type* pw, const typename Acc<T>::type* pb,
+                                i64 parts, i64 d) {
+    typedef typename Acc<T>::type A;
+    AMP_GRID_LOOP(j, d) {
+        A sw = A(0), sb = A(0);
+        for (i64 p = 0; p < parts; ++p) {
+            if (gw) sw += pw[p * d + j];
+            if (gb) sb += pb[p * d + j];
+        }
+        if (gw) gw[j] = store<T>(sw);
+        if (gb) gb[j] = store<T>(sb);
+    }
+}
+
+// ---- cross-entropy -------------------------------------------------------------------------------
+
+// Per row: the log-sum-exp (kept for backward) and the row's loss in f64
+// (-(1 - s)·logp[t] - (s / c)·Σ logp); ignored rows get 0 for both.
+template <typename T>
+__device__ void amp_ce_fwd(typename Acc<T>::type* lse_out, double* loss_out, const T* x, const i64* targets, i64 rows,
+                           i64 c, int has_ignore, i64 ignore, double smoothing, int cached) {
+    typedef typename Acc<T>::type A;
+    __shared__ A red[AMP_RED_SLOTS];
+    A* buf = reinterpret_cast<A*>(amp_dyn);
+    const A s_ = (A)smoothing, per_class = (A)(smoothing / (double)c);
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const i64 t = targets[row];
+        if (has_ignore && t == ignore) {
+            if (threadIdx.x == 0) {
+                lse_out[row] = A(0);
+                loss_out[row] = 0.0;
+            }
+            continue;
+        }
+        const T* xr = x + row * c;
+        A m = amp_neg_inf<A>(), sx = A(0);
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
+            A v = load(xr[j]);
+            if (cached) buf[j] = v;
+            m = amp_max(m, v);
+            sx += v;
+        }
+        m = amp_block_max(m, red);
+        A se = A(0);
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) se += exp((cached ? buf[j] : load(xr[j])) - m);
+        se = amp_block_sum(se, red);
+        if (smoothing != 0.0) sx = amp_block_sum(sx, red);
+        if (threadIdx.x == 0) {
+            A lse = m + log(se);
+            A l = -(A(1) - s_) * (load(xr[t]) - lse);
+            if (smoothing != 0.0) l = l - per_class * (sx - (A)c * lse);
+            lse_out[row] = lse;
+            loss_out[row] = (double)l;
+        }
+    }
+}
+
+// dx = scale·softmax(x) - scale·s/c, minus scale·(1 - s) at the target; 0 for ignored rows.
+template <typename T>
+__device__ void amp_ce_bwd(T* dx, const T* x, const i64* targets, const typename Acc<T>::type* lse_in, i64 rows, i64 c,
+                           int has_ignore, i64 ignore, double smoothing, double scale) {
+    typedef typename Acc<T>::type A;
+    const A sc = (A)scale;
+    const A hit = (A)(1.0 - smoothing) * sc, base = (A)(smoothing / (double)c) * sc;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const i64 t = targets[row];
+        T* o = dx + row * c;
+        if (has_ignore && t == ignore) {
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) o[j] = store<T>(A(0));
+            continue;
+        }
+        const T* xr = x + row * c;
+        const A lse = lse_in[row];
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
+            A v = exp(load(xr[j]) - lse) * sc - base;
+            if (j == t) v = v - hit;
+            o[j] = store<T>(v);
+        }
+    }
+}
+
+// ---- mean squared error and the f64 mean -----------------------------------------------------------
+
+// parts[block] = Σ (a - b)² over this block's share of the two views (Acc<T>, stored as f64).
+template <typename T> __device__ void amp_mse(double* parts, const T* a, const T* b, AmpShape s, AmpView va, AmpView vb, i64 n) {
+    typedef typename Acc<T>::type A;
+    __shared__ A red[AMP_RED_SLOTS];
+    A acc = A(0);
+    AMP_GRID_LOOP(i, n) {
+        i64 idx[AMP_MAX_RANK];
+        amp_index(s, i, idx);
+        A dv = load(a[amp_at(s, va, idx)]) - load(b[amp_at(s, vb, idx)]);
+        acc += dv * dv;
+    }
+    acc = amp_block_sum(acc, red);
+    if (threadIdx.x == 0) parts[blockIdx.x] = (double)acc;
+}
+
+// out[0] = (Σ parts) / divisor, summed in f64 by one block and rounded once into T.
+template <typename T> __device__ void amp_mean_f64(T* out, const double* parts, i64 n, double divisor) {
+    __shared__ double red[AMP_RED_SLOTS];
+    double acc = 0.0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) acc += parts[i];
+    acc = amp_block_sum(acc, red);
+    if (threadIdx.x == 0) out[0] = narrow<T>(acc / divisor);
+}
+
+#define AMP_ACC(SUF) Acc<amp_t_##SUF>::type
+
+#define AMP_SOFTMAX_KERNELS(SUF)                                                                           \
+    extern "C" __global__ void softmax_fwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, i64 rows, i64 d,  \
+                                                 int cached) {                                             \
+        amp_softmax_fwd<amp_t_##SUF, false>(out, x, rows, d, cached);                                      \
+    }                                                                                                      \
+    extern "C" __global__ void log_softmax_fwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, i64 rows, i64 d, \
+                                                     int cached) {                                         \
+        amp_softmax_fwd<amp_t_##SUF, true>(out, x, rows, d, cached);                                       \
+    }                                                                                                      \
+    extern "C" __global__ void softmax_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* y, const amp_t_##SUF* g, \
+                                                 i64 rows, i64 d) {                                        \
+        amp_softmax_bwd<amp_t_##SUF, false>(out, y, g, rows, d);                                           \
+    }                                                                                                      \
+    extern "C" __global__ void log_softmax_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* y,               \
+                                                     const amp_t_##SUF* g, i64 rows, i64 d) {              \
+        amp_softmax_bwd<amp_t_##SUF, true>(out, y, g, rows, d);                                            \
+    }
+
+#define AMP_NORM_KERNELS(SUF)                                                                              \
+    extern "C" __global__ void layer_norm_fwd_##SUF(amp_t_##SUF* out, AMP_ACC(SUF) * mean, AMP_ACC(SUF) * rstd, \
+                                                    const amp_t_##SUF* x, const amp_t_##SUF* w,            \
+                                                    const amp_t_##SUF* b, i64 rows, i64 d, double eps,     \
+                                                    int cached) {                                          \
+        amp_norm_fwd<amp_t_##SUF, false>(out, mean, rstd, x, w, b, rows, d, eps, cached);                  \
+    }                                                                                                      \
+    extern "C" __global__ void rms_norm_fwd_##SUF(amp_t_##SUF* out, AMP_ACC(SUF) * mean, AMP_ACC(SUF) * rstd, \
+                                                  const amp_t_##SUF* x, const amp_t_##SUF* w,              \
+                                                  const amp_t_##SUF* b, i64 rows, i64 d, double eps,       \
+                                                  int cached) {                                            \
+        amp_norm_fwd<amp_t_##SUF, true>(out, mean, rstd, x, w, b, rows, d, eps, cached);                   \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x, const amp_t_##SUF* g, \
+                                                    const amp_t_##SUF* w, const AMP_ACC(SUF) * mean,       \
+                                                    const AMP_ACC(SUF) * rstd, i64 rows, i64 d, int cached) { \
+        amp_norm_bwd<amp_t_##SUF, false>(dx, x, g, w, mean, rstd, rows, d, cached);                        \
+    }                                                                                                      \
+    extern "C" __global__ void rms_norm_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x, const amp_t_##SUF* g, \
+                                                  const amp_t_##SUF* w, const AMP_ACC(SUF) * mean,         \
+                                                  const AMP_ACC(SUF) * rstd, i64 rows, i64 d, int cached) { \
+        amp_norm_bwd<amp_t_##SUF, true>(dx, x, g, w, mean, rstd, rows, d, cached);                         \
+    }                                                                                                      \
+    extern "C" __global__ void norm_params_partial_bwd_##SUF(                                              \
+        AMP_ACC(SUF) * pw, AMP_ACC(SUF) * pb, const amp_t_##SUF* x, const amp_t_##SUF* g,                  \
+        const AMP_ACC(SUF) * mean, const AMP_ACC(SUF) * rstd, i64 rows, i64 d, i64 per, i64 parts) {       \
+        amp_norm_params_partial<amp_t_##SUF>(pw, pb, x, g, mean, rstd, rows, d, per, parts);               \
+    }                                                                                                      \
+    extern "C" __global__ void norm_params_bwd_##SUF(amp_t_##SUF* gw, amp_t_##SUF* gb, const AMP_ACC(SUF) * pw, \
+                                                     const AMP_ACC(SUF) * pb, i64 parts, i64 d) {          \
+        amp_norm_params<amp_t_##SUF>(gw, gb, pw, pb, parts, d);                                            \
+    }
+
+#define AMP_LOSS_KERNELS(SUF)                                                                              \
+    extern "C" __global__ void cross_entropy_fwd_##SUF(AMP_ACC(SUF) * lse, double* loss, const amp_t_##SUF* x, \
+                                                       const i64* targets, i64 rows, i64 c, int has_ignore, \
+                                                       i64 ignore, double smoothing, int cached) {         \
+        amp_ce_fwd<amp_t_##SUF>(lse, loss, x, targets, rows, c, has_ignore, ignore, smoothing, cached);    \
+    }                                                                                                      \
+    extern "C" __global__ void cross_entropy_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x, const i64* targets, \
+                                                       const AMP_ACC(SUF) * lse, i64 rows, i64 c,          \
+                                                       int has_ignore, i64 ignore, double smoothing,       \
+                                                       double scale) {                                     \
+        amp_ce_bwd<amp_t_##SUF>(dx, x, targets, lse, rows, c, has_ignore, ignore, smoothing, scale);       \
+    }                                                                                                      \
+    extern "C" __global__ void mse_fwd_##SUF(double* parts, const amp_t_##SUF* a, const amp_t_##SUF* b,    \
+                                             AmpShape s, AmpView va, AmpView vb, i64 n) {                  \
+        amp_mse<amp_t_##SUF>(parts, a, b, s, va, vb, n);                                                   \
+    }                                                                                                      \
+    extern "C" __global__ void mean_f64_fwd_##SUF(amp_t_##SUF* out, const double* parts, i64 n,            \
+                                                  double divisor) {                                        \
+        amp_mean_f64<amp_t_##SUF>(out, parts, n, divisor);                                                 \
+    }

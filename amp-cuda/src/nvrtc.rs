@@ -1,0 +1,127 @@
+//! Compiling kernel programs with NVRTC: the one function the backend uses at run time
+//! ([`compile_ptx`], `compute_90` PTX that the driver JIT-compiles for the GPU it runs on), and
+//! a check that also runs the assembler ([`assemble_sm90`]), for machines without a GPU.
+//!
+//! Design notes:
+//! - libnvrtc is loaded at run time (cudarc's `dynamic-loading`), found by its name on the
+//!   library path (`libnvrtc.so.13` from CUDA 13 or the `nvidia-cuda-nvrtc` wheel's
+//!   `nvidia/cu13/lib`: put that folder on `LD_LIBRARY_PATH`). cudarc panics when it cannot
+//!   load the library, so [`nvrtc_status`] checks with cudarc's non-panicking probe
+//!   (`nvrtc::sys::is_culib_present`) first, and calls NVRTC's version query inside
+//!   `catch_unwind` (a library without a symbol the bindings name panics too).
+//! - PTX for a virtual architecture is not assembled: an inline-PTX typo would only fail when
+//!   the driver loads the module. [`assemble_sm90`] compiles the same source for the real
+//!   `sm_90`, which makes NVRTC run ptxas, so CI catches those without a GPU.
+
+use std::ffi::{CStr, CString, c_char};
+use std::sync::OnceLock;
+
+use amp_core::Error;
+use cudarc::nvrtc::{result, sys};
+
+use crate::kernels::Program;
+
+/// The architecture kernels are compiled for at run time: Hopper's virtual architecture (the
+/// H200), which the driver JIT-compiles for the GPU it runs on (sm_90 and later).
+pub const ARCH: &str = "compute_90";
+
+fn nvrtc_error(detail: impl Into<String>) -> Error {
+    Error::Device { op: "nvrtc", device: "cuda".into(), detail: detail.into() }
+}
+
+/// Whether libnvrtc can be loaded and answers, with its version; the error says what is
+/// missing. Checked once per process.
+pub fn nvrtc_status() -> Result<(i32, i32), Error> {
+    static STATUS: OnceLock<Result<(i32, i32), String>> = OnceLock::new();
+    STATUS
+        .get_or_init(|| {
+            // SAFETY: the probe only tries to dlopen cudarc's candidate names and closes them;
+            // it runs no code of the library.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(format!(
+                    "libnvrtc was not found on the library path (tried {:?}); install the CUDA toolkit or \
+                     `pip install nvidia-cuda-nvrtc` and put its nvidia/cu13/lib folder on LD_LIBRARY_PATH",
+                    cudarc::get_lib_name_candidates("nvrtc")
+                ));
+            }
+            std::panic::catch_unwind(|| {
+                let (mut major, mut minor) = (0, 0);
+                // SAFETY: both pointers are valid for writes of one c_int each.
+                unsafe { sys::nvrtcVersion(&mut major, &mut minor) }.result().map(|()| (major, minor))
+            })
+            .map_err(|p| format!("libnvrtc could not be used: {}", panic_message(&p)))?
+            .map_err(|e| format!("nvrtcVersion failed: {e:?}"))
+        })
+        .clone()
+        .map_err(nvrtc_error)
+}
+
+/// The text of a caught panic's payload.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+}
+
+/// What NVRTC made of a program.
+struct Output {
+    ptx: String,
+    cubin_bytes: usize,
+}
+
+/// Creates, compiles and reads back one program for `arch`; the error carries NVRTC's log.
+fn compile(program: &Program, arch: &str, cubin: bool) -> Result<Output, Error> {
+    nvrtc_status()?;
+    let src = CString::new(program.source.as_str()).map_err(|_| nvrtc_error("kernel source holds a NUL byte"))?;
+    let name = CString::new(format!("{}.cu", program.name)).map_err(|_| nvrtc_error("program name holds a NUL"))?;
+    let prog = result::create_program(&src, Some(&name))
+        .map_err(|e| nvrtc_error(format!("{}: nvrtcCreateProgram failed: {e:?}", program.name)))?;
+    let options = [format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
+    let out = (|| {
+        // SAFETY: `prog` was created above and is destroyed only after this closure.
+        if let Err(e) = unsafe { result::compile_program(prog, &options) } {
+            // SAFETY: as above.
+            let log = unsafe { result::get_program_log(prog) }.map(|l| c_text(&l)).unwrap_or_default();
+            return Err(nvrtc_error(format!(
+                "{} does not compile for {arch} ({e:?}):\n{}",
+                program.name,
+                log.trim_end()
+            )));
+        }
+        // SAFETY: as above; the program compiled.
+        let ptx = unsafe { result::get_ptx(prog) }
+            .map(|p| c_text(&p))
+            .map_err(|e| nvrtc_error(format!("{}: nvrtcGetPTX failed: {e:?}", program.name)))?;
+        let mut cubin_bytes = 0usize;
+        if cubin {
+            // SAFETY: as above; `cubin_bytes` is valid for one write.
+            unsafe { sys::nvrtcGetCUBINSize(prog, &mut cubin_bytes) }
+                .result()
+                .map_err(|e| nvrtc_error(format!("{}: nvrtcGetCUBINSize failed: {e:?}", program.name)))?;
+        }
+        Ok(Output { ptx, cubin_bytes })
+    })();
+    // SAFETY: `prog` came from create_program and is destroyed once, here.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+/// The text of a NUL-terminated buffer NVRTC filled.
+fn c_text(buf: &[c_char]) -> String {
+    if buf.is_empty() {
+        return String::new();
+    }
+    // SAFETY: NVRTC's log and PTX buffers are NUL-terminated within their reported size.
+    unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+/// Compiles a program to PTX for [`ARCH`]: what the backend loads at run time (once per
+/// device and program). The error names the program and carries NVRTC's log.
+pub fn compile_ptx(program: &Program) -> Result<String, Error> {
+    compile(program, ARCH, false).map(|o| o.ptx)
+}
+
+/// Compiles a program for the real `sm_90` (NVRTC then runs the assembler, which checks the
+/// inline PTX that [`compile_ptx`]'s virtual-architecture output leaves unchecked); returns
+/// the size of the machine code. For CI and tests on machines without a GPU.
+pub fn assemble_sm90(program: &Program) -> Result<usize, Error> {
+    compile(program, "sm_90", true).map(|o| o.cubin_bytes)
+}

@@ -28,6 +28,11 @@ impl Layout {
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
+    /// Where the view starts in its storage, in elements (a device outside this crate
+    /// addresses storage with it).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
     /// Element count.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

@@ -112,7 +112,7 @@ template <typename T> union Pack16 {
 
 // ---- layouts ---------------------------------------------------------------------------------
 
-#define AMP_MAX_RANK 8
+#define AMP_MAX_RANK 12
 
 struct AmpShape {
     int rank;

@@ -1,0 +1,1415 @@
+//! `impl amp_core::Device for Cuda`: every kernel of the backend trait on the GPU.
+//!
+//! Design notes:
+//! - Elementwise maps, casts, copies, `where`, dropout and the checks read strided and
+//!   broadcast views in place (shape and strides go to the kernel); the fused row kernels,
+//!   reductions, GEMM operands that are neither row- nor column-major, convolution, pooling,
+//!   batch norm and the gathers take a contiguous copy of a strided input first, as the CPU
+//!   backend does.
+//! - Outputs come from the caching allocator uninitialised when the kernel writes every
+//!   element, zeroed (an async memset) when it does not.
+//! - Index data (targets, ids, masks, selection indices) lives on the host (`amp_core::Indices`)
+//!   and is uploaded per call; results the trait returns to the host (arg-reduce indices, the
+//!   non-finite flag, the sum of squares) are read back, which waits for the stream.
+//! - In-place methods check that they own their storage alone, as the CPU backend does.
+
+use std::any::TypeId;
+use std::sync::Arc;
+
+use amp_core::backend::{
+    BatchNormStats, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Pool2dSpec, PoolWindow, ReduceOp, UnaryOp,
+};
+use amp_core::layout::Layout;
+use amp_core::{DType, Precision};
+use cudarc::driver::{DeviceRepr, result};
+
+use crate::device::{Cuda, ModuleKey, State};
+use crate::gemm::{self, Mat, as_operand};
+use crate::kernels::{self, Family};
+use crate::launch::{broadcast_strides, grid, launch, row_cache, rows_grid, view1, views};
+use crate::storage::{CudaRowStats, CudaStorage, RawVec, StatsKind};
+
+/// A strided view that need not be a [`Layout`] (a weight seen transposed, for GEMM).
+#[derive(Clone, Debug)]
+struct Strided {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+}
+
+impl From<&Layout> for Strided {
+    fn from(l: &Layout) -> Self {
+        Strided { shape: l.shape().to_vec(), strides: l.strides().to_vec(), offset: l.offset() }
+    }
+}
+
+/// Whether `strides` walk `shape` row-major contiguously (size-1 dims may have any stride).
+fn dense(shape: &[usize], strides: &[usize]) -> bool {
+    let mut expected = 1;
+    for (&d, &s) in shape.iter().zip(strides).rev() {
+        if d != 1 && s != expected {
+            return false;
+        }
+        expected *= d;
+    }
+    true
+}
+
+fn acc_dtype(d: DType) -> DType {
+    if d == DType::F64 { DType::F64 } else { DType::F32 }
+}
+
+/// A chunk of the multi-tensor unscale pass (the kernel's `AmpChunk`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AmpChunk {
+    ptr: u64,
+    len: i64,
+    flag: i64,
+}
+
+/// The convolution's sizes (the kernel's `AmpConvGeom`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ConvGeom {
+    n: i64,
+    c_in: i64,
+    c_out: i64,
+    g: i64,
+    cg: i64,
+    og: i64,
+    k: i64,
+    h: i64,
+    w: i64,
+    kh: i64,
+    kw: i64,
+    oh: i64,
+    ow: i64,
+    sh: i64,
+    sw: i64,
+    ph: i64,
+    pw: i64,
+    dh: i64,
+    dw: i64,
+}
+
+impl ConvGeom {
+    fn of(s: &Conv2dSpec) -> Self {
+        let i = |v: usize| v as i64;
+        ConvGeom {
+            n: i(s.batch),
+            c_in: i(s.in_channels),
+            c_out: i(s.out_channels),
+            g: i(s.groups),
+            cg: i(s.group_in()),
+            og: i(s.group_out()),
+            k: i(s.group_in() * s.kernel.0 * s.kernel.1),
+            h: i(s.input.0),
+            w: i(s.input.1),
+            kh: i(s.kernel.0),
+            kw: i(s.kernel.1),
+            oh: i(s.output.0),
+            ow: i(s.output.1),
+            sh: i(s.stride.0),
+            sw: i(s.stride.1),
+            ph: i(s.padding.0),
+            pw: i(s.padding.1),
+            dh: i(s.dilation.0),
+            dw: i(s.dilation.1),
+        }
+    }
+}
+
+/// The pooling geometry (the kernel's `AmpPoolGeom`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct PoolGeom {
+    planes: i64,
+    h: i64,
+    w: i64,
+    oh: i64,
+    ow: i64,
+    kh: i64,
+    kw: i64,
+    sh: i64,
+    sw: i64,
+    ph: i64,
+    pw: i64,
+    adaptive: i32,
+    pad: i32,
+}
+
+impl PoolGeom {
+    fn of(s: &Pool2dSpec) -> Self {
+        let i = |v: usize| v as i64;
+        let (k, st, p, adaptive) = match s.window {
+            PoolWindow::Fixed { kernel, stride, padding } => (kernel, stride, padding, 0),
+            PoolWindow::Adaptive => ((0, 0), (1, 1), (0, 0), 1),
+        };
+        PoolGeom {
+            planes: i(s.planes),
+            h: i(s.input.0),
+            w: i(s.input.1),
+            oh: i(s.output.0),
+            ow: i(s.output.1),
+            kh: i(k.0),
+            kw: i(k.1),
+            sh: i(st.0),
+            sw: i(st.1),
+            ph: i(p.0),
+            pw: i(p.1),
+            adaptive,
+            pad: 0,
+        }
+    }
+}
+
+// SAFETY: all three are `#[repr(C)]` structs of plain integers whose field order, types and
+// padding match the kernels' structs of the same names; they are passed by value.
+unsafe impl DeviceRepr for AmpChunk {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ConvGeom {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for PoolGeom {}
+
+/// Column matrices of at most this many bytes are built at a time by the convolution.
+const CONV_COLS_BYTES: usize = 256 << 20;
+
+/// Elements per chunk of the multi-tensor unscale pass (one block each).
+const UNSCALE_CHUNK: usize = 64 * 1024;
+
+impl Cuda {
+    fn st(&self) -> &Arc<State> {
+        let st = self.state();
+        st.enter();
+        st
+    }
+
+    fn uninit<E: Precision>(&self, n: usize) -> CudaStorage<E> {
+        CudaStorage::uninit(self.state(), n)
+    }
+
+    fn memset_zero(&self, ptr: u64, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let st = self.st();
+        // SAFETY: `ptr` addresses a live block of at least `bytes` bytes on this device; the
+        // memset is ordered on the device's stream after every earlier use.
+        let r = unsafe { result::memset_d8_async(ptr, 0, bytes, st.stream.cu_stream()) };
+        st.check("cuMemsetD8Async", r);
+    }
+
+    fn zeros<E: Precision>(&self, n: usize) -> CudaStorage<E> {
+        let s = self.uninit::<E>(n);
+        self.memset_zero(s.ptr(), n * E::DTYPE.size_in_bytes());
+        s
+    }
+
+    /// Copies host data into a fresh device vector (elements of `size_of::<T>()` bytes).
+    fn upload<T: Copy>(&self, data: &[T]) -> RawVec {
+        let st = self.st();
+        let v = RawVec::new(st, data.len(), size_of::<T>());
+        if !data.is_empty() {
+            // SAFETY: the block holds `size_of_val(data)` bytes; the copy from pageable host
+            // memory returns once `data` has been staged, so it may be dropped afterwards.
+            let r = unsafe { result::memcpy_htod_async(v.ptr(), data, st.stream.cu_stream()) };
+            st.check("cuMemcpyHtoDAsync", r);
+        }
+        v
+    }
+
+    /// Reads `n` elements at `ptr` back to the host (waits for the stream).
+    fn download<T: Copy + Default>(&self, ptr: u64, n: usize) -> Vec<T> {
+        let mut out = vec![T::default(); n];
+        if n == 0 {
+            return out;
+        }
+        let st = self.st();
+        // SAFETY: `ptr` addresses at least `n` initialised elements of `T` written by earlier
+        // work on this stream; `out` is valid for `n` writes and lives until the stream is
+        // synchronised below.
+        let r = unsafe { result::memcpy_dtoh_async(&mut out, ptr, st.stream.cu_stream()) };
+        st.check("cuMemcpyDtoHAsync", r);
+        st.check("cuStreamSynchronize", st.stream.synchronize());
+        out
+    }
+
+    fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let st = self.st();
+        // SAFETY: both addresses are in live blocks with `bytes` bytes from them; ordered on
+        // the device's stream.
+        let r = unsafe { result::memcpy_dtod_async(dst, src, bytes, st.stream.cu_stream()) };
+        st.check("cuMemcpyDtoDAsync", r);
+    }
+
+    /// A contiguous copy of a strided view.
+    fn copy_strided<E: Precision>(&self, s: &CudaStorage<E>, v: &Strided) -> CudaStorage<E> {
+        let n: usize = v.shape.iter().product();
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        if dense(&v.shape, &v.strides) {
+            self.copy_dtod(out.ptr(), s.ptr_at(v.offset), n * E::DTYPE.size_in_bytes());
+            return out;
+        }
+        let st = self.st();
+        let (shape, vs) = views("contiguous", &v.shape, &[(v.offset, v.strides.clone())]);
+        let f = st.family_fn(Family::Copy, E::DTYPE, "copy_fwd");
+        launch!(st, f, grid(n); out.ptr(), s.ptr(), shape, vs[0], n as i64);
+        out
+    }
+
+    /// The view as contiguous data: `(storage, element offset)`, copied only when strided.
+    fn contig<E: Precision>(&self, s: &CudaStorage<E>, l: &Layout) -> (CudaStorage<E>, usize) {
+        if l.is_contiguous() { (s.clone(), l.offset()) } else { (self.copy_strided(s, &l.into()), 0) }
+    }
+
+    /// The address of a contiguous copy of the view (kept alive in `keep`).
+    fn contig_ptr<E: Precision>(&self, v: (&CudaStorage<E>, &Layout), keep: &mut Vec<CudaStorage<E>>) -> u64 {
+        let (s, off) = self.contig(v.0, v.1);
+        let p = s.ptr_at(off);
+        keep.push(s);
+        p
+    }
+
+    /// `mode` of the map kernels: 2 when all views are dense and 16-byte aligned, 1 when dense.
+    fn map_mode<E: Precision>(dense_all: bool, ptrs: &[u64]) -> i32 {
+        if !dense_all {
+            0
+        } else if ptrs.iter().all(|p| p % 16 == 0) && E::DTYPE.size_in_bytes() <= 16 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// `n` elements at `ptr` of precision `src` rounded into `T` (a new storage).
+    fn cast_ptr<T: Precision>(&self, ptr: u64, src: DType, n: usize) -> CudaStorage<T> {
+        let out = self.uninit::<T>(n);
+        if n == 0 {
+            return out;
+        }
+        if src == T::DTYPE {
+            self.copy_dtod(out.ptr(), ptr, n * src.size_in_bytes());
+            return out;
+        }
+        let st = self.st();
+        let (shape, vs) = views("cast", &[n], &[(0, vec![1])]);
+        let f = st.function(
+            ModuleKey::Cast(src, T::DTYPE),
+            || kernels::cast(src, T::DTYPE),
+            &kernels::cast_kernel(src, T::DTYPE),
+        );
+        launch!(st, f, grid(n); out.ptr(), ptr, shape, vs[0], n as i64, 1i32);
+        out
+    }
+
+    /// Row-major batched `C = A·B` into `out` (contiguous `[batch…, m, n]` of precision
+    /// `out_dtype`, `beta` times what it holds added), the operands strided views of precision
+    /// `E` with broadcast batch dims.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_into<E: Precision>(
+        &self,
+        a: (&CudaStorage<E>, &Strided),
+        b: (&CudaStorage<E>, &Strided),
+        batch: &[usize],
+        out: u64,
+        out_dtype: DType,
+        beta: f64,
+    ) {
+        let st = self.st();
+        let (ra, rb) = (a.1.shape.len(), b.1.shape.len());
+        let (m, k, n) = (a.1.shape[ra - 2], a.1.shape[ra - 1], b.1.shape[rb - 1]);
+        let nb: usize = batch.iter().product();
+        if m * n * nb == 0 {
+            return;
+        }
+        if k == 0 {
+            if beta == 0.0 {
+                self.memset_zero(out, nb * m * n * out_dtype.size_in_bytes());
+            }
+            return;
+        }
+        // Operands cuBLAS cannot take as they are become contiguous copies.
+        let fit = |s: &CudaStorage<E>, v: &Strided, r: usize, c: usize| -> (CudaStorage<E>, Strided) {
+            let rank = v.shape.len();
+            match as_operand(r, c, v.strides[rank - 2], v.strides[rank - 1]) {
+                Some(_) => (s.clone(), v.clone()),
+                None => {
+                    let copy = self.copy_strided(s, v);
+                    let strides = amp_core::layout::contiguous_strides(&v.shape);
+                    (copy, Strided { shape: v.shape.clone(), strides, offset: 0 })
+                }
+            }
+        };
+        let (sa, va) = fit(a.0, a.1, m, k);
+        let (sb, vb) = fit(b.0, b.1, k, n);
+        let (ta, lda) = as_operand(m, k, va.strides[ra - 2], va.strides[ra - 1]).expect("fits after the copy");
+        let (tb, ldb) = as_operand(k, n, vb.strides[rb - 2], vb.strides[rb - 1]).expect("fits after the copy");
+        // Each operand's offset for every product (broadcast batch dims at stride 0).
+        let batch_offsets = |v: &Strided| -> Vec<usize> {
+            let r = v.shape.len();
+            let pad = batch.len() - (r - 2);
+            let bstr: Vec<usize> = (0..batch.len())
+                .map(|d| if d < pad || v.shape[d - pad] == 1 { 0 } else { v.strides[d - pad] })
+                .collect();
+            (0..nb)
+                .map(|i| {
+                    let (mut off, mut rest) = (v.offset, i);
+                    for d in (0..batch.len()).rev() {
+                        off += (rest % batch[d]) * bstr[d];
+                        rest /= batch[d];
+                    }
+                    off
+                })
+                .collect()
+        };
+        let (oa, ob) = (batch_offsets(&va), batch_offsets(&vb));
+        let uniform = |o: &[usize]| -> Option<usize> {
+            let step = if o.len() > 1 { o[1].checked_sub(o[0])? } else { 0 };
+            o.iter().enumerate().all(|(i, &x)| x == o[0] + i * step).then_some(step)
+        };
+        let os = out_dtype.size_in_bytes();
+        // Cᵀ (n × m) = Bᵀ (n × k) · Aᵀ (k × m), column-major.
+        let call = |a_off: usize, b_off: usize, c_off: usize, count: usize, sa_: usize, sb_: usize| {
+            let am = Mat { ptr: sb.ptr_at(b_off), ld: ldb, trans: tb, stride: sb_ };
+            let bm = Mat { ptr: sa.ptr_at(a_off), ld: lda, trans: ta, stride: sa_ };
+            let cm = Mat { ptr: out + (c_off * os) as u64, ld: n, trans: false, stride: m * n };
+            gemm::gemm(st, E::DTYPE, out_dtype, (n, m, k), am, bm, cm, count, beta);
+        };
+        match (uniform(&oa), uniform(&ob)) {
+            (Some(s_a), Some(s_b)) => call(oa[0], ob[0], 0, nb, s_a, s_b),
+            _ => {
+                for i in 0..nb {
+                    call(oa[i], ob[i], i * m * n, 1, 0, 0);
+                }
+            }
+        }
+    }
+
+    /// The norm forward for either kind.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_impl<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        d: usize,
+        weight: Option<(&CudaStorage<E>, &Layout)>,
+        bias: Option<(&CudaStorage<E>, &Layout)>,
+        eps: f64,
+        rms: bool,
+    ) -> (CudaStorage<E>, CudaRowStats<E>) {
+        let st = self.st();
+        let n = x.1.numel();
+        let rows = if d == 0 { 0 } else { n / d };
+        let mut keep = Vec::new();
+        let px = self.contig_ptr(x, &mut keep);
+        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));
+        let pb = bias.map_or(0, |b| self.contig_ptr(b, &mut keep));
+        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let (mean, rstd) = (RawVec::new(st, rows, acc), RawVec::new(st, rows, acc));
+        let out = self.uninit::<E>(n);
+        if rows > 0 {
+            let (smem, cached) = row_cache(d * acc);
+            let f = st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_fwd" } else { "layer_norm_fwd" });
+            launch!(st, f, rows_grid(rows, d, smem);
+                out.ptr(), mean.ptr(), rstd.ptr(), px, pw, pb, rows as i64, d as i64, eps, cached);
+        }
+        (out, CudaRowStats::new(StatsKind::Norm, mean, rstd))
+    }
+}
+
+impl Device for Cuda {
+    type Storage<E: Precision> = CudaStorage<E>;
+    type RowStats<E: Precision> = CudaRowStats<E>;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.ordinal())
+    }
+
+    // ---- allocation and copies
+
+    fn from_host<E: Precision>(&self, data: Vec<E>) -> CudaStorage<E> {
+        let st = self.st();
+        let s = self.uninit::<E>(data.len());
+        if !data.is_empty() {
+            // SAFETY: the block holds `data.len()` elements of E; the copy from pageable
+            // memory has staged `data` when it returns.
+            let r = unsafe { result::memcpy_htod_async(s.ptr(), &data, st.stream.cu_stream()) };
+            st.check("cuMemcpyHtoDAsync", r);
+        }
+        s
+    }
+    fn full<E: Precision>(&self, n: usize, value: E) -> CudaStorage<E> {
+        let v = value.to_f64();
+        let bits: u64 = match E::DTYPE {
+            DType::F16 => half::f16::from_f64(v).to_bits() as u64,
+            DType::BF16 => half::bf16::from_f64(v).to_bits() as u64,
+            DType::F32 => (v as f32).to_bits() as u64,
+            DType::F64 => v.to_bits(),
+        };
+        if bits == 0 {
+            return self.zeros(n);
+        }
+        let st = self.st();
+        let out = self.uninit::<E>(n);
+        if n > 0 {
+            let f = st.family_fn(Family::Copy, E::DTYPE, "fill_fwd");
+            launch!(st, f, grid(n); out.ptr(), bits, n as i64);
+        }
+        out
+    }
+    fn to_host<E: Precision>(&self, s: &CudaStorage<E>, l: &Layout) -> Vec<E> {
+        let (c, off) = self.contig(s, l);
+        self.download::<E>(c.ptr_at(off), l.numel())
+    }
+    fn contiguous<E: Precision>(&self, s: &CudaStorage<E>, l: &Layout) -> CudaStorage<E> {
+        self.copy_strided(s, &l.into())
+    }
+    fn len<E: Precision>(s: &CudaStorage<E>) -> usize {
+        s.len
+    }
+    fn is_exclusive<E: Precision>(s: &CudaStorage<E>) -> bool {
+        Arc::strong_count(&s.buf) == 1 && Arc::weak_count(&s.buf) == 0
+    }
+    fn write_into<E: Precision>(
+        &self,
+        dst: &mut CudaStorage<E>,
+        dl: &Layout,
+        src: &CudaStorage<E>,
+        sl: &Layout,
+        add: bool,
+    ) {
+        assert!(Self::is_exclusive(dst), "backend invariant: write_into a shared storage");
+        let n = dl.numel();
+        if n == 0 {
+            return;
+        }
+        if !add && dl.is_contiguous() && sl.is_contiguous() {
+            let bytes = n * E::DTYPE.size_in_bytes();
+            return self.copy_dtod(dst.ptr_at(dl.offset()), src.ptr_at(sl.offset()), bytes);
+        }
+        let st = self.st();
+        let (shape, vs) = views(
+            "write_into",
+            dl.shape(),
+            &[(dl.offset(), dl.strides().to_vec()), (sl.offset(), sl.strides().to_vec())],
+        );
+        let f = st.family_fn(Family::Copy, E::DTYPE, "write_into_fwd");
+        launch!(st, f, grid(n); dst.ptr(), src.ptr(), shape, vs[0], vs[1], n as i64, add as i32);
+    }
+
+    // ---- casts
+
+    fn cast<E: Precision, T: Precision>(&self, s: &CudaStorage<E>, l: &Layout) -> CudaStorage<T> {
+        if E::DTYPE == T::DTYPE {
+            return self.contiguous(s, l).retype();
+        }
+        let out = self.uninit::<T>(l.numel());
+        self.cast_into(s, l, &mut out.clone());
+        out
+    }
+    fn cast_into<E: Precision, T: Precision>(&self, s: &CudaStorage<E>, l: &Layout, dst: &mut CudaStorage<T>) {
+        let n = l.numel();
+        assert_eq!(dst.len, n, "backend invariant: cast_into a storage of another length");
+        if n == 0 {
+            return;
+        }
+        if E::DTYPE == T::DTYPE {
+            let c = self.contiguous(s, l);
+            return self.copy_dtod(dst.ptr(), c.ptr(), n * E::DTYPE.size_in_bytes());
+        }
+        let st = self.st();
+        let (shape, v) = view1("cast", l);
+        let mode = l.is_contiguous() as i32;
+        let f = st.function(
+            ModuleKey::Cast(E::DTYPE, T::DTYPE),
+            || kernels::cast(E::DTYPE, T::DTYPE),
+            &kernels::cast_kernel(E::DTYPE, T::DTYPE),
+        );
+        launch!(st, f, grid(n); dst.ptr(), s.ptr(), shape, v, n as i64, mode);
+    }
+
+    // ---- elementwise maps
+
+    fn unary<E: Precision, O: UnaryOp>(&self, op: O, x: &CudaStorage<E>, l: &Layout) -> CudaStorage<E> {
+        let st = self.st();
+        let n = l.numel();
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let (shape, v) = view1(O::NAME, l);
+        let mode = Self::map_mode::<E>(l.is_contiguous(), &[x.ptr_at(l.offset()), out.ptr()]);
+        let f = st.function(
+            ModuleKey::Op(TypeId::of::<O>(), E::DTYPE),
+            || kernels::unary::<O>(E::DTYPE),
+            &kernels::kernel_name(&format!("{}_fwd", O::NAME), E::DTYPE),
+        );
+        launch!(st, f, grid(n); out.ptr(), x.ptr(), shape, v, n as i64, op.param(), mode);
+        out
+    }
+    fn unary_backward<E: Precision, O: UnaryOp>(
+        &self,
+        op: O,
+        x: (&CudaStorage<E>, &Layout),
+        y: (&CudaStorage<E>, &Layout),
+        g: (&CudaStorage<E>, &Layout),
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let shape_v = x.1.shape();
+        let n = x.1.numel();
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let op_of = |l: &Layout| (l.offset(), broadcast_strides(l, shape_v));
+        let (shape, vs) = views(O::NAME, shape_v, &[op_of(x.1), op_of(y.1), op_of(g.1)]);
+        let f = st.function(
+            ModuleKey::Op(TypeId::of::<O>(), E::DTYPE),
+            || kernels::unary::<O>(E::DTYPE),
+            &kernels::kernel_name(&format!("{}_bwd", O::NAME), E::DTYPE),
+        );
+        launch!(st, f, grid(n);
+            out.ptr(), x.0.ptr(), y.0.ptr(), g.0.ptr(), shape, vs[0], vs[1], vs[2], n as i64, op.param());
+        out
+    }
+    fn binary<E: Precision, O: BinaryOp>(
+        &self,
+        op: O,
+        a: (&CudaStorage<E>, &Layout),
+        b: (&CudaStorage<E>, &Layout),
+        shape: &[usize],
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let n: usize = shape.iter().product();
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let (sa, sb) = (broadcast_strides(a.1, shape), broadcast_strides(b.1, shape));
+        let all_dense = a.1.shape() == shape && b.1.shape() == shape && dense(shape, &sa) && dense(shape, &sb);
+        let mode = Self::map_mode::<E>(all_dense, &[a.0.ptr_at(a.1.offset()), b.0.ptr_at(b.1.offset()), out.ptr()]);
+        let (sh, vs) = views(O::NAME, shape, &[(a.1.offset(), sa), (b.1.offset(), sb)]);
+        let f = st.function(
+            ModuleKey::Op(TypeId::of::<O>(), E::DTYPE),
+            || kernels::binary::<O>(E::DTYPE),
+            &kernels::kernel_name(&format!("{}_fwd", O::NAME), E::DTYPE),
+        );
+        launch!(st, f, grid(n); out.ptr(), a.0.ptr(), b.0.ptr(), sh, vs[0], vs[1], n as i64, op.param(), mode);
+        out
+    }
+    fn select<E: Precision>(
+        &self,
+        mask: (&[bool], &[usize]),
+        a: (&CudaStorage<E>, &Layout),
+        b: (&CudaStorage<E>, &Layout),
+        shape: &[usize],
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let n: usize = shape.iter().product();
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let bytes: Vec<u8> = mask.0.iter().map(|&m| m as u8).collect();
+        let m = self.upload(&bytes);
+        let lm = Layout::contiguous(mask.1);
+        let (sh, vs) = views(
+            "where",
+            shape,
+            &[
+                (0, broadcast_strides(&lm, shape)),
+                (a.1.offset(), broadcast_strides(a.1, shape)),
+                (b.1.offset(), broadcast_strides(b.1, shape)),
+            ],
+        );
+        let f = st.family_fn(Family::Copy, E::DTYPE, "where_fwd");
+        launch!(st, f, grid(n); out.ptr(), m.ptr(), a.0.ptr(), b.0.ptr(), sh, vs[0], vs[1], vs[2], n as i64);
+        out
+    }
+
+    // ---- reductions
+
+    fn reduce<E: Precision>(
+        &self,
+        x: &CudaStorage<E>,
+        l: &Layout,
+        split: DimSplit,
+        op: ReduceOp,
+        scale: f64,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let DimSplit { outer, dim, inner } = split;
+        let out = self.uninit::<E>(outer * inner);
+        if outer * inner == 0 {
+            return out;
+        }
+        let (c, off) = self.contig(x, l);
+        let stem = match op {
+            ReduceOp::Sum => "sum_fwd",
+            ReduceOp::Max => "max_fwd",
+        };
+        let cfg = if inner == 1 { rows_grid(outer, dim, 0) } else { grid(outer * inner) };
+        let f = st.family_fn(Family::Reduce, E::DTYPE, stem);
+        launch!(st, f, cfg; out.ptr(), c.ptr_at(off), outer as i64, dim as i64, inner as i64, scale);
+        out
+    }
+    fn arg_reduce<E: Precision>(
+        &self,
+        x: &CudaStorage<E>,
+        l: &Layout,
+        split: DimSplit,
+        max: bool,
+    ) -> (CudaStorage<E>, Vec<usize>) {
+        let st = self.st();
+        let DimSplit { outer, dim, inner } = split;
+        let m = outer * inner;
+        let vals = self.uninit::<E>(m);
+        if m == 0 {
+            return (vals, Vec::new());
+        }
+        let (c, off) = self.contig(x, l);
+        let idx = RawVec::new(st, m, 8);
+        let f = st.family_fn(Family::Reduce, E::DTYPE, "arg_reduce_fwd");
+        launch!(st, f, grid(m); vals.ptr(), idx.ptr(), c.ptr_at(off), outer as i64, dim as i64, inner as i64, max as i32);
+        let host: Vec<i64> = self.download(idx.ptr(), m);
+        (vals, host.into_iter().map(|i| i as usize).collect())
+    }
+    fn scatter_dim<E: Precision>(
+        &self,
+        g: &CudaStorage<E>,
+        l: &Layout,
+        idx: &[usize],
+        split: DimSplit,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let DimSplit { outer, dim, inner } = split;
+        let out = self.zeros::<E>(outer * dim * inner);
+        if outer * inner == 0 {
+            return out;
+        }
+        let (c, off) = self.contig(g, l);
+        let ids: Vec<i64> = idx.iter().map(|&i| i as i64).collect();
+        let dev = self.upload(&ids);
+        let f = st.family_fn(Family::Reduce, E::DTYPE, "scatter_dim_bwd");
+        launch!(st, f, grid(outer * inner); out.ptr(), c.ptr_at(off), dev.ptr(), outer as i64, dim as i64, inner as i64);
+        out
+    }
+
+    // ---- GEMM
+
+    fn matmul<E: Precision>(
+        &self,
+        a: (&CudaStorage<E>, &Layout),
+        b: (&CudaStorage<E>, &Layout),
+        batch: &[usize],
+    ) -> CudaStorage<E> {
+        let (ra, rb) = (a.1.shape().len(), b.1.shape().len());
+        let (m, n) = (a.1.shape()[ra - 2], b.1.shape()[rb - 1]);
+        let out = self.uninit::<E>(batch.iter().product::<usize>() * m * n);
+        self.matmul_into((a.0, &a.1.into()), (b.0, &b.1.into()), batch, out.ptr(), E::DTYPE, 0.0);
+        out
+    }
+    fn linear<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        w: (&CudaStorage<E>, &Layout),
+        bias: Option<(&CudaStorage<E>, &Layout)>,
+    ) -> CudaStorage<E> {
+        let (rows, out_f) = (x.1.shape()[0], w.1.shape()[0]);
+        let wl = w.1;
+        let wt = Strided {
+            shape: vec![wl.shape()[1], out_f],
+            strides: vec![wl.strides()[1], wl.strides()[0]],
+            offset: wl.offset(),
+        };
+        let out = self.uninit::<E>(rows * out_f);
+        let Some(bias) = bias else {
+            self.matmul_into((x.0, &x.1.into()), (w.0, &wt), &[], out.ptr(), E::DTYPE, 0.0);
+            return out;
+        };
+        // The bias starts the accumulator: a buffer of the accumulation type filled with it,
+        // the product added with beta = 1, then one rounding.
+        let st = self.st();
+        let acc = acc_dtype(E::DTYPE);
+        let n = rows * out_f;
+        let mut keep = Vec::new();
+        let pb = self.contig_ptr(bias, &mut keep);
+        let scratch = if acc == E::DTYPE { None } else { Some(RawVec::new(st, n, acc.size_in_bytes())) };
+        let dst = scratch.as_ref().map_or(out.ptr(), |s| s.ptr());
+        if n > 0 {
+            let f = st.family_fn(Family::Conv, E::DTYPE, "bias_fill_fwd");
+            launch!(st, f, grid(n); dst, pb, n as i64, 1i64, out_f as i64);
+        }
+        self.matmul_into((x.0, &x.1.into()), (w.0, &wt), &[], dst, acc, 1.0);
+        match scratch {
+            None => out,
+            Some(s) => self.cast_ptr::<E>(s.ptr(), acc, n),
+        }
+    }
+
+    // ---- fused rows
+
+    fn softmax<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout, d: usize, log: bool) -> CudaStorage<E> {
+        let st = self.st();
+        let n = l.numel();
+        let out = self.uninit::<E>(n);
+        if n == 0 || d == 0 {
+            return out;
+        }
+        let (c, off) = self.contig(x, l);
+        let rows = n / d;
+        let (smem, cached) = row_cache(d * acc_dtype(E::DTYPE).size_in_bytes());
+        let f = st.family_fn(Family::Softmax, E::DTYPE, if log { "log_softmax_fwd" } else { "softmax_fwd" });
+        launch!(st, f, rows_grid(rows, d, smem); out.ptr(), c.ptr_at(off), rows as i64, d as i64, cached);
+        out
+    }
+    fn softmax_backward<E: Precision>(
+        &self,
+        y: (&CudaStorage<E>, &Layout),
+        g: (&CudaStorage<E>, &Layout),
+        d: usize,
+        log: bool,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let n = y.1.numel();
+        let out = self.uninit::<E>(n);
+        if n == 0 || d == 0 {
+            return out;
+        }
+        let mut keep = Vec::new();
+        let (py, pg) = (self.contig_ptr(y, &mut keep), self.contig_ptr(g, &mut keep));
+        let rows = n / d;
+        let f = st.family_fn(Family::Softmax, E::DTYPE, if log { "log_softmax_bwd" } else { "softmax_bwd" });
+        launch!(st, f, rows_grid(rows, d, 0); out.ptr(), py, pg, rows as i64, d as i64);
+        out
+    }
+    fn norm<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        d: usize,
+        weight: Option<(&CudaStorage<E>, &Layout)>,
+        bias: Option<(&CudaStorage<E>, &Layout)>,
+        eps: f64,
+        rms: bool,
+    ) -> (CudaStorage<E>, CudaRowStats<E>) {
+        self.norm_impl(x, d, weight, bias, eps, rms)
+    }
+    fn norm_backward<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        g: (&CudaStorage<E>, &Layout),
+        d: usize,
+        weight: Option<(&CudaStorage<E>, &Layout)>,
+        stats: &CudaRowStats<E>,
+        needs: (bool, bool),
+        rms: bool,
+    ) -> (CudaStorage<E>, Option<CudaStorage<E>>, Option<CudaStorage<E>>) {
+        assert_eq!(stats.kind, StatsKind::Norm, "norm backward with other statistics");
+        let st = self.st();
+        let n = x.1.numel();
+        let rows = if d == 0 { 0 } else { n / d };
+        let mut keep = Vec::new();
+        let (px, pg) = (self.contig_ptr(x, &mut keep), self.contig_ptr(g, &mut keep));
+        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));
+        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let dx = self.uninit::<E>(n);
+        if rows > 0 {
+            let (smem, cached) = row_cache(2 * d * acc);
+            let f = st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_bwd" } else { "layer_norm_bwd" });
+            launch!(st, f, rows_grid(rows, d, smem);
+                dx.ptr(), px, pg, pw, stats.a.ptr(), stats.b.ptr(), rows as i64, d as i64, cached);
+        }
+        let (gw, gb) = (needs.0.then(|| self.zeros::<E>(d)), needs.1.then(|| self.zeros::<E>(d)));
+        if (needs.0 || needs.1) && rows > 0 && d > 0 {
+            const PER: usize = 256;
+            let parts = rows.div_ceil(PER);
+            let pw_part = needs.0.then(|| RawVec::new(st, parts * d, acc));
+            let pb_part = needs.1.then(|| RawVec::new(st, parts * d, acc));
+            let (ppw, ppb) = (pw_part.as_ref().map_or(0, RawVec::ptr), pb_part.as_ref().map_or(0, RawVec::ptr));
+            let f = st.family_fn(Family::Norm, E::DTYPE, "norm_params_partial_bwd");
+            launch!(st, f, grid(parts * d);
+                ppw, ppb, px, pg, stats.a.ptr(), stats.b.ptr(), rows as i64, d as i64, PER as i64, parts as i64);
+            let f = st.family_fn(Family::Norm, E::DTYPE, "norm_params_bwd");
+            let (ow, ob) = (gw.as_ref().map_or(0, |s| s.ptr()), gb.as_ref().map_or(0, |s| s.ptr()));
+            launch!(st, f, grid(d); ow, ob, ppw, ppb, parts as i64, d as i64);
+        }
+        (dx, gw, gb)
+    }
+    fn cross_entropy<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        c: usize,
+        spec: CrossEntropySpec<'_>,
+    ) -> (CudaStorage<E>, CudaRowStats<E>, usize) {
+        let st = self.st();
+        let rows = spec.targets.len();
+        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let lse = RawVec::new(st, rows, acc);
+        let losses = RawVec::new(st, rows, 8);
+        let counted = spec.targets.iter().filter(|&&t| Some(t) != spec.ignore).count();
+        let mut keep = Vec::new();
+        let px = self.contig_ptr(x, &mut keep);
+        let targets = self.upload(spec.targets);
+        let (has_ignore, ignore) = (spec.ignore.is_some() as i32, spec.ignore.unwrap_or(0));
+        if rows > 0 && c > 0 {
+            let (smem, cached) = row_cache(c * acc);
+            let f = st.family_fn(Family::Loss, E::DTYPE, "cross_entropy_fwd");
+            launch!(st, f, rows_grid(rows, c, smem);
+                lse.ptr(), losses.ptr(), px, targets.ptr(), rows as i64, c as i64, has_ignore, ignore, spec.smoothing, cached);
+        }
+        let out = self.uninit::<E>(1);
+        let f = st.family_fn(Family::Loss, E::DTYPE, "mean_f64_fwd");
+        launch!(st, f, rows_grid(1, rows.max(32), 0); out.ptr(), losses.ptr(), rows as i64, counted as f64);
+        (out, CudaRowStats::new(StatsKind::LogSumExp, lse, RawVec::new(st, 0, acc)), counted)
+    }
+    fn cross_entropy_backward<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        c: usize,
+        spec: CrossEntropySpec<'_>,
+        stats: &CudaRowStats<E>,
+        scale: f64,
+    ) -> CudaStorage<E> {
+        assert_eq!(stats.kind, StatsKind::LogSumExp, "cross-entropy backward with other statistics");
+        let st = self.st();
+        let rows = spec.targets.len();
+        let out = self.uninit::<E>(rows * c);
+        if rows * c == 0 {
+            return out;
+        }
+        let mut keep = Vec::new();
+        let px = self.contig_ptr(x, &mut keep);
+        let targets = self.upload(spec.targets);
+        let (has_ignore, ignore) = (spec.ignore.is_some() as i32, spec.ignore.unwrap_or(0));
+        let f = st.family_fn(Family::Loss, E::DTYPE, "cross_entropy_bwd");
+        launch!(st, f, rows_grid(rows, c, 0);
+            out.ptr(), px, targets.ptr(), stats.a.ptr(), rows as i64, c as i64, has_ignore, ignore, spec.smoothing, scale);
+        out
+    }
+    fn mse<E: Precision>(&self, a: (&CudaStorage<E>, &Layout), b: (&CudaStorage<E>, &Layout)) -> CudaStorage<E> {
+        let st = self.st();
+        let shape = a.1.shape();
+        let n = a.1.numel();
+        let cfg = grid(n);
+        let blocks = if n == 0 { 0 } else { cfg.grid_dim.0 as usize };
+        let parts = RawVec::new(st, blocks, 8);
+        if n > 0 {
+            let (sh, vs) = views(
+                "mse",
+                shape,
+                &[(a.1.offset(), broadcast_strides(a.1, shape)), (b.1.offset(), broadcast_strides(b.1, shape))],
+            );
+            let f = st.family_fn(Family::Loss, E::DTYPE, "mse_fwd");
+            launch!(st, f, cfg; parts.ptr(), a.0.ptr(), b.0.ptr(), sh, vs[0], vs[1], n as i64);
+        }
+        let out = self.uninit::<E>(1);
+        let f = st.family_fn(Family::Loss, E::DTYPE, "mean_f64_fwd");
+        launch!(st, f, rows_grid(1, blocks.max(32), 0); out.ptr(), parts.ptr(), blocks as i64, n as f64);
+        out
+    }
+
+    // ---- convolution, pooling and batch norm
+
+    fn conv2d<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        w: (&CudaStorage<E>, &Layout),
+        bias: Option<(&CudaStorage<E>, &Layout)>,
+        spec: &Conv2dSpec,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let geo = ConvGeom::of(spec);
+        let (nb_all, c_out, l, k, g, og) = (
+            spec.batch,
+            spec.out_channels,
+            spec.output.0 * spec.output.1,
+            geo.k as usize,
+            spec.groups,
+            spec.group_out(),
+        );
+        let total = nb_all * c_out * l;
+        let out = self.uninit::<E>(total);
+        if total == 0 {
+            return out;
+        }
+        let mut keep = Vec::new();
+        let (px, pw) = (self.contig_ptr(x, &mut keep), self.contig_ptr(w, &mut keep));
+        let acc = acc_dtype(E::DTYPE);
+        // With a bias the GEMM accumulates onto it: in the output itself for f32/f64, in an
+        // f32 scratch for f16/bf16 (then rounded once).
+        let scratch = (bias.is_some() && acc != E::DTYPE).then(|| RawVec::new(st, total, acc.size_in_bytes()));
+        let (dst, dst_dtype) = match &scratch {
+            Some(s) => (s.ptr(), acc),
+            None => (out.ptr(), E::DTYPE),
+        };
+        let beta = if let Some(b) = bias {
+            let pb = self.contig_ptr(b, &mut keep);
+            let f = st.family_fn(Family::Conv, E::DTYPE, "bias_fill_fwd");
+            launch!(st, f, grid(total); dst, pb, total as i64, l as i64, c_out as i64);
+            1.0
+        } else {
+            0.0
+        };
+        let es = E::DTYPE.size_in_bytes();
+        let per_sample = g * k * l * es;
+        let chunk = (CONV_COLS_BYTES / per_sample.max(1)).clamp(1, nb_all);
+        let cols = CudaStorage::<E>::uninit(st, chunk * g * k * l);
+        let ds = dst_dtype.size_in_bytes();
+        let mut n0 = 0;
+        while n0 < nb_all {
+            let nb = chunk.min(nb_all - n0);
+            let f = st.family_fn(Family::Conv, E::DTYPE, "im2col_fwd");
+            launch!(st, f, grid(nb * g * k * l); cols.ptr(), px, n0 as i64, nb as i64, geo);
+            for gi in 0..g {
+                // outᵀ [L, og] = colsᵀ [L, K] · W_gᵀ [K, og] (column-major), per sample.
+                let a = Mat { ptr: cols.ptr() + (gi * k * l * es) as u64, ld: l, trans: false, stride: g * k * l };
+                let b = Mat { ptr: pw + (gi * og * k * es) as u64, ld: k, trans: false, stride: 0 };
+                let c =
+                    Mat { ptr: dst + ((n0 * c_out + gi * og) * l * ds) as u64, ld: l, trans: false, stride: c_out * l };
+                gemm::gemm(st, E::DTYPE, dst_dtype, (l, og, k), a, b, c, nb, beta);
+            }
+            n0 += nb;
+        }
+        match scratch {
+            Some(s) => self.cast_ptr::<E>(s.ptr(), acc, total),
+            None => out,
+        }
+    }
+    fn conv2d_backward_input<E: Precision>(
+        &self,
+        g: (&CudaStorage<E>, &Layout),
+        w: (&CudaStorage<E>, &Layout),
+        spec: &Conv2dSpec,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let geo = ConvGeom::of(spec);
+        let (nb_all, c_out, l, k, groups, og) = (
+            spec.batch,
+            spec.out_channels,
+            spec.output.0 * spec.output.1,
+            geo.k as usize,
+            spec.groups,
+            spec.group_out(),
+        );
+        let dx = self.uninit::<E>(nb_all * spec.in_channels * spec.input.0 * spec.input.1);
+        if dx.len == 0 {
+            return dx;
+        }
+        if l == 0 {
+            self.memset_zero(dx.ptr(), dx.len * E::DTYPE.size_in_bytes());
+            return dx;
+        }
+        let mut keep = Vec::new();
+        let (pg, pw) = (self.contig_ptr(g, &mut keep), self.contig_ptr(w, &mut keep));
+        let acc = acc_dtype(E::DTYPE);
+        let (es, acs) = (E::DTYPE.size_in_bytes(), acc.size_in_bytes());
+        let per_sample = groups * k * l * acs;
+        let chunk = (CONV_COLS_BYTES / per_sample.max(1)).clamp(1, nb_all);
+        let cols = RawVec::new(st, chunk * groups * k * l, acs);
+        let mut n0 = 0;
+        while n0 < nb_all {
+            let nb = chunk.min(nb_all - n0);
+            for gi in 0..groups {
+                // dcolsᵀ [L, K] = dYᵀ [L, og] · W_g [og, K] (column-major), per sample.
+                let a =
+                    Mat { ptr: pg + ((n0 * c_out + gi * og) * l * es) as u64, ld: l, trans: false, stride: c_out * l };
+                let b = Mat { ptr: pw + (gi * og * k * es) as u64, ld: k, trans: true, stride: 0 };
+                let c =
+                    Mat { ptr: cols.ptr() + (gi * k * l * acs) as u64, ld: l, trans: false, stride: groups * k * l };
+                gemm::gemm(st, E::DTYPE, acc, (l, k, og), a, b, c, nb, 0.0);
+            }
+            let n_el = nb * spec.in_channels * spec.input.0 * spec.input.1;
+            let f = st.family_fn(Family::Conv, E::DTYPE, "col2im_bwd");
+            launch!(st, f, grid(n_el); dx.ptr(), cols.ptr(), n0 as i64, nb as i64, geo);
+            n0 += nb;
+        }
+        dx
+    }
+    fn conv2d_backward_weight<E: Precision>(
+        &self,
+        x: Option<(&CudaStorage<E>, &Layout)>,
+        g: (&CudaStorage<E>, &Layout),
+        spec: &Conv2dSpec,
+        bias: bool,
+    ) -> (Option<CudaStorage<E>>, Option<CudaStorage<E>>) {
+        let st = self.st();
+        let geo = ConvGeom::of(spec);
+        let (nb_all, c_out, l, k, groups, og) = (
+            spec.batch,
+            spec.out_channels,
+            spec.output.0 * spec.output.1,
+            geo.k as usize,
+            spec.groups,
+            spec.group_out(),
+        );
+        let mut keep = Vec::new();
+        let pg = self.contig_ptr(g, &mut keep);
+        let acc = acc_dtype(E::DTYPE);
+        let (es, acs) = (E::DTYPE.size_in_bytes(), acc.size_in_bytes());
+        let gw = x.map(|x| {
+            let px = self.contig_ptr(x, &mut keep);
+            let n_w = c_out * k;
+            let sums = RawVec::new(st, n_w, acs);
+            if nb_all == 0 || l == 0 {
+                self.memset_zero(sums.ptr(), n_w * acs);
+            } else {
+                let per_sample = groups * k * l * es;
+                let chunk = (CONV_COLS_BYTES / per_sample.max(1)).clamp(1, nb_all);
+                let cols = CudaStorage::<E>::uninit(st, chunk * groups * k * l);
+                let mut n0 = 0;
+                while n0 < nb_all {
+                    let nb = chunk.min(nb_all - n0);
+                    let f = st.family_fn(Family::Conv, E::DTYPE, "im2col_fwd");
+                    launch!(st, f, grid(nb * groups * k * l); cols.ptr(), px, n0 as i64, nb as i64, geo);
+                    for s in 0..nb {
+                        for gi in 0..groups {
+                            // dW_gᵀ [K, og] += cols [K, L] · dYᵀ... (column-major: colsᵀ transposed
+                            // times dY_gᵀ), the samples summed in order in the accumulator.
+                            let a = Mat {
+                                ptr: cols.ptr() + (((s * groups + gi) * k * l) * es) as u64,
+                                ld: l,
+                                trans: true,
+                                stride: 0,
+                            };
+                            let b = Mat {
+                                ptr: pg + ((((n0 + s) * c_out) + gi * og) * l * es) as u64,
+                                ld: l,
+                                trans: false,
+                                stride: 0,
+                            };
+                            let c =
+                                Mat { ptr: sums.ptr() + (gi * og * k * acs) as u64, ld: k, trans: false, stride: 0 };
+                            let beta = if n0 + s == 0 { 0.0 } else { 1.0 };
+                            gemm::gemm(st, E::DTYPE, acc, (k, og, l), a, b, c, 1, beta);
+                        }
+                    }
+                    n0 += nb;
+                }
+            }
+            self.cast_ptr::<E>(sums.ptr(), acc, n_w)
+        });
+        let gb = bias.then(|| {
+            let out = self.uninit::<E>(c_out);
+            if c_out > 0 {
+                let f = st.family_fn(Family::Conv, E::DTYPE, "channel_sum_bwd");
+                launch!(st, f, rows_grid(c_out, nb_all * l, 0); out.ptr(), pg, nb_all as i64, c_out as i64, l as i64);
+            }
+            out
+        });
+        (gw, gb)
+    }
+    fn max_pool2d<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout, spec: &Pool2dSpec) -> CudaStorage<E> {
+        self.pool_fwd(x, l, spec, "max_pool2d_fwd")
+    }
+    fn max_pool2d_backward<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        g: (&CudaStorage<E>, &Layout),
+        spec: &Pool2dSpec,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let n = spec.planes * spec.input.0 * spec.input.1;
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let mut keep = Vec::new();
+        let (px, pg) = (self.contig_ptr(x, &mut keep), self.contig_ptr(g, &mut keep));
+        let f = st.family_fn(Family::Pool, E::DTYPE, "max_pool2d_bwd");
+        launch!(st, f, grid(n); out.ptr(), px, pg, PoolGeom::of(spec));
+        out
+    }
+    fn avg_pool2d<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout, spec: &Pool2dSpec) -> CudaStorage<E> {
+        self.pool_fwd(x, l, spec, "avg_pool2d_fwd")
+    }
+    fn avg_pool2d_backward<E: Precision>(&self, g: &CudaStorage<E>, l: &Layout, spec: &Pool2dSpec) -> CudaStorage<E> {
+        let st = self.st();
+        let n = spec.planes * spec.input.0 * spec.input.1;
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let (c, off) = self.contig(g, l);
+        let f = st.family_fn(Family::Pool, E::DTYPE, "avg_pool2d_bwd");
+        launch!(st, f, grid(n); out.ptr(), c.ptr_at(off), PoolGeom::of(spec));
+        out
+    }
+    fn batch_norm<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        weight: Option<(&CudaStorage<E>, &Layout)>,
+        bias: Option<(&CudaStorage<E>, &Layout)>,
+        stats: BatchNormStats<'_, CudaStorage<f32>>,
+        eps: f64,
+    ) -> (CudaStorage<E>, CudaRowStats<E>) {
+        let st = self.st();
+        let DimSplit { outer: n, dim: ch, inner } = DimSplit::of(x.1.shape(), 1);
+        let total = x.1.numel();
+        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let mut keep = Vec::new();
+        let px = self.contig_ptr(x, &mut keep);
+        let (mean, rstd) = (RawVec::new(st, ch, acc), RawVec::new(st, ch, acc));
+        match stats {
+            BatchNormStats::Batch { running, momentum } => {
+                let unbiased = RawVec::new(st, ch, acc);
+                if ch > 0 {
+                    let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_stats_fwd");
+                    launch!(st, f, rows_grid(ch, n * inner, 0);
+                        mean.ptr(), rstd.ptr(), unbiased.ptr(), px, n as i64, ch as i64, inner as i64, eps);
+                }
+                if let Some((rm, rv)) = running {
+                    assert!(
+                        Self::is_exclusive(rm) && Self::is_exclusive(rv),
+                        "backend invariant: running buffers shared"
+                    );
+                    if ch > 0 {
+                        let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_running_fwd");
+                        launch!(st, f, grid(ch); rm.ptr(), rv.ptr(), mean.ptr(), unbiased.ptr(), ch as i64, momentum);
+                    }
+                }
+            }
+            BatchNormStats::Given { mean: (ms, ml), var: (vs, vl) } => {
+                if ch > 0 {
+                    let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_given_fwd");
+                    let stride = |l: &Layout| l.strides().first().copied().unwrap_or(1) as i64;
+                    launch!(st, f, grid(ch);
+                        mean.ptr(), rstd.ptr(), ms.ptr(), ml.offset() as i64, stride(ml), vs.ptr(), vl.offset() as i64, stride(vl), ch as i64, eps);
+                }
+            }
+        }
+        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));
+        let pb = bias.map_or(0, |b| self.contig_ptr(b, &mut keep));
+        let y = self.uninit::<E>(total);
+        if total > 0 {
+            let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_fwd");
+            launch!(st, f, grid(total);
+                y.ptr(), px, mean.ptr(), rstd.ptr(), pw, pb, total as i64, ch as i64, inner as i64);
+        }
+        (y, CudaRowStats::new(StatsKind::Channels, mean, rstd))
+    }
+    fn batch_norm_backward<E: Precision>(
+        &self,
+        x: (&CudaStorage<E>, &Layout),
+        g: (&CudaStorage<E>, &Layout),
+        weight: Option<(&CudaStorage<E>, &Layout)>,
+        stats: &CudaRowStats<E>,
+        needs: (bool, bool),
+        training: bool,
+    ) -> (CudaStorage<E>, Option<CudaStorage<E>>, Option<CudaStorage<E>>) {
+        assert_eq!(stats.kind, StatsKind::Channels, "batch norm backward with other statistics");
+        let st = self.st();
+        let DimSplit { outer: n, dim: ch, inner } = DimSplit::of(x.1.shape(), 1);
+        let total = x.1.numel();
+        let acc = acc_dtype(E::DTYPE);
+        let mut keep = Vec::new();
+        let (px, pg) = (self.contig_ptr(x, &mut keep), self.contig_ptr(g, &mut keep));
+        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));
+        let (sg, sgx) = (RawVec::new(st, ch, acc.size_in_bytes()), RawVec::new(st, ch, acc.size_in_bytes()));
+        if (training || needs.0 || needs.1) && ch > 0 {
+            let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_sums_bwd");
+            launch!(st, f, rows_grid(ch, n * inner, 0);
+                sg.ptr(), sgx.ptr(), px, pg, stats.a.ptr(), stats.b.ptr(), n as i64, ch as i64, inner as i64);
+        }
+        let dx = self.uninit::<E>(total);
+        if total > 0 {
+            let inv_m = 1.0 / (n * inner) as f64;
+            let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_bwd");
+            launch!(st, f, grid(total);
+                dx.ptr(), px, pg, stats.a.ptr(), stats.b.ptr(), pw, sg.ptr(), sgx.ptr(), total as i64, ch as i64,
+                inner as i64, training as i32, inv_m);
+        }
+        let gw = needs.0.then(|| self.cast_ptr::<E>(sgx.ptr(), acc, ch));
+        let gb = needs.1.then(|| self.cast_ptr::<E>(sg.ptr(), acc, ch));
+        (dx, gw, gb)
+    }
+
+    // ---- gather, scatter-add, embedding, cat
+
+    fn gather_rows<E: Precision>(&self, w: (&CudaStorage<E>, &Layout), ids: &[i64], d: usize) -> CudaStorage<E> {
+        let st = self.st();
+        let n = ids.len() * d;
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let mut keep = Vec::new();
+        let pw = self.contig_ptr(w, &mut keep);
+        let dev = self.upload(ids);
+        let f = st.family_fn(Family::Index, E::DTYPE, "gather_rows_fwd");
+        launch!(st, f, grid(n); out.ptr(), pw, dev.ptr(), ids.len() as i64, d as i64);
+        out
+    }
+    fn scatter_add_rows<E: Precision>(
+        &self,
+        g: (&CudaStorage<E>, &Layout),
+        ids: &[i64],
+        vocab: usize,
+        d: usize,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let n = vocab * d;
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        // Rows by id, ascending position within an id (a stable sort, the CPU's order).
+        let mut order: Vec<i64> = (0..ids.len() as i64).collect();
+        order.sort_by_key(|&r| ids[r as usize]);
+        let mut starts = vec![0i64; vocab + 1];
+        for &id in ids {
+            starts[id as usize + 1] += 1;
+        }
+        for v in 0..vocab {
+            starts[v + 1] += starts[v];
+        }
+        let mut keep = Vec::new();
+        let pg = self.contig_ptr(g, &mut keep);
+        let (order, starts) = (self.upload(&order), self.upload(&starts));
+        let f = st.family_fn(Family::Index, E::DTYPE, "scatter_add_rows_bwd");
+        launch!(st, f, grid(n); out.ptr(), pg, order.ptr(), starts.ptr(), vocab as i64, d as i64);
+        out
+    }
+    fn cat<E: Precision>(
+        &self,
+        parts: &[(&CudaStorage<E>, &Layout, usize)],
+        outer: usize,
+        inner: usize,
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let total: usize = parts.iter().map(|p| p.2).sum();
+        let out = self.uninit::<E>(outer * total * inner);
+        let out_row = total * inner;
+        let mut at = 0;
+        for (s, l, d) in parts {
+            let part_row = d * inner;
+            if outer * part_row > 0 {
+                let (c, off) = self.contig(s, l);
+                let f = st.family_fn(Family::Index, E::DTYPE, "cat_fwd");
+                launch!(st, f, grid(outer * part_row);
+                    out.ptr(), c.ptr_at(off), outer as i64, part_row as i64, out_row as i64, at as i64);
+            }
+            at += part_row;
+        }
+        out
+    }
+
+    // ---- random numbers
+
+    fn dropout<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout, p: f64, seed: u64) -> CudaStorage<E> {
+        let st = self.st();
+        let n = l.numel();
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let thr = (p * 4_294_967_296.0).round().min(u32::MAX as f64) as u32;
+        let scale = 1.0 / (1.0 - p);
+        let (sh, v) = view1("dropout", l);
+        let chunks = n.div_ceil(16384);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (chunks.min(1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = st.family_fn(Family::Amp, E::DTYPE, "dropout_fwd");
+        launch!(st, f, cfg; out.ptr(), x.ptr(), sh, v, n as i64, thr, scale, seed);
+        out
+    }
+
+    // ---- the AMP passes
+
+    fn unscale_check(&self, grads: &mut [&mut CudaStorage<f32>], inv: f32, found_inf: &mut CudaStorage<f32>) {
+        let st = self.st();
+        assert!(Self::is_exclusive(found_inf), "backend invariant: found_inf is shared");
+        let mut table = Vec::new();
+        for (i, g) in grads.iter().enumerate() {
+            assert!(Self::is_exclusive(g), "backend invariant: in-place pass on a shared storage");
+            let mut start = 0;
+            while start < g.len {
+                let len = UNSCALE_CHUNK.min(g.len - start);
+                table.push(AmpChunk { ptr: g.ptr_at(start), len: len as i64, flag: i as i64 });
+                start += len;
+            }
+        }
+        if table.is_empty() {
+            return;
+        }
+        let dev = self.upload(&table);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (table.len().min(1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = st.family_fn(Family::Unscale, DType::F32, "unscale_check_fwd");
+        launch!(st, f, cfg; dev.ptr(), table.len() as i64, inv, found_inf.ptr());
+    }
+    fn any_non_finite<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout) -> bool {
+        let st = self.st();
+        let n = l.numel();
+        if n == 0 {
+            return false;
+        }
+        let flag = RawVec::new(st, 1, 4);
+        self.memset_zero(flag.ptr(), 4);
+        let (sh, v) = view1("any_non_finite", l);
+        let f = st.family_fn(Family::Amp, E::DTYPE, "non_finite_fwd");
+        launch!(st, f, grid(n); flag.ptr(), x.ptr(), sh, v, n as i64);
+        self.download::<i32>(flag.ptr(), 1)[0] != 0
+    }
+    fn sum_squares<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout) -> f64 {
+        let st = self.st();
+        let n = l.numel();
+        if n == 0 {
+            return 0.0;
+        }
+        let cfg = grid(n);
+        let blocks = cfg.grid_dim.0 as usize;
+        let acc = acc_dtype(E::DTYPE);
+        let parts = RawVec::new(st, blocks, acc.size_in_bytes());
+        let (sh, v) = view1("sum_squares", l);
+        let f = st.family_fn(Family::Amp, E::DTYPE, "sum_squares_fwd");
+        launch!(st, f, cfg; parts.ptr(), x.ptr(), sh, v, n as i64);
+        if acc == DType::F64 {
+            self.download::<f64>(parts.ptr(), blocks).iter().sum()
+        } else {
+            self.download::<f32>(parts.ptr(), blocks).iter().map(|&p| p as f64).sum()
+        }
+    }
+    fn scale_in_place<E: Precision>(&self, x: &mut CudaStorage<E>, k: f32) {
+        assert!(Self::is_exclusive(x), "backend invariant: in-place pass on a shared storage");
+        let st = self.st();
+        if x.len > 0 {
+            let f = st.family_fn(Family::Amp, E::DTYPE, "scale_fwd");
+            launch!(st, f, grid(x.len); x.ptr(), x.len as i64, k);
+        }
+    }
+    fn clamp_in_place<E: Precision>(&self, x: &mut CudaStorage<E>, c: f32) {
+        assert!(Self::is_exclusive(x), "backend invariant: in-place pass on a shared storage");
+        let st = self.st();
+        if x.len > 0 {
+            let f = st.family_fn(Family::Amp, E::DTYPE, "clamp_fwd");
+            launch!(st, f, grid(x.len); x.ptr(), x.len as i64, c);
+        }
+    }
+}
+
+impl Cuda {
+    fn pool_fwd<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout, spec: &Pool2dSpec, stem: &str) -> CudaStorage<E> {
+        let st = self.st();
+        let n = spec.planes * spec.output.0 * spec.output.1;
+        let out = self.uninit::<E>(n);
+        if n == 0 {
+            return out;
+        }
+        let (c, off) = self.contig(x, l);
+        let f = st.family_fn(Family::Pool, E::DTYPE, stem);
+        launch!(st, f, grid(n); out.ptr(), c.ptr_at(off), PoolGeom::of(spec));
+        out
+    }
+}

@@ -1,0 +1,158 @@
+//! Launch plumbing: the layout structs kernels take by value, launch configurations, and small
+//! host <-> device copies.
+//!
+//! Design notes:
+//! - [`AmpShape`] and [`AmpView`] mirror the prelude's structs field for field (`#[repr(C)]`).
+//!   Before a strided kernel, dims that every operand walks contiguously are merged and size-1
+//!   dims dropped ([`collapse`], the CPU backend's rule), so most views reach the kernel with
+//!   rank 1 or 2; at most [`MAX_RANK`] dims remain, or the call panics naming the op.
+//! - Elementwise kernels use grid-stride loops: 256 threads a block, enough blocks to fill the
+//!   GPU and no more ([`grid`]). Row kernels use one block per row ([`rows_grid`]).
+
+use amp_core::layout::Layout;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+/// The prelude's `AMP_MAX_RANK`.
+pub const MAX_RANK: usize = 12;
+
+/// A shape for a kernel (the prelude's `AmpShape`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AmpShape {
+    rank: i32,
+    pad: i32,
+    dims: [i64; MAX_RANK],
+}
+
+/// One operand's offset and strides for a kernel (the prelude's `AmpView`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AmpView {
+    offset: i64,
+    strides: [i64; MAX_RANK],
+}
+
+// SAFETY: both are `#[repr(C)]` structs of plain integers with the field order, types and
+// padding of the prelude's structs, passed by value as kernel parameters.
+unsafe impl DeviceRepr for AmpShape {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for AmpView {}
+
+/// Strides of `l` seen through broadcasting to `shape` (broadcast dims get stride 0).
+pub fn broadcast_strides(l: &Layout, shape: &[usize]) -> Vec<usize> {
+    let pad = shape.len() - l.shape().len();
+    let mut strides = vec![0; shape.len()];
+    for (i, (&d, &s)) in l.shape().iter().zip(l.strides()).enumerate() {
+        strides[pad + i] = if d == 1 { 0 } else { s };
+    }
+    strides
+}
+
+/// Merges dims every operand walks contiguously and drops size-1 dims (the CPU backend's
+/// `collapse`): the same walk with fewer dims.
+pub fn collapse(shape: &[usize], strides: &[Vec<usize>]) -> (Vec<usize>, Vec<Vec<usize>>) {
+    let k = strides.len();
+    let mut out_shape: Vec<usize> = Vec::new();
+    let mut out: Vec<Vec<usize>> = vec![Vec::new(); k];
+    for d in 0..shape.len() {
+        if shape[d] == 1 {
+            continue;
+        }
+        let mergeable = !out_shape.is_empty() && (0..k).all(|i| *out[i].last().unwrap() == strides[i][d] * shape[d]);
+        if mergeable {
+            *out_shape.last_mut().unwrap() *= shape[d];
+            for i in 0..k {
+                *out[i].last_mut().unwrap() = strides[i][d];
+            }
+        } else {
+            out_shape.push(shape[d]);
+            for i in 0..k {
+                out[i].push(strides[i][d]);
+            }
+        }
+    }
+    (out_shape, out)
+}
+
+/// The kernel arguments for views `(offset, strides)` over one `shape`, collapsed.
+///
+/// # Panics
+/// When more than [`MAX_RANK`] dims remain after merging (names `op`).
+pub fn views(op: &str, shape: &[usize], operands: &[(usize, Vec<usize>)]) -> (AmpShape, Vec<AmpView>) {
+    let strides: Vec<Vec<usize>> = operands.iter().map(|o| o.1.clone()).collect();
+    let (cs, cst) = collapse(shape, &strides);
+    assert!(
+        cs.len() <= MAX_RANK,
+        "cuda: {op}: a view with {} dims that do not merge is not supported (at most {MAX_RANK}); make it contiguous first",
+        cs.len()
+    );
+    let mut s = AmpShape { rank: cs.len() as i32, ..Default::default() };
+    for (i, &d) in cs.iter().enumerate() {
+        s.dims[i] = d as i64;
+    }
+    let vs = operands
+        .iter()
+        .zip(&cst)
+        .map(|((off, _), st)| {
+            let mut v = AmpView { offset: *off as i64, ..Default::default() };
+            for (i, &x) in st.iter().enumerate() {
+                v.strides[i] = x as i64;
+            }
+            v
+        })
+        .collect();
+    (s, vs)
+}
+
+/// The arguments for one view over its own shape.
+pub fn view1(op: &str, l: &Layout) -> (AmpShape, AmpView) {
+    let (s, v) = views(op, l.shape(), &[(l.offset(), l.strides().to_vec())]);
+    (s, v[0])
+}
+
+/// Threads per block of the elementwise kernels.
+pub const THREADS: u32 = 256;
+
+/// A grid-stride launch over `n` work items (`n > 0`).
+pub fn grid(n: usize) -> LaunchConfig {
+    // 132 SMs × 2048 threads on an H200, a few times over: more blocks than that only loop.
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One block per row for `rows` rows of `d` elements, with `smem` bytes of dynamic shared memory.
+pub fn rows_grid(rows: usize, d: usize, smem: u32) -> LaunchConfig {
+    let threads = d.next_power_of_two().clamp(32, 512) as u32;
+    let blocks = rows.clamp(1, 1 << 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem }
+}
+
+/// Dynamic shared memory a row kernel may use without opting in (48 KiB).
+pub const ROW_SMEM: usize = 48 * 1024;
+
+/// The shared memory to cache `per_row` bytes of a row in, and whether it fits.
+pub fn row_cache(per_row: usize) -> (u32, i32) {
+    if per_row <= ROW_SMEM { (per_row as u32, 1) } else { (0, 0) }
+}
+
+/// Launches `func` on the state's stream with the given arguments (each bound to a local so it
+/// outlives the launch), panicking with the kernel's name on a launch error.
+macro_rules! launch {
+    ($st:expr, $func:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        use cudarc::driver::PushKernelArg as _;
+        let st: &crate::device::State = $st;
+        let func: cudarc::driver::CudaFunction = $func;
+        let cfg: cudarc::driver::LaunchConfig = $cfg;
+        let mut builder = st.stream.launch_builder(&func);
+        $(
+            let arg = $arg;
+            builder.arg(&arg);
+        )*
+        // SAFETY: the arguments are the kernel's parameters in order and type (the prelude's
+        // structs are mirrored by `AmpShape`/`AmpView`, pointers are u64 device addresses of
+        // live blocks sized for the kernel's indexing), and they live until the launch returns.
+        let r = unsafe { builder.launch(cfg) };
+        st.check(&format!("launching {}", stringify!($func)), r);
+    }};
+}
+pub(crate) use launch;

@@ -32,7 +32,7 @@ use serde::de::IgnoredAny;
 use crate::checkpoint::{self, TrainingState};
 use crate::data::{AdditionConfig, AdditionDataset, AdditionTask, CharTextDataset, DataLoader, TokenBatch};
 use crate::nn::{Gpt, GptConfig};
-use crate::optim::{AdamState, AdamW, Optim, Optimizer, OptimizerState, ParamGroup, WarmupCosine};
+use crate::optim::{AdamState, AdamW, Optim, OptimizerState, ParamGroup, WarmupCosine};
 use crate::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale, any_non_finite};
 use crate::train_utils::{MetricsRow, MetricsWriter, Progress, format_table, plot_metrics};
 use crate::{Error, Indices, Params, Precision, Result, Rng, Tensor, bf16, f16, no_grad};

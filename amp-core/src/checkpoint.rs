@@ -83,6 +83,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::backend::Device;
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
 use crate::indices::Indices;
@@ -795,12 +796,14 @@ pub fn save_tensors(path: impl AsRef<Path>, tensors: &TensorFile) -> Result<()> 
 /// (`F32`, or `BF16` for a pure-bf16 model), buffers (running statistics) in `F32`, PyTorch
 /// names, metadata `format = pt` (what `safetensors.torch` writes) and the checksum. Saving the
 /// same model twice gives the same bytes.
-pub fn weights_to_bytes<E: Precision>(model: &impl Params<E>) -> Result<Vec<u8>> {
+pub fn weights_to_bytes<E: Precision, D: Device>(model: &impl Params<E, D>) -> Result<Vec<u8>> {
     let buffers: Vec<(String, Vec<usize>, Vec<f32>)> =
         model.named_buffers().into_iter().map(|(n, b)| (n, b.shape().to_vec(), b.to_vec())).collect();
     let params = model.named_params();
+    // The values on the host (a copy, also on the CPU: the file is written from it).
+    let values: Vec<Vec<E>> = params.iter().map(|(_, p)| p.to_vec()).collect();
     let mut named: Vec<(&str, &[usize], Values<'_>)> =
-        params.iter().map(|(n, p)| (n.as_str(), p.shape(), Values::of(p.data()))).collect();
+        params.iter().zip(&values).map(|((n, p), v)| (n.as_str(), p.shape(), Values::of(v))).collect();
     named.extend(buffers.iter().map(|(n, shape, v)| (n.as_str(), &shape[..], Values::F32(v))));
     named.sort_by(|a, b| a.0.cmp(b.0));
     if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
@@ -814,7 +817,7 @@ pub fn weights_to_bytes<E: Precision>(model: &impl Params<E>) -> Result<Vec<u8>>
 
 /// Saves the model's parameters to `path` (safetensors in their element type, PyTorch names),
 /// atomically.
-pub fn save_weights<E: Precision>(path: impl AsRef<Path>, model: &impl Params<E>) -> Result<()> {
+pub fn save_weights<E: Precision, D: Device>(path: impl AsRef<Path>, model: &impl Params<E, D>) -> Result<()> {
     write_atomic(path.as_ref(), &weights_to_bytes(model)?)
 }
 
@@ -1026,7 +1029,7 @@ impl std::fmt::Display for LoadReport {
 /// matches. Files of any float dtype (PyTorch exports in f16/bf16/f64) are converted to the
 /// model's element type: f32, or bf16 (rounded to nearest) for a pure-bf16 model. For other
 /// names or a partial load, see [`load_weights_with`].
-pub fn load_weights<E: Precision>(path: impl AsRef<Path>, model: &mut impl Params<E>) -> Result<()> {
+pub fn load_weights<E: Precision, D: Device>(path: impl AsRef<Path>, model: &mut impl Params<E, D>) -> Result<()> {
     load_weights_with(path, model, &LoadOptions::new()).map(|_| ())
 }
 
@@ -1036,9 +1039,9 @@ pub fn load_weights<E: Precision>(path: impl AsRef<Path>, model: &mut impl Param
 /// written: a refused load (a strict mismatch, a wrong shape, an integer tensor under a
 /// parameter's name, two file tensors mapped to one name, a corrupt file) leaves the model as
 /// it was, and its error names the file and every tensor at fault.
-pub fn load_weights_with<E: Precision>(
+pub fn load_weights_with<E: Precision, D: Device>(
     path: impl AsRef<Path>,
-    model: &mut impl Params<E>,
+    model: &mut impl Params<E, D>,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     let path = path.as_ref();
@@ -1049,10 +1052,10 @@ pub fn load_weights_with<E: Precision>(
 /// Problems of one kind listed in a refusal: at most this many, then a count.
 const MAX_LISTED: usize = 6;
 
-fn assign<E: Precision>(
+fn assign<E: Precision, D: Device>(
     path: &Path,
     tensors: BTreeMap<String, StoredTensor>,
-    model: &mut impl Params<E>,
+    model: &mut impl Params<E, D>,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     // What the model holds: every parameter, then every buffer, by name, with its shape.
@@ -1155,12 +1158,18 @@ fn assign<E: Precision>(
     let (for_params, for_buffers): (Vec<_>, Vec<_>) = plan.into_iter().partition(|(i, _)| *i < n_params);
     let mut params = model.named_params_mut();
     for (i, values) in for_params {
-        E::from_f32_slice(&values, params[i].1.data_mut());
+        let p = &mut params[i].1;
+        let mut converted = vec![E::from_f64(0.0); values.len()];
+        E::from_f32_slice(&values, &mut converted);
+        let dev = p.device().clone();
+        p.set(&Tensor::from_storage(&dev, dev.from_host(converted), &targets[i].1));
     }
     drop(params);
     let mut buffers = model.named_buffers_mut();
     for (i, values) in for_buffers {
-        buffers[i - n_params].1.make_mut().copy_from_slice(&values);
+        let b = &mut buffers[i - n_params].1;
+        let dev = b.device().clone();
+        b.set_values(&Tensor::from_storage(&dev, dev.from_host(values), &targets[i].1));
     }
     Ok(LoadReport {
         loaded,
@@ -1201,9 +1210,9 @@ fn is_weights_name(name: &str) -> bool {
 
 /// Saves `model` and `state` into the directory `dir` (created if needed), atomically as a
 /// pair: a crash at any point leaves either the previous checkpoint or this one, complete.
-pub fn save_checkpoint<O: Serialize, S: Serialize, X: Serialize, E: Precision>(
+pub fn save_checkpoint<O: Serialize, S: Serialize, X: Serialize, E: Precision, D: Device>(
     dir: impl AsRef<Path>,
-    model: &impl Params<E>,
+    model: &impl Params<E, D>,
     state: &TrainingState<O, S, X>,
 ) -> Result<CheckpointFiles> {
     let dir = dir.as_ref();
@@ -1292,6 +1301,11 @@ pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: Deseri
 /// read as `O`, `S` and `X` (see [`read_checkpoint_state`]); `E` is the model's element type
 /// (f32, or bf16 for a pure-bf16 model), inferred (`load_checkpoint::<O, S, X, _>`). The model
 /// is untouched if anything is refused (see [`load_weights`]).
+///
+/// The model is a CPU one (its generic arguments are the stable `<O, S, X, _>`): for a model
+/// on another device, load into a CPU model and move it with `to_device`, as PyTorch users
+/// load a `state_dict` on the CPU before `model.to(device)`; [`load_weights`] and
+/// [`save_checkpoint`] take a model on any device.
 pub fn load_checkpoint<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned, E: Precision>(
     dir: impl AsRef<Path>,
     model: &mut impl Params<E>,

@@ -80,6 +80,11 @@ impl<E: Precision, D: Device> Param<E, D> {
     pub fn to_device<D2: Device>(&self, device: &D2) -> Param<E, D2> {
         Param::new(self.tensor.to_device(device))
     }
+    /// The values' storage, for an in-place update (copy on write if a graph still shares it).
+    pub(crate) fn storage_mut(&mut self) -> &mut D::Storage<E> {
+        self.tensor.make_exclusive();
+        &mut self.tensor.storage
+    }
 }
 
 impl<E: Precision> Param<E, Cpu> {

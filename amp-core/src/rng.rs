@@ -3,6 +3,14 @@
 //! xoshiro256** seeded through splitmix64: fast, well tested, and 32 bytes of state, so a
 //! resumed run draws exactly the numbers an uninterrupted run would have.
 
+/// splitmix64: a bijective mix of 64 bits (the increment, then its finaliser).
+pub(crate) fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// A seeded pseudo-random generator (xoshiro256**) with serialisable state.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Rng {
@@ -14,11 +22,9 @@ impl Rng {
     pub fn seed(seed: u64) -> Self {
         let mut x = seed;
         let mut next = || {
+            let z = splitmix64(x);
             x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
+            z
         };
         Rng { s: [next(), next(), next(), next()] }
     }

@@ -600,6 +600,20 @@ impl<E: Precision, D: Device> Tensor<E, D> {
             self.layout = Layout::contiguous(&self.layout.shape.clone());
         }
     }
+    /// Overwrites the values with `value`'s (same shape), in place when nothing shares the
+    /// buffer; not recorded by autograd (a buffer or parameter load).
+    pub(crate) fn set_values(&mut self, value: &Tensor<E, D>) {
+        debug_assert_eq!(value.shape(), self.shape());
+        self.make_exclusive();
+        let dst = self.layout.clone();
+        self.device.write_into(&mut self.storage, &dst, &value.storage, &value.layout, false);
+    }
+    /// A storage holding exactly this view, contiguous: the tensor's own (shared, not copied)
+    /// when the view is the whole of it, else a contiguous copy.
+    pub(crate) fn contiguous_storage(&self) -> D::Storage<E> {
+        let whole = self.layout.is_contiguous() && self.layout.offset == 0 && D::len(&self.storage) == self.numel();
+        if whole { self.storage.clone() } else { self.device.contiguous(&self.storage, &self.layout) }
+    }
 }
 
 impl<E: Precision, D: Device> fmt::Debug for Tensor<E, D> {

@@ -7,7 +7,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use amp_core::backend::{
-    BatchNormStats, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Pool2dSpec, ReduceOp, UnaryOp,
+    AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Pool2dSpec,
+    ReduceOp, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
 use amp_core::nn::{Gpt, GptConfig};
@@ -26,6 +27,10 @@ struct Mirror;
 /// methods can read it.
 #[derive(Clone)]
 struct Buf<E: Precision>(<Cpu as Device>::Storage<E>);
+
+/// `Mirror`'s optimizer-state vectors: a type of their own too.
+#[derive(Clone, Debug)]
+struct StateBuf(Vec<f32>);
 
 fn hit() {
     CALLS.fetch_add(1, Ordering::Relaxed);
@@ -322,6 +327,46 @@ impl Device for Mirror {
         hit();
         Cpu.clamp_in_place(&mut x.0, c)
     }
+    type StateVec = StateBuf;
+    fn state_zeros(&self, n: usize) -> StateBuf {
+        StateBuf(Cpu.state_zeros(n))
+    }
+    fn state_from_host(&self, v: Vec<f32>) -> StateBuf {
+        StateBuf(v)
+    }
+    fn state_to_host(&self, v: &StateBuf) -> Vec<f32> {
+        v.0.clone()
+    }
+    fn state_len(&self, v: &StateBuf) -> usize {
+        v.0.len()
+    }
+    fn sgd_update(
+        &self,
+        args: &SgdArgs,
+        param: &mut Buf<f32>,
+        grad: &Buf<f32>,
+        momentum_buffer: Option<&mut StateBuf>,
+        found_inf: Option<&Buf<f32>>,
+    ) {
+        hit();
+        Cpu.sgd_update(args, &mut param.0, &grad.0, momentum_buffer.map(|b| &mut b.0), found_inf.map(|f| &f.0))
+    }
+    fn adam_update(
+        &self,
+        args: &AdamArgs,
+        param: &mut Buf<f32>,
+        grad: &Buf<f32>,
+        exp_avg: &mut StateBuf,
+        exp_avg_sq: &mut StateBuf,
+        found_inf: Option<&Buf<f32>>,
+    ) {
+        hit();
+        Cpu.adam_update(args, &mut param.0, &grad.0, &mut exp_avg.0, &mut exp_avg_sq.0, found_inf.map(|f| &f.0))
+    }
+    fn write_bf16(&self, updated: &Buf<f32>, param: &mut Buf<bf16>, mode: Bf16Write, comp: Option<&mut Buf<bf16>>) {
+        hit();
+        Cpu.write_bf16(&updated.0, &mut param.0, mode, comp.map(|c| &mut c.0))
+    }
 }
 
 /// A small GPT-like step touching every op family: embedding, cat, linear, matmul with a
@@ -491,5 +536,122 @@ fn gradient_clipping_runs_on_the_gradients_device() {
             a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
+    }
+}
+
+/// Per step (loss bits, skipped, scale bits); the final parameters' bits; the optimizer state.
+type Trained = (Vec<(u32, bool, u32)>, Vec<Vec<u32>>, amp_core::optim::OptimizerState<amp_core::optim::AdamState>);
+
+/// `steps` AMP iterations of the small GPT in precision `L` with `scaler`, AdamW (with
+/// clipping), on the model's device: the losses, skipped flags and scales, and the final
+/// parameters and optimizer state, as bits.
+fn train_steps<L: Precision, K: amp_core::scaler::LossScaler, D: Device>(
+    model: &mut Gpt<f32, D>,
+    scaler: &mut K,
+    steps: usize,
+) -> Trained {
+    let mut opt = amp_core::optim::AdamW::new(3e-3).weight_decay(0.1).build().unwrap();
+    let mut log = Vec::new();
+    for i in 0..steps {
+        let ids = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 7) % 17).collect(), &[2, 6]);
+        let targets = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 3 + 1) % 17).collect(), &[2, 6]);
+        let loss = model.loss::<L>(&ids, &targets, &mut Rng::seed(i as u64));
+        let value = loss.item().to_bits();
+        let mut grads = scaler.scale(loss).backward().unscale();
+        grads.clip_grad_norm(1.0);
+        let report = grads.step(&mut opt, model).update().unwrap();
+        log.push((value, report.skipped, report.scale.to_bits()));
+    }
+    let params = model.named_params().iter().map(|(_, p)| p.to_vec().iter().map(|v| v.to_bits()).collect()).collect();
+    (log, params, opt.state_dict())
+}
+
+#[test]
+fn the_whole_amp_step_runs_on_the_second_device_bit_for_bit() {
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 2, n_heads: 2, dropout: 0.1 };
+    let init = Gpt::new(config, &mut Rng::seed(3));
+    // f16 with a GradScaler whose first scale overflows (a skipped step), and bf16 without one.
+    let scaler = || {
+        amp_core::scaler::GradScaler::with_options(amp_core::scaler::GradScalerOptions {
+            init_scale: 2f32.powi(22),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    let before = CALLS.load(Ordering::Relaxed);
+    let on_mirror = train_steps::<f16, _, _>(&mut mir, &mut scaler(), 6);
+    assert!(CALLS.load(Ordering::Relaxed) > before);
+    let on_cpu = train_steps::<f16, _, _>(&mut cpu, &mut scaler(), 6);
+    assert!(on_cpu.0.iter().any(|s| s.1), "a step was skipped: {:?}", on_cpu.0);
+    assert!(on_cpu.0.iter().any(|s| !s.1), "a step was applied");
+    assert_eq!(on_mirror, on_cpu, "f16 + GradScaler");
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    let ns = amp_core::scaler::NoScale::new;
+    assert_eq!(
+        train_steps::<bf16, _, _>(&mut mir, &mut ns(), 4),
+        train_steps::<bf16, _, _>(&mut cpu, &mut ns(), 4),
+        "bf16"
+    );
+}
+
+#[test]
+fn optimizer_state_follows_a_model_to_another_device() {
+    // Three SGD-with-momentum steps on the CPU, then three more: once on the CPU, once with the
+    // model (and the same optimizer) moved to `Mirror`. The state moves with the parameters.
+    let run = |switch: bool| {
+        let mut w: amp_core::Param = amp_core::Param::new(Tensor::<f32>::from_f32s(&[1.0, -2.0, 0.5], &[3]));
+        let mut opt = amp_core::optim::Sgd::new(0.1).momentum(0.9).build().unwrap();
+        let x = Tensor::<f32>::from_f32s(&[0.3, 0.2, -0.7], &[3]);
+        for _ in 0..3 {
+            let g = w.mul(&x).square().sum_all().backward();
+            amp_core::optim::Optimizer::step(&mut opt, &mut w, &g).unwrap();
+        }
+        if switch {
+            let mut m = w.to_device(&Mirror);
+            opt.bind(&m);
+            let xm = x.to_device(&Mirror);
+            for _ in 0..3 {
+                let g = m.mul(&xm).square().sum_all().backward();
+                amp_core::optim::Optimizer::step(&mut opt, &mut m, &g).unwrap();
+            }
+            assert!(opt.param_state("").is_none(), "the state is on Mirror now");
+            (m.to_vec(), opt.state_dict())
+        } else {
+            for _ in 0..3 {
+                let g = w.mul(&x).square().sum_all().backward();
+                amp_core::optim::Optimizer::step(&mut opt, &mut w, &g).unwrap();
+            }
+            (w.to_vec(), opt.state_dict())
+        }
+    };
+    assert_eq!(run(true), run(false));
+}
+
+#[test]
+fn update_kernels_leave_everything_untouched_when_found_inf_is_set() {
+    let dev = Cpu;
+    let p0: Vec<f32> = vec![1.0, -2.0, 0.5, 4.0];
+    let g = dev.from_host(vec![0.1f32, 0.2, -0.3, 0.4]);
+    let adam = AdamArgs {
+        neg_step_size: -0.01,
+        bias_correction2_sqrt: 0.5,
+        lerp_weight: 0.1,
+        beta2: 0.999,
+        one_minus_beta2: 0.001,
+        eps: 1e-8,
+        decay: AdamDecay::Decoupled(0.999),
+    };
+    let sgd =
+        SgdArgs { neg_lr: -0.1, weight_decay: Some(0.01), momentum: 0.9, keep: 1.0, nesterov: true, first: false };
+    for flag in [0.0f32, 1.0] {
+        let found_inf = dev.from_host(vec![flag]);
+        let mut p = dev.from_host(p0.clone());
+        let (mut m, mut v) = (vec![0.5f32; 4], vec![0.25f32; 4]);
+        dev.adam_update(&adam, &mut p, &g, &mut m, &mut v, Some(&found_inf));
+        let mut buf = vec![0.5f32; 4];
+        dev.sgd_update(&sgd, &mut p, &g, Some(&mut buf), Some(&found_inf));
+        let untouched = p.to_vec() == p0 && m == [0.5; 4] && v == [0.25; 4] && buf == [0.5; 4];
+        assert_eq!(untouched, flag != 0.0, "found_inf = {flag}");
     }
 }

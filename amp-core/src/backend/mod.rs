@@ -225,6 +225,76 @@ pub enum BatchNormStats<'a, S> {
     },
 }
 
+/// One SGD update's arguments (PyTorch's single-tensor `sgd`), as [`Device::sgd_update`] takes
+/// them: the hyperparameters already rounded to f32 where PyTorch's kernels take f32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdArgs {
+    /// `-lr`.
+    pub neg_lr: f32,
+    /// L2 weight decay added to the gradient (`g + wd·p`, fused), if any.
+    pub weight_decay: Option<f32>,
+    /// Momentum; 0 for plain SGD, which has no buffer.
+    pub momentum: f32,
+    /// `1 - dampening`.
+    pub keep: f32,
+    /// Nesterov momentum (`g + momentum·buf` instead of `buf`).
+    pub nesterov: bool,
+    /// The momentum buffer's first step: it becomes the (decayed) gradient, as PyTorch's
+    /// `clone` of it, instead of `momentum·buf + keep·g`.
+    pub first: bool,
+}
+
+/// How Adam applies weight decay ([`AdamArgs::decay`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AdamDecay {
+    /// None.
+    None,
+    /// Adam's L2 decay: `g + wd·p` (fused), with this `wd`.
+    L2(f32),
+    /// AdamW's decoupled decay: `p ·= (1 - lr·wd)`, with this factor, before the moments.
+    Decoupled(f32),
+}
+
+/// One Adam / AdamW update's arguments (PyTorch's single-tensor `adam`), as
+/// [`Device::adam_update`] takes them. The step-dependent bias corrections are computed on the
+/// host in f64, as Python floats, and rounded where PyTorch rounds them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamArgs {
+    /// `-(lr / (1 - beta1^step))`.
+    pub neg_step_size: f32,
+    /// `sqrt(1 - beta2^step)`.
+    pub bias_correction2_sqrt: f32,
+    /// The weight of `exp_avg.lerp_(g, 1 - beta1)`: `1 - beta1`.
+    pub lerp_weight: f32,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub one_minus_beta2: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// The weight decay.
+    pub decay: AdamDecay,
+}
+
+/// How [`Device::write_bf16`] rounds an optimizer's f32 results into bf16 parameters
+/// (pure-bf16 training; see `amp_core::optim::Bf16Rounding`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Write {
+    /// Round to nearest even.
+    Nearest,
+    /// Kahan-compensated, with a bf16 compensation per value: with `p` the weight, `c` its
+    /// compensation and `w` the f32 result, `y = (w − p) + c; p' = bf16(p + y);
+    /// c' = bf16(y − (p' − p))`.
+    Kahan,
+    /// Stochastic rounding: element `i` of a finite `w` adds the low 16 bits of
+    /// `splitmix64(key ^ i·0x9E3779B97F4A7C15)` to `w`'s bit pattern and keeps its top 16 bits;
+    /// inf and NaN round to nearest.
+    Stochastic {
+        /// The parameter's key at this step.
+        key: u64,
+    },
+}
+
 /// The CPU: storage is a shared buffer from the caching allocator ([`crate::cpu_memory`]),
 /// kernels run on rayon's thread pool. Its [`Device`] implementation is in `crate::cpu`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -555,4 +625,53 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     fn scale_in_place<E: Precision>(&self, x: &mut Self::Storage<E>, k: f32);
     /// Clamps every element to `[-c, c]` in place (NaN kept).
     fn clamp_in_place<E: Precision>(&self, x: &mut Self::Storage<E>, c: f32);
+    // ---- optimizer updates ---------------------------------------------------------------------
+    // One fused pass per f32 parameter over its values, gradient and state, PyTorch's
+    // single-tensor arithmetic operation for operation (fused multiply-adds where its
+    // vectorised kernels fuse). Each reads the one-element `found_inf` flag, when given, on the
+    // device: when it is nonzero the kernel changes nothing (parameter and state bit-identical),
+    // so a skipped step needs no host round trip.
+
+    /// An f32 optimizer-state vector (moments, momentum buffers); `Vec<f32>` on the CPU.
+    type StateVec: Clone + fmt::Debug + Send + Sync + 'static;
+    /// A state vector of `n` zeros.
+    fn state_zeros(&self, n: usize) -> Self::StateVec;
+    /// A state vector holding `v` (from a checkpoint).
+    #[allow(clippy::wrong_self_convention)]
+    fn state_from_host(&self, v: Vec<f32>) -> Self::StateVec;
+    /// The state vector's values on the host (for a checkpoint).
+    fn state_to_host(&self, v: &Self::StateVec) -> Vec<f32>;
+    /// The state vector's length.
+    fn state_len(&self, v: &Self::StateVec) -> usize;
+    /// One SGD step of the contiguous `param` from `grad` (same length); `momentum_buffer` is
+    /// given exactly when `args.momentum` is nonzero (zeros or garbage when `args.first`).
+    fn sgd_update(
+        &self,
+        args: &SgdArgs,
+        param: &mut Self::Storage<f32>,
+        grad: &Self::Storage<f32>,
+        momentum_buffer: Option<&mut Self::StateVec>,
+        found_inf: Option<&Self::Storage<f32>>,
+    );
+    /// Writes the f32 `updated` values into the contiguous bf16 `param` (same length) as `mode`
+    /// says: the write-back of a pure-bf16 optimizer. `compensation` (same length) is given
+    /// exactly for [`Bf16Write::Kahan`].
+    fn write_bf16(
+        &self,
+        updated: &Self::Storage<f32>,
+        param: &mut Self::Storage<half::bf16>,
+        mode: Bf16Write,
+        compensation: Option<&mut Self::Storage<half::bf16>>,
+    );
+    /// One Adam / AdamW step of the contiguous `param` from `grad`, with its moments (all the
+    /// same length).
+    fn adam_update(
+        &self,
+        args: &AdamArgs,
+        param: &mut Self::Storage<f32>,
+        grad: &Self::Storage<f32>,
+        exp_avg: &mut Self::StateVec,
+        exp_avg_sq: &mut Self::StateVec,
+        found_inf: Option<&Self::Storage<f32>>,
+    );
 }

@@ -4,11 +4,14 @@
 
 use std::sync::Arc;
 
+use half::bf16;
+
 use super::alloc::{self, PooledVec};
-use super::{amp, batch_norm, conv, dropout, index, loss, matmul, norm, pool, reduce, softmax};
+use super::{amp, batch_norm, conv, dropout, index, loss, matmul, norm, optim, pool, reduce, softmax};
 use crate::backend::Cpu;
 use crate::backend::{
-    BatchNormStats, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Pool2dSpec, ReduceOp, UnaryOp,
+    AdamArgs, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Pool2dSpec,
+    ReduceOp, SgdArgs, UnaryOp,
 };
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
@@ -424,5 +427,60 @@ impl Device for Cpu {
     }
     fn clamp_in_place<E: Precision>(&self, x: &mut Storage<E>, c: f32) {
         amp::clamp_of(exclusive(x), c);
+    }
+    type StateVec = Vec<f32>;
+    fn state_zeros(&self, n: usize) -> Vec<f32> {
+        vec![0.0; n]
+    }
+    fn state_from_host(&self, v: Vec<f32>) -> Vec<f32> {
+        v
+    }
+    fn state_to_host(&self, v: &Vec<f32>) -> Vec<f32> {
+        v.clone()
+    }
+    fn state_len(&self, v: &Vec<f32>) -> usize {
+        v.len()
+    }
+    fn sgd_update(
+        &self,
+        args: &SgdArgs,
+        param: &mut Storage<f32>,
+        grad: &Storage<f32>,
+        momentum_buffer: Option<&mut Vec<f32>>,
+        found_inf: Option<&Storage<f32>>,
+    ) {
+        if found_inf.is_some_and(|f| f[0] != 0.0) {
+            return;
+        }
+        optim::sgd(args, exclusive(param), grad, momentum_buffer.map(|b| b.as_mut_slice()));
+    }
+    fn write_bf16(
+        &self,
+        updated: &Storage<f32>,
+        param: &mut Storage<bf16>,
+        mode: Bf16Write,
+        compensation: Option<&mut Storage<bf16>>,
+    ) {
+        let param = exclusive(param);
+        match (mode, compensation) {
+            (Bf16Write::Kahan, Some(c)) => optim::write_kahan(updated, param, exclusive(c)),
+            (Bf16Write::Nearest, None) => optim::write_nearest(updated, param),
+            (Bf16Write::Stochastic { key }, None) => optim::write_stochastic(updated, param, key),
+            (mode, c) => panic!("backend invariant: {mode:?} with compensation {}", c.is_some()),
+        }
+    }
+    fn adam_update(
+        &self,
+        args: &AdamArgs,
+        param: &mut Storage<f32>,
+        grad: &Storage<f32>,
+        exp_avg: &mut Vec<f32>,
+        exp_avg_sq: &mut Vec<f32>,
+        found_inf: Option<&Storage<f32>>,
+    ) {
+        if found_inf.is_some_and(|f| f[0] != 0.0) {
+            return;
+        }
+        optim::adam(args, exclusive(param), grad, exp_avg, exp_avg_sq);
     }
 }

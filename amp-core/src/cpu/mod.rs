@@ -24,6 +24,7 @@ pub(crate) mod loss;
 pub(crate) mod matmul;
 pub mod memory;
 pub(crate) mod norm;
+pub(crate) mod optim;
 pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rows;

@@ -1,6 +1,7 @@
 //! Adam and AdamW (PyTorch's `torch.optim.Adam` / `AdamW`, `amsgrad=False`).
 
-use super::{Hyper, Optim, Rule, bad_hyper, for_chunks};
+use super::{Hyper, Optim, Rule, bad_hyper};
+use crate::backend::{AdamArgs, AdamDecay, Device};
 use crate::error::Result;
 
 /// Adam's hyperparameters (PyTorch's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight
@@ -88,17 +89,19 @@ macro_rules! builder {
 builder!(Adam);
 builder!(AdamW);
 
-/// Adam's state for one parameter (PyTorch's `step`, `exp_avg`, `exp_avg_sq`). Other fields
-/// are refused when read, so another rule's state (SGD's) does not pass for Adam's.
+/// Adam's state for one parameter (PyTorch's `step`, `exp_avg`, `exp_avg_sq`), the moments
+/// `Vec<f32>`s on the CPU and in checkpoints (`V` is the device's [`Device::StateVec`]).
+/// Other fields are refused when read, so another rule's state (SGD's) does not pass for
+/// Adam's.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct AdamState {
+pub struct AdamState<V = Vec<f32>> {
     /// Steps this parameter has taken.
     pub step: u64,
     /// First moment.
-    pub exp_avg: Vec<f32>,
+    pub exp_avg: V,
     /// Second moment.
-    pub exp_avg_sq: Vec<f32>,
+    pub exp_avg_sq: V,
 }
 
 fn validate(name: &str, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64) -> Result<()> {
@@ -121,62 +124,53 @@ fn validate(name: &str, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64)
     Ok(())
 }
 
-/// The shared fused kernel; `decoupled` selects AdamW's weight decay.
-fn adam_update(
-    hyper: Hyper,
-    (beta1, beta2): (f64, f64),
-    eps: f64,
-    decoupled: bool,
-    param: &mut [f32],
-    grad: &[f32],
-    st: &mut AdamState,
-) {
-    if st.exp_avg.is_empty() && !param.is_empty() {
-        st.exp_avg = vec![0.0; param.len()];
-        st.exp_avg_sq = vec![0.0; param.len()];
-    }
-    st.step += 1;
-    let step = st.step as f64;
-    // Python floats (f64), as PyTorch computes them; powf, not powi, like Python's `**`.
+/// The update's arguments at this parameter's next step (PyTorch's scalars: bias corrections
+/// and the step size in f64, as Python floats, then rounded to f32); `decoupled` selects
+/// AdamW's weight decay.
+fn adam_args(hyper: Hyper, (beta1, beta2): (f64, f64), eps: f64, decoupled: bool, step: u64) -> AdamArgs {
+    let step = step as f64;
+    // powf, not powi, like Python's `**`.
     let bias_correction1 = 1.0 - beta1.powf(step);
     let bias_correction2 = 1.0 - beta2.powf(step);
-    let neg_step_size = (-(hyper.lr / bias_correction1)) as f32;
-    let bc2_sqrt = bias_correction2.sqrt() as f32;
-    let decay_l2 = !decoupled && hyper.weight_decay != 0.0;
-    let wd = hyper.weight_decay as f32;
-    let decay_mul = (1.0 - hyper.lr * hyper.weight_decay) as f32;
-    let decay_decoupled = decoupled && hyper.weight_decay != 0.0;
-    // lerp_(grad, 1 - beta1): the weight is rounded to f32; PyTorch's vectorised lerp uses
-    // fmadd(w, end - start, start) for |w| < 0.5, else fmadd(w - 1, end - start, end).
-    let w = (1.0 - beta1) as f32;
-    let small = w.abs() < 0.5;
-    let b2 = beta2 as f32;
-    let one_minus_b2 = (1.0 - beta2) as f32;
-    let eps = eps as f32;
-    for_chunks(param, grad, &mut st.exp_avg, &mut st.exp_avg_sq, |p, g, m, v| {
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            if decay_decoupled {
-                // param.mul_(1 - lr * weight_decay)
-                *p *= decay_mul;
-            }
-            // grad.add(param, alpha=weight_decay)
-            let g = if decay_l2 { p.mul_add(wd, g) } else { g };
-            let diff = g - *m;
-            *m = if small { w.mul_add(diff, *m) } else { (w - 1.0).mul_add(diff, g) };
-            // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2): self + (value*g)*g.
-            *v = *v * b2 + one_minus_b2 * g * g;
-            // (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            let denom = v.sqrt() / bc2_sqrt + eps;
-            // param.addcdiv_(exp_avg, denom, value=-step_size): self + (value*m)/denom.
-            *p += neg_step_size * *m / denom;
-        }
-    });
+    let decay = match (hyper.weight_decay != 0.0, decoupled) {
+        (false, _) => AdamDecay::None,
+        (true, false) => AdamDecay::L2(hyper.weight_decay as f32),
+        (true, true) => AdamDecay::Decoupled((1.0 - hyper.lr * hyper.weight_decay) as f32),
+    };
+    AdamArgs {
+        neg_step_size: (-(hyper.lr / bias_correction1)) as f32,
+        bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+        // lerp_(grad, 1 - beta1): the weight is rounded to f32.
+        lerp_weight: (1.0 - beta1) as f32,
+        beta2: beta2 as f32,
+        one_minus_beta2: (1.0 - beta2) as f32,
+        eps: eps as f32,
+        decay,
+    }
+}
+
+/// The shared update: the moments are made at the first step, then the device's fused kernel.
+fn adam_update<D: Device>(
+    dev: &D,
+    args: impl FnOnce(u64) -> AdamArgs,
+    param: &mut D::Storage<f32>,
+    grad: &D::Storage<f32>,
+    st: &mut AdamState<D::StateVec>,
+) {
+    let n = D::len(param);
+    if dev.state_len(&st.exp_avg) == 0 && n != 0 {
+        st.exp_avg = dev.state_zeros(n);
+        st.exp_avg_sq = dev.state_zeros(n);
+    }
+    st.step += 1;
+    dev.adam_update(&args(st.step), param, grad, &mut st.exp_avg, &mut st.exp_avg_sq, None);
 }
 
 macro_rules! adam_rule {
     ($t:ident, $name:literal, $decoupled:expr) => {
         impl Rule for $t {
             type State = AdamState;
+            type DeviceState<D: Device> = AdamState<D::StateVec>;
             fn name(&self) -> &'static str {
                 $name
             }
@@ -189,15 +183,37 @@ macro_rules! adam_rule {
             fn validate(&self) -> Result<()> {
                 validate(stringify!($t), self.lr, self.betas, self.eps, self.weight_decay)
             }
-            fn init_state(&self, _numel: usize) -> AdamState {
-                AdamState::default()
+            fn init_state<D: Device>(&self, dev: &D, _numel: usize) -> AdamState<D::StateVec> {
+                AdamState { step: 0, exp_avg: dev.state_zeros(0), exp_avg_sq: dev.state_zeros(0) }
             }
-            fn state_fits(&self, st: &AdamState, numel: usize) -> bool {
-                (st.exp_avg.len() == numel && st.exp_avg_sq.len() == numel)
-                    || (st.step == 0 && st.exp_avg.is_empty() && st.exp_avg_sq.is_empty())
+            fn state_fits<D: Device>(&self, dev: &D, st: &AdamState<D::StateVec>, numel: usize) -> bool {
+                let (m, v) = (dev.state_len(&st.exp_avg), dev.state_len(&st.exp_avg_sq));
+                (m == numel && v == numel) || (st.step == 0 && m == 0 && v == 0)
             }
-            fn update(&self, hyper: Hyper, param: &mut [f32], grad: &[f32], st: &mut AdamState) {
-                adam_update(hyper, self.betas, self.eps, $decoupled, param, grad, st)
+            fn state_to_host<D: Device>(&self, dev: &D, st: &AdamState<D::StateVec>) -> AdamState {
+                AdamState {
+                    step: st.step,
+                    exp_avg: dev.state_to_host(&st.exp_avg),
+                    exp_avg_sq: dev.state_to_host(&st.exp_avg_sq),
+                }
+            }
+            fn state_from_host<D: Device>(&self, dev: &D, st: AdamState) -> AdamState<D::StateVec> {
+                AdamState {
+                    step: st.step,
+                    exp_avg: dev.state_from_host(st.exp_avg),
+                    exp_avg_sq: dev.state_from_host(st.exp_avg_sq),
+                }
+            }
+            fn update<D: Device>(
+                &self,
+                dev: &D,
+                hyper: Hyper,
+                param: &mut D::Storage<f32>,
+                grad: &D::Storage<f32>,
+                st: &mut AdamState<D::StateVec>,
+            ) {
+                let args = |step| adam_args(hyper, self.betas, self.eps, $decoupled, step);
+                adam_update(dev, args, param, grad, st)
             }
         }
     };

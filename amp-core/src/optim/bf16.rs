@@ -6,16 +6,16 @@ use std::collections::BTreeMap;
 use std::marker::PhantomData;
 
 use half::bf16;
-use rayon::prelude::*;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{Optim, Optimizer, OptimizerState, Plan, Rule, split_state};
+use super::{Optim, Optimizer, OptimizerState, Plan, Rule, state_on};
 use crate::autograd::Grads;
-use crate::cpu::{CHUNK, PAR_MIN};
+use crate::backend::{Bf16Write, Cpu, Device};
 use crate::error::{Error, Result};
+use crate::layout::Layout;
 use crate::param::Params;
-use crate::precision::Precision;
+use crate::rng::splitmix64;
 
 /// How an [`Optim<R, bf16>`](Optim::for_bf16) writes the rule's f32 result into a bf16
 /// parameter.
@@ -97,15 +97,12 @@ impl<R: Rule> Optim<R, bf16> {
     /// The Kahan compensation of the parameter called `name`, if it has been stepped with
     /// [`Bf16Rounding::Kahan`].
     pub fn compensation(&self, name: &str) -> Option<&[bf16]> {
-        self.compensation.get(name).map(Vec::as_slice)
+        self.compensation.get(name).map(|c| &c[..])
     }
     /// The checkpoint: the rule's state, the rounding and the Kahan compensation.
     pub fn state_dict(&self) -> Bf16OptimizerState<R::State> {
-        Bf16OptimizerState {
-            optimizer: self.base_state(),
-            rounding: self.rounding,
-            compensation: self.compensation.clone(),
-        }
+        let compensation = self.compensation.iter().map(|(n, c)| (n.clone(), c.to_vec())).collect();
+        Bf16OptimizerState { optimizer: self.base_state(), rounding: self.rounding, compensation }
     }
     /// Restores a checkpoint written by an optimizer with the same rule and rounding (Kahan
     /// compensation dropped, or a stochastic stream changed, would not continue the run).
@@ -122,11 +119,13 @@ impl<R: Rule> Optim<R, bf16> {
             return bad(format!("the checkpoint has Kahan compensation but its rounding is {:?}", state.rounding));
         }
         self.load_base_state(state.optimizer)?;
-        self.compensation = state.compensation;
+        self.compensation = state.compensation.into_iter().map(|(n, c)| (n, Cpu.from_host(c))).collect();
         Ok(())
     }
 }
 
+/// On the CPU only: the Kahan compensation is kept as CPU storage (another device would need
+/// its own; train bf16 models there with f32 master weights and autocast).
 impl<R: Rule> Optimizer<bf16> for Optim<R, bf16> {
     /// Widens each bf16 parameter and its bf16 gradient to f32, runs the rule's f32 update
     /// (f32 moments), and writes the result back as [`Optim::rounding`] says.
@@ -136,119 +135,59 @@ impl<R: Rule> Optimizer<bf16> for Optim<R, bf16> {
         for (name, param, grad) in work {
             let hyper = self.hyper_for(&name, t);
             let numel = param.numel();
-            // f32 working copies from the caching allocator (written whole before use), so a
-            // large parameter's widening does not fault in fresh pages every step.
-            let pool = crate::cpu::alloc::global();
-            let mut w = pool.adopt(pool.take::<f32>(numel));
-            <bf16 as Precision>::to_f32_slice(param.data(), &mut w);
-            let mut g = pool.adopt(pool.take::<f32>(numel));
-            <bf16 as Precision>::to_f32_slice(&grad.contiguous_data(), &mut g);
-            let state = self.state.entry(name.clone()).or_insert_with(|| self.rule.init_state(numel));
-            self.rule.update(hyper, &mut w, &g, state);
-            match self.rounding {
+            let dev = Cpu;
+            // f32 working copies (from the caching allocator, so a large parameter's widening
+            // does not fault in fresh pages every step).
+            let whole = Layout::contiguous(&[numel]);
+            let mut w = dev.cast::<bf16, f32>(param.storage_mut(), &whole);
+            let g = dev.cast::<bf16, f32>(&grad.contiguous_storage(), &whole);
+            let state = state_on(&self.rule, &mut self.state, &name, &dev, numel);
+            self.rule.update(&dev, hyper, &mut w, &g, state);
+            let (mode, comp) = match self.rounding {
                 Bf16Rounding::Kahan => {
-                    let c = self.compensation.entry(name).or_insert_with(|| vec![bf16::ZERO; numel]);
-                    write_kahan(&w, param.data_mut(), c);
+                    let c = self.compensation.entry(name).or_insert_with(|| dev.full(numel, bf16::ZERO));
+                    (Bf16Write::Kahan, Some(c))
                 }
-                Bf16Rounding::Stochastic { seed } => write_stochastic(&w, param.data_mut(), stream_key(seed, &name, t)),
-                Bf16Rounding::Nearest => write_nearest(&w, param.data_mut()),
-            }
+                Bf16Rounding::Stochastic { seed } => (Bf16Write::Stochastic { key: stream_key(seed, &name, t) }, None),
+                Bf16Rounding::Nearest => (Bf16Write::Nearest, None),
+            };
+            dev.write_bf16(&w, param.storage_mut(), mode, comp);
         }
         self.finish_step(binding, grads);
         Ok(())
     }
     fn lr(&self) -> f64 {
-        self.lr_at(self.steps)
+        Optim::lr(self)
     }
     fn steps(&self) -> u64 {
-        self.steps
+        Optim::steps(self)
     }
-}
-
-/// Runs `f(offset, updated, param, comp)` over matching chunks (in parallel for large
-/// parameters); `comp` is empty per chunk when `comp` is. Elements are independent, so the
-/// result does not depend on the split.
-fn for_chunks_bf16(
-    updated: &[f32],
-    param: &mut [bf16],
-    comp: &mut [bf16],
-    f: impl Fn(usize, &[f32], &mut [bf16], &mut [bf16]) + Sync + Send,
-) {
-    let n = param.len();
-    debug_assert_eq!(updated.len(), n);
-    let comp = split_state(comp, n);
-    if n < PAR_MIN {
-        for (i, ((u, p), c)) in updated.chunks(CHUNK).zip(param.chunks_mut(CHUNK)).zip(comp).enumerate() {
-            f(i * CHUNK, u, p, c);
-        }
-    } else {
-        updated
-            .par_chunks(CHUNK)
-            .zip(param.par_chunks_mut(CHUNK))
-            .zip(comp)
-            .enumerate()
-            .for_each(|(i, ((u, p), c))| f(i * CHUNK, u, p, c));
-    }
-}
-
-/// Kahan-compensated write-back (see [`Bf16Rounding::Kahan`]). `w − p` is exact in f32 when
-/// the update is under the weight's magnitude (Sterbenz), and so is `p' − p`.
-fn write_kahan(updated: &[f32], param: &mut [bf16], comp: &mut [bf16]) {
-    for_chunks_bf16(updated, param, comp, |_, u, p, c| {
-        for ((&w, p), c) in u.iter().zip(p.iter_mut()).zip(c.iter_mut()) {
-            let old = p.to_f32();
-            let y = (w - old) + c.to_f32();
-            let new = bf16::from_f32(old + y);
-            *c = bf16::from_f32(y - (new.to_f32() - old));
-            *p = new;
-        }
-    });
-}
-
-/// Round-to-nearest write-back.
-fn write_nearest(updated: &[f32], param: &mut [bf16]) {
-    for_chunks_bf16(updated, param, &mut [], |_, u, p, _| {
-        for (&w, p) in u.iter().zip(p.iter_mut()) {
-            *p = bf16::from_f32(w);
-        }
-    });
-}
-
-/// Stochastic write-back: element `i` adds the low 16 bits of `hash(key, i)` to the f32 bit
-/// pattern's magnitude and keeps the top 16 bits (a carry rounds up, into the exponent when it
-/// must). inf and NaN are rounded as they are.
-fn write_stochastic(updated: &[f32], param: &mut [bf16], key: u64) {
-    for_chunks_bf16(updated, param, &mut [], |offset, u, p, _| {
-        for (j, (&w, p)) in u.iter().zip(p.iter_mut()).enumerate() {
-            *p = if w.is_finite() {
-                let r = (mix(key ^ ((offset + j) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)) & 0xFFFF) as u32;
-                // The magnitude is at most 0x7F7F_FFFF, so adding r never reaches the sign bit.
-                bf16::from_bits(((w.to_bits() + r) >> 16) as u16)
-            } else {
-                bf16::from_f32(w)
-            };
-        }
-    });
 }
 
 /// The key of one parameter's rounding bits at applied step `t`.
 fn stream_key(seed: u64, name: &str, t: u64) -> u64 {
     // FNV-1a of the name: stable across runs and platforms.
     let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
-    mix(mix(seed ^ name_hash).wrapping_add(t))
-}
-
-/// splitmix64's finaliser: a bijective mix of 64 bits.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    splitmix64(splitmix64(seed ^ name_hash).wrapping_add(t))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `w` written into `p` (and `c`, for Kahan) by the CPU's write-back kernel.
+    fn write(rounding: Bf16Rounding, w: &[f32], p: &mut Vec<bf16>, c: &mut Vec<bf16>, name: &str, t: u64) {
+        let dev = Cpu;
+        let (mut ps, mut cs) = (dev.from_host(p.clone()), dev.from_host(c.clone()));
+        let mode = match rounding {
+            Bf16Rounding::Kahan => Bf16Write::Kahan,
+            Bf16Rounding::Stochastic { seed } => Bf16Write::Stochastic { key: stream_key(seed, name, t) },
+            Bf16Rounding::Nearest => Bf16Write::Nearest,
+        };
+        let kahan = mode == Bf16Write::Kahan;
+        dev.write_bf16(&dev.from_host(w.to_vec()), &mut ps, mode, kahan.then_some(&mut cs));
+        (*p, *c) = (ps.to_vec(), cs.to_vec());
+    }
 
     /// `n` bf16 weights of `value` stepped `steps` times by `delta` each.
     fn accumulate(rounding: Bf16Rounding, value: f32, delta: f32, steps: u64) -> Vec<f32> {
@@ -257,11 +196,7 @@ mod tests {
         let mut c = vec![bf16::ZERO; n];
         for t in 0..steps {
             let w: Vec<f32> = p.iter().map(|v| v.to_f32() + delta).collect();
-            match rounding {
-                Bf16Rounding::Kahan => write_kahan(&w, &mut p, &mut c),
-                Bf16Rounding::Stochastic { seed } => write_stochastic(&w, &mut p, stream_key(seed, "w", t)),
-                Bf16Rounding::Nearest => write_nearest(&w, &mut p),
-            }
+            write(rounding, &w, &mut p, &mut c, "w", t);
         }
         p.iter().map(|v| v.to_f32()).collect()
     }
@@ -285,8 +220,8 @@ mod tests {
     fn stochastic_rounding_is_reproducible_and_exact_on_representable_values() {
         let w: Vec<f32> = (0..1000).map(|i| 1.0 + i as f32 * 1e-5).collect();
         let (mut a, mut b) = (vec![bf16::ZERO; 1000], vec![bf16::ZERO; 1000]);
-        write_stochastic(&w, &mut a, stream_key(1, "x", 5));
-        write_stochastic(&w, &mut b, stream_key(1, "x", 5));
+        write(Bf16Rounding::Stochastic { seed: 1 }, &w, &mut a, &mut vec![], "x", 5);
+        write(Bf16Rounding::Stochastic { seed: 1 }, &w, &mut b, &mut vec![], "x", 5);
         assert_eq!(a, b);
         for (&w, r) in w.iter().zip(&a) {
             // One of the two bf16 neighbours of w.
@@ -296,7 +231,7 @@ mod tests {
         }
         let exact = [1.0f32, -0.5, 3.0, f32::INFINITY];
         let mut out = vec![bf16::ZERO; 4];
-        write_stochastic(&exact, &mut out, stream_key(2, "y", 0));
+        write(Bf16Rounding::Stochastic { seed: 2 }, &exact, &mut out, &mut vec![], "y", 0);
         assert_eq!(out.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), exact);
     }
 }

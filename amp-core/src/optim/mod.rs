@@ -71,12 +71,12 @@ mod bf16;
 mod schedule;
 mod sgd;
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use rayon::prelude::*;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -86,7 +86,7 @@ pub use schedule::{Constant, LrSchedule, WarmupCosine};
 pub use sgd::{Sgd, SgdState};
 
 use crate::autograd::{Grads, TensorId};
-use crate::cpu::{CHUNK, PAR_MIN};
+use crate::backend::{Cpu, Device};
 use crate::error::{Error, Result};
 use crate::param::{Param, Params};
 use crate::precision::Precision;
@@ -102,7 +102,7 @@ use crate::tensor::Tensor;
     note = "`Optim::new(rule)` (or `rule.build()`) updates f32 master weights (`Param`, i.e. `Param<f32>`); `.for_bf16(Bf16Rounding::Kahan)` makes it an optimizer for pure-bf16 parameters (`Param<bf16>`)",
     note = "f16 parameters cannot be trained (pure f16 training is not supported): keep f32 master weights and autocast to f16 with a `GradScaler`"
 )]
-pub trait Optimizer<E: Precision = f32> {
+pub trait Optimizer<E: Precision = f32, D: Device = Cpu> {
     /// Updates every parameter of `params` that has a gradient in `grads`.
     ///
     /// In a training step this is called by `.step(..)` on unscaled, finite gradients; call it
@@ -111,15 +111,15 @@ pub trait Optimizer<E: Precision = f32> {
     /// changing nothing, if `params` are not the parameters this optimizer is bound to, if
     /// none of them has a gradient in a non-empty `grads`, or if this `grads` (or a clone of
     /// it) was already applied.
-    fn step(&mut self, params: &mut dyn Params<E>, grads: &Grads) -> Result<()>;
+    fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()>;
     /// The learning rate of the default group that the next step will use (after the schedule).
     fn lr(&self) -> f64;
     /// Steps applied so far (skipped steps are not counted).
     fn steps(&self) -> u64;
 }
 
-impl<E: Precision, T: Optimizer<E> + ?Sized> Optimizer<E> for Box<T> {
-    fn step(&mut self, params: &mut dyn Params<E>, grads: &Grads) -> Result<()> {
+impl<E: Precision, D: Device, T: Optimizer<E, D> + ?Sized> Optimizer<E, D> for Box<T> {
+    fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
         (**self).step(params, grads)
     }
     fn lr(&self) -> f64 {
@@ -139,11 +139,15 @@ pub struct Hyper {
     pub weight_decay: f64,
 }
 
-/// An update rule: hyperparameters and the fused per-parameter kernel. Implemented by
-/// [`Sgd`], [`Adam`] and [`AdamW`].
+/// An update rule: hyperparameters and the fused per-parameter kernel, run by the parameter's
+/// device ([`Device::sgd_update`], [`Device::adam_update`]). Implemented by [`Sgd`], [`Adam`]
+/// and [`AdamW`].
 pub trait Rule: Clone + fmt::Debug + Send + Sync + 'static {
-    /// Per-parameter state (moments, step count), serialisable for checkpoints.
-    type State: Clone + fmt::Debug + PartialEq + Serialize + DeserializeOwned + Send + Sync;
+    /// Per-parameter state (moments, step count) on the host, plain `Vec<f32>`s: the
+    /// checkpoint form, serialisable (and, for the CPU, the same type as `DeviceState<Cpu>`).
+    type State: Clone + fmt::Debug + PartialEq + Serialize + DeserializeOwned + Send + Sync + 'static;
+    /// The same state on device `D`, its vectors `D::StateVec`s.
+    type DeviceState<D: Device>: Clone + fmt::Debug + Send + Sync + 'static;
     /// The rule's name, stored in checkpoints (`sgd`, `adam`, `adamw`).
     fn name(&self) -> &'static str;
     /// The default group's learning rate.
@@ -152,12 +156,91 @@ pub trait Rule: Clone + fmt::Debug + Send + Sync + 'static {
     fn weight_decay(&self) -> f64;
     /// Refuses out-of-range hyperparameters, as PyTorch's constructors do.
     fn validate(&self) -> Result<()>;
-    /// Fresh state for a parameter of `numel` values.
-    fn init_state(&self, numel: usize) -> Self::State;
+    /// Fresh state for a parameter of `numel` values on `dev`.
+    fn init_state<D: Device>(&self, dev: &D, numel: usize) -> Self::DeviceState<D>;
     /// Whether `state` fits a parameter of `numel` values (checked before any update).
-    fn state_fits(&self, state: &Self::State, numel: usize) -> bool;
-    /// One update of `param` from `grad` (same length), in one fused pass.
-    fn update(&self, hyper: Hyper, param: &mut [f32], grad: &[f32], state: &mut Self::State);
+    fn state_fits<D: Device>(&self, dev: &D, state: &Self::DeviceState<D>, numel: usize) -> bool;
+    /// The state's values on the host (for a checkpoint, or to move it to another device).
+    fn state_to_host<D: Device>(&self, dev: &D, state: &Self::DeviceState<D>) -> Self::State;
+    /// Host state (from a checkpoint, or another device) moved to `dev`.
+    fn state_from_host<D: Device>(&self, dev: &D, state: Self::State) -> Self::DeviceState<D>;
+    /// One update of the contiguous `param` from `grad` (same length), in one fused pass on
+    /// `dev`.
+    fn update<D: Device>(
+        &self,
+        dev: &D,
+        hyper: Hyper,
+        param: &mut D::Storage<f32>,
+        grad: &D::Storage<f32>,
+        state: &mut Self::DeviceState<D>,
+    );
+}
+
+/// One parameter's optimizer state, on whichever device the parameter lives on: the optimizer
+/// is not tied to a device (as in PyTorch, its state is made where the parameter is), so
+/// [`Optim`] keeps each parameter's state behind this trait and finds its device type again
+/// at each step.
+trait Slot<R: Rule>: Send + Sync {
+    fn to_host(&self, rule: &R) -> R::State;
+    fn fits(&self, rule: &R, numel: usize) -> bool;
+    fn clone_box(&self) -> Box<dyn Slot<R>>;
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// The state of one parameter on device `D`.
+struct OnDevice<R: Rule, D: Device> {
+    dev: D,
+    state: R::DeviceState<D>,
+}
+
+impl<R: Rule, D: Device> Slot<R> for OnDevice<R, D> {
+    fn to_host(&self, rule: &R) -> R::State {
+        rule.state_to_host(&self.dev, &self.state)
+    }
+    fn fits(&self, rule: &R, numel: usize) -> bool {
+        rule.state_fits(&self.dev, &self.state, numel)
+    }
+    fn clone_box(&self) -> Box<dyn Slot<R>> {
+        Box::new(OnDevice::<R, D> { dev: self.dev.clone(), state: self.state.clone() })
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl<R: Rule> Clone for Box<dyn Slot<R>> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+/// Host state as a slot (loaded from a checkpoint; moved to the parameter's device at its
+/// first step).
+fn host_slot<R: Rule>(rule: &R, state: R::State) -> Box<dyn Slot<R>> {
+    Box::new(OnDevice::<R, Cpu> { dev: Cpu, state: rule.state_from_host(&Cpu, state) })
+}
+
+/// The state of the parameter `name` on `dev`, made fresh if it has none, moved there if it
+/// is on another device (a model moved after some steps, or a loaded checkpoint).
+fn state_on<'a, R: Rule, D: Device>(
+    rule: &R,
+    slots: &'a mut BTreeMap<String, Box<dyn Slot<R>>>,
+    name: &str,
+    dev: &D,
+    numel: usize,
+) -> &'a mut R::DeviceState<D> {
+    let slot = slots
+        .entry(name.to_string())
+        .or_insert_with(|| Box::new(OnDevice::<R, D> { dev: dev.clone(), state: rule.init_state(dev, numel) }));
+    if !slot.as_any().is::<OnDevice<R, D>>() {
+        let host = slot.to_host(rule);
+        *slot = Box::new(OnDevice::<R, D> { dev: dev.clone(), state: rule.state_from_host(dev, host) });
+    }
+    &mut slot.as_any_mut().downcast_mut::<OnDevice<R, D>>().expect("the slot was just made for this device").state
 }
 
 /// A parameter group: the parameters whose name matches a predicate, with their own learning
@@ -245,7 +328,8 @@ pub struct Optim<R: Rule, E: Precision = f32> {
     groups: Vec<ParamGroup>,
     schedule: Option<Arc<dyn LrSchedule>>,
     steps: u64,
-    state: BTreeMap<String, R::State>,
+    /// Each stepped parameter's state by name, on the parameter's device.
+    state: BTreeMap<String, Box<dyn Slot<R>>>,
     /// The parameters this optimizer steps, by name (set at the first step or by `bind`).
     bound: Option<BTreeMap<String, TensorId>>,
     /// The generation of the last `Grads` applied (each set is applied once).
@@ -254,7 +338,7 @@ pub struct Optim<R: Rule, E: Precision = f32> {
     rounding: Bf16Rounding,
     /// The Kahan compensation of each bf16 parameter by name (empty unless `E` is bf16 and
     /// `rounding` is Kahan).
-    compensation: BTreeMap<String, Vec<half::bf16>>,
+    compensation: BTreeMap<String, <Cpu as Device>::Storage<half::bf16>>,
     _elem: PhantomData<fn() -> E>,
 }
 
@@ -292,12 +376,15 @@ impl<R: Rule> Optim<R> {
         })
     }
 
-    /// The checkpoint: rule name, applied steps, state per parameter.
+    /// The checkpoint: rule name, applied steps, state per parameter (on the host, from
+    /// whichever device each parameter's state is on).
     pub fn state_dict(&self) -> OptimizerState<R::State> {
         self.base_state()
     }
     /// Restores a checkpoint written by an optimizer with the same rule. Shapes are checked
-    /// against the parameters at the next step (or now, with [`Optim::check_params`]).
+    /// against the parameters at the next step (or now, with [`Optim::check_params`]); each
+    /// parameter's state moves to its device at its next step, so a checkpoint written on one
+    /// device resumes on another.
     pub fn load_state_dict(&mut self, state: OptimizerState<R::State>) -> Result<()> {
         self.load_base_state(state)
     }
@@ -338,13 +425,25 @@ impl<R: Rule, E: Precision> Optim<R, E> {
         let weight_decay = group.and_then(|g| g.weight_decay).unwrap_or(self.rule.weight_decay());
         Hyper { lr: base_lr * self.lr_factor(t), weight_decay }
     }
-    /// The state of the parameter called `name`, if it has been stepped.
+    /// The state of the parameter called `name`, if it has been stepped on the CPU (state on
+    /// another device is read with [`Optim::state_dict`], which copies it to the host).
     pub fn param_state(&self, name: &str) -> Option<&R::State> {
-        self.state.get(name)
+        let on_cpu = self.state.get(name)?.as_any().downcast_ref::<OnDevice<R, Cpu>>()?;
+        // The rule's CPU state is its host state (`Vec<f32>`s): the same type.
+        (&on_cpu.state as &dyn Any).downcast_ref::<R::State>()
+    }
+    /// The learning rate of the default group that the next step will use (after the schedule).
+    pub fn lr(&self) -> f64 {
+        self.lr_at(self.steps)
+    }
+    /// Steps applied so far (skipped steps are not counted).
+    pub fn steps(&self) -> u64 {
+        self.steps
     }
 
     fn base_state(&self) -> OptimizerState<R::State> {
-        OptimizerState { kind: self.rule.name().to_string(), steps: self.steps, params: self.state.clone() }
+        let params = self.state.iter().map(|(n, s)| (n.clone(), s.to_host(&self.rule))).collect();
+        OptimizerState { kind: self.rule.name().to_string(), steps: self.steps, params }
     }
     fn load_base_state(&mut self, state: OptimizerState<R::State>) -> Result<()> {
         if state.kind != self.rule.name() {
@@ -354,7 +453,7 @@ impl<R: Rule, E: Precision> Optim<R, E> {
             });
         }
         self.steps = state.steps;
-        self.state = state.params;
+        self.state = state.params.into_iter().map(|(n, s)| (n, host_slot(&self.rule, s))).collect();
         // State is keyed by name: the next step (or `bind`) binds the loaded model's parameters.
         self.bound = None;
         self.last_grads = None;
@@ -363,11 +462,11 @@ impl<R: Rule, E: Precision> Optim<R, E> {
     /// Binds this optimizer to `params` (replacing any binding): from now on it steps exactly
     /// these parameters. Without a call, the first step binds. Use it to move an optimizer to
     /// a model on purpose (its state follows the parameter names).
-    pub fn bind(&mut self, params: &dyn Params<E>) {
+    pub fn bind<D: Device>(&mut self, params: &dyn Params<E, D>) {
         self.bound = Some(params.named_params().into_iter().map(|(n, p)| (n, p.id())).collect());
     }
     /// Checks that `params` are the bound parameters (or binds them, on the first step).
-    fn check_bound(&self, params: &[(String, &mut Param<E>)]) -> Result<()> {
+    fn check_bound<D: Device>(&self, params: &[(String, &mut Param<E, D>)]) -> Result<()> {
         let Some(bound) = &self.bound else { return Ok(()) };
         let bad = |detail: String| Err(Error::State { context: "optimizer step".into(), detail });
         for (name, p) in params {
@@ -403,7 +502,7 @@ impl<R: Rule, E: Precision> Optim<R, E> {
     }
     /// Checks that every stored state belongs to a parameter of `params` and fits its size, so a
     /// mismatched checkpoint is refused before training resumes.
-    pub fn check_params(&self, params: &dyn Params<E>) -> Result<()> {
+    pub fn check_params<D: Device>(&self, params: &dyn Params<E, D>) -> Result<()> {
         let named = params.named_params();
         for (name, st) in &self.state {
             let Some((_, p)) = named.iter().find(|(n, _)| n == name) else {
@@ -412,7 +511,7 @@ impl<R: Rule, E: Precision> Optim<R, E> {
                     detail: format!("state for `{name}`, which is not a parameter of the model"),
                 });
             };
-            if !self.rule.state_fits(st, p.numel()) {
+            if !st.fits(&self.rule, p.numel()) {
                 return Err(Error::State {
                     context: "optimizer state".into(),
                     detail: format!("state for `{name}` does not fit its {} values (shape {:?})", p.numel(), p.shape()),
@@ -449,7 +548,11 @@ impl<R: Rule, E: Precision> Optim<R, E> {
     /// and each parameter with a gradient has a gradient of its own precision and shape, and
     /// state that fits. Returns those parameters with their gradients, and the binding to make
     /// if this is the first step.
-    fn plan<'a>(&self, named: Vec<(String, &'a mut Param<E>)>, grads: &'a Grads) -> Result<Plan<'a, E>> {
+    fn plan<'a, D: Device>(
+        &self,
+        named: Vec<(String, &'a mut Param<E, D>)>,
+        grads: &'a Grads<D>,
+    ) -> Result<Plan<'a, E, D>> {
         if self.last_grads == Some(grads.generation()) {
             return Err(Error::State {
                 context: "optimizer step".into(),
@@ -486,7 +589,7 @@ impl<R: Rule, E: Precision> Optim<R, E> {
                 });
             }
             if let Some(st) = self.state.get(&name)
-                && !self.rule.state_fits(st, param.numel())
+                && !st.fits(&self.rule, param.numel())
             {
                 return Err(Error::State {
                     context: "optimizer step".into(),
@@ -507,7 +610,7 @@ impl<R: Rule, E: Precision> Optim<R, E> {
     }
 
     /// Ends an applied step: counts it, binds on the first one, marks `grads` as applied.
-    fn finish_step(&mut self, binding: Option<BTreeMap<String, TensorId>>, grads: &Grads) {
+    fn finish_step<D: Device>(&mut self, binding: Option<BTreeMap<String, TensorId>>, grads: &Grads<D>) {
         self.steps += 1;
         if binding.is_some() {
             self.bound = binding;
@@ -516,71 +619,37 @@ impl<R: Rule, E: Precision> Optim<R, E> {
     }
 }
 
+/// One parameter a step updates: its name, the parameter and its gradient.
+type Work<'a, E, D> = (String, &'a mut Param<E, D>, &'a Tensor<E, D>);
+
 /// What a checked step will update (from [`Optim::plan`]).
-struct Plan<'a, E: Precision> {
+struct Plan<'a, E: Precision, D: Device> {
     /// Each parameter with a gradient, by name, with its gradient.
-    work: Vec<(String, &'a mut Param<E>, &'a Tensor<E>)>,
+    work: Vec<Work<'a, E, D>>,
     /// The binding to make at the end of the step (the first step only).
     binding: Option<BTreeMap<String, TensorId>>,
 }
 
-impl<R: Rule> Optimizer for Optim<R> {
-    fn step(&mut self, params: &mut dyn Params, grads: &Grads) -> Result<()> {
+impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
+    fn step(&mut self, params: &mut dyn Params<f32, D>, grads: &Grads<D>) -> Result<()> {
         let t = self.steps;
         let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
         for (name, param, grad) in work {
             let hyper = self.hyper_for(&name, t);
             let numel = param.numel();
-            let state = self.state.entry(name).or_insert_with(|| self.rule.init_state(numel));
-            let g = grad.contiguous_data();
-            self.rule.update(hyper, param.data_mut(), &g, state);
+            let dev = param.device().clone();
+            let g = grad.contiguous_storage();
+            let state = state_on(&self.rule, &mut self.state, &name, &dev, numel);
+            self.rule.update(&dev, hyper, param.storage_mut(), &g, state);
         }
         self.finish_step(binding, grads);
         Ok(())
     }
     fn lr(&self) -> f64 {
-        self.lr_at(self.steps)
+        Optim::lr(self)
     }
     fn steps(&self) -> u64 {
-        self.steps
-    }
-}
-
-/// Runs `f` over matching chunks of a parameter, its gradient and up to two state buffers,
-/// in parallel when the parameter is large. Every element is independent, so the result does
-/// not depend on the split.
-pub(crate) fn for_chunks(
-    param: &mut [f32],
-    grad: &[f32],
-    a: &mut [f32],
-    b: &mut [f32],
-    f: impl Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]) + Sync + Send,
-) {
-    let n = param.len();
-    debug_assert_eq!(grad.len(), n);
-    // Empty state buffers stand for "no state": give each chunk an empty slice.
-    let (sa, sb) = (split_state(a, n), split_state(b, n));
-    if n < PAR_MIN {
-        for (((p, g), a), b) in param.chunks_mut(CHUNK).zip(grad.chunks(CHUNK)).zip(sa).zip(sb) {
-            f(p, g, a, b);
-        }
-    } else {
-        param
-            .par_chunks_mut(CHUNK)
-            .zip(grad.par_chunks(CHUNK))
-            .zip(sa)
-            .zip(sb)
-            .for_each(|(((p, g), a), b)| f(p, g, a, b));
-    }
-}
-
-/// A state buffer in chunks matching the parameter's; an empty buffer ("no state") gives an
-/// empty slice per chunk.
-fn split_state<T>(s: &mut [T], n: usize) -> Vec<&mut [T]> {
-    if s.is_empty() {
-        (0..n.div_ceil(CHUNK)).map(|_| <&mut [T]>::default()).collect()
-    } else {
-        s.chunks_mut(CHUNK).collect()
+        Optim::steps(self)
     }
 }
 

@@ -1,6 +1,7 @@
 //! SGD with momentum, dampening, Nesterov momentum and weight decay (PyTorch's `torch.optim.SGD`).
 
-use super::{Hyper, Optim, Rule, bad_hyper, for_chunks};
+use super::{Hyper, Optim, Rule, bad_hyper};
+use crate::backend::{Device, SgdArgs};
 use crate::error::Result;
 
 /// SGD's hyperparameters (PyTorch's names and defaults: lr 1e-3, no momentum, no weight decay).
@@ -66,17 +67,19 @@ impl Sgd {
 }
 
 /// SGD's state for one parameter: the momentum buffer, created at its first step (absent
-/// without momentum). Other fields are refused when read, so another rule's state (Adam's)
-/// does not pass for SGD's.
+/// without momentum), a `Vec<f32>` on the CPU and in checkpoints (`V` is the device's
+/// [`Device::StateVec`]). Other fields are refused when read, so another rule's state
+/// (Adam's) does not pass for SGD's.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SgdState {
+pub struct SgdState<V = Vec<f32>> {
     /// `momentum_buffer` in PyTorch.
-    pub momentum_buffer: Option<Vec<f32>>,
+    pub momentum_buffer: Option<V>,
 }
 
 impl Rule for Sgd {
     type State = SgdState;
+    type DeviceState<D: Device> = SgdState<D::StateVec>;
     fn name(&self) -> &'static str {
         "sgd"
     }
@@ -105,42 +108,41 @@ impl Rule for Sgd {
         }
         Ok(())
     }
-    fn init_state(&self, _numel: usize) -> SgdState {
+    fn init_state<D: Device>(&self, _dev: &D, _numel: usize) -> SgdState<D::StateVec> {
         SgdState { momentum_buffer: None }
     }
-    fn state_fits(&self, state: &SgdState, numel: usize) -> bool {
-        state.momentum_buffer.as_ref().is_none_or(|b| b.len() == numel)
+    fn state_fits<D: Device>(&self, dev: &D, state: &SgdState<D::StateVec>, numel: usize) -> bool {
+        state.momentum_buffer.as_ref().is_none_or(|b| dev.state_len(b) == numel)
     }
-    fn update(&self, hyper: Hyper, param: &mut [f32], grad: &[f32], state: &mut SgdState) {
+    fn state_to_host<D: Device>(&self, dev: &D, state: &SgdState<D::StateVec>) -> SgdState {
+        SgdState { momentum_buffer: state.momentum_buffer.as_ref().map(|b| dev.state_to_host(b)) }
+    }
+    fn state_from_host<D: Device>(&self, dev: &D, state: SgdState) -> SgdState<D::StateVec> {
+        SgdState { momentum_buffer: state.momentum_buffer.map(|b| dev.state_from_host(b)) }
+    }
+    fn update<D: Device>(
+        &self,
+        dev: &D,
+        hyper: Hyper,
+        param: &mut D::Storage<f32>,
+        grad: &D::Storage<f32>,
+        state: &mut SgdState<D::StateVec>,
+    ) {
         // Scalars rounded to f32 where PyTorch's kernels take them as f32.
-        let wd = hyper.weight_decay as f32;
-        let neg_lr = (-hyper.lr) as f32;
-        let decay = hyper.weight_decay != 0.0;
+        let mut args = SgdArgs {
+            neg_lr: (-hyper.lr) as f32,
+            weight_decay: (hyper.weight_decay != 0.0).then_some(hyper.weight_decay as f32),
+            momentum: self.momentum as f32,
+            keep: (1.0 - self.dampening) as f32,
+            nesterov: self.nesterov,
+            first: false,
+        };
         if self.momentum == 0.0 {
-            for_chunks(param, grad, &mut [], &mut [], |p, g, _, _| {
-                for (p, &g) in p.iter_mut().zip(g) {
-                    // grad.add(param, alpha=wd): fmadd(param, wd, grad)
-                    let g = if decay { p.mul_add(wd, g) } else { g };
-                    // param.add_(grad, alpha=-lr): fmadd(grad, -lr, param)
-                    *p = g.mul_add(neg_lr, *p);
-                }
-            });
+            dev.sgd_update(&args, param, grad, None, None);
             return;
         }
-        let m = self.momentum as f32;
-        let keep = (1.0 - self.dampening) as f32;
-        let nesterov = self.nesterov;
-        let first = state.momentum_buffer.is_none();
-        let buf = state.momentum_buffer.get_or_insert_with(|| vec![0.0; param.len()]);
-        for_chunks(param, grad, buf, &mut [], |p, g, buf, _| {
-            for ((p, &g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
-                let g = if decay { p.mul_add(wd, g) } else { g };
-                // First step: buf = clone(grad); then buf.mul_(momentum).add_(grad, alpha=1-dampening).
-                *b = if first { g } else { g.mul_add(keep, *b * m) };
-                // Nesterov: grad.add(buf, alpha=momentum); otherwise grad = buf.
-                let d = if nesterov { b.mul_add(m, g) } else { *b };
-                *p = d.mul_add(neg_lr, *p);
-            }
-        });
+        args.first = state.momentum_buffer.is_none();
+        let buf = state.momentum_buffer.get_or_insert_with(|| dev.state_zeros(D::len(param)));
+        dev.sgd_update(&args, param, grad, Some(buf), None);
     }
 }

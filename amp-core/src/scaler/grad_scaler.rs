@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use typenum::{B0, B1};
 
 use super::step::{ScaledLoss, TrainStep};
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::precision::NeedsLossScaling;
 use crate::tensor::Tensor;
@@ -43,7 +44,7 @@ pub trait LossScaler: sealed::Sealed {
     /// The returned step borrows the scaler until `.update()` ends the iteration. Errs if the
     /// loss was computed through f16 ops and this scaler does not scale ([`NoScale`], a
     /// disabled [`GradScaler`]): f16 gradients underflow without loss scaling.
-    fn try_scale<'s>(&'s mut self, loss: Tensor<f32>) -> Result<ScaledLoss<'s, Self>>
+    fn try_scale<'s, D: Device>(&'s mut self, loss: Tensor<f32, D>) -> Result<ScaledLoss<'s, Self, D>>
     where
         Self: Sized,
     {
@@ -51,7 +52,7 @@ pub trait LossScaler: sealed::Sealed {
     }
     /// [`LossScaler::try_scale`], panicking with its error.
     #[track_caller]
-    fn scale<'s>(&'s mut self, loss: Tensor<f32>) -> ScaledLoss<'s, Self>
+    fn scale<'s, D: Device>(&'s mut self, loss: Tensor<f32, D>) -> ScaledLoss<'s, Self, D>
     where
         Self: Sized,
     {
@@ -290,7 +291,7 @@ impl GradScaler {
     /// times the current scale (see [`TrainStep`]). A disabled scaler refuses a loss computed
     /// through f16 ops; see [`LossScaler::try_scale`].
     #[track_caller]
-    pub fn scale(&mut self, loss: Tensor<f32>) -> ScaledLoss<'_, GradScaler> {
+    pub fn scale<D: Device>(&mut self, loss: Tensor<f32, D>) -> ScaledLoss<'_, GradScaler, D> {
         LossScaler::scale(self, loss)
     }
     /// The checkpoint (PyTorch's keys).
@@ -475,7 +476,7 @@ impl NoScale {
     /// Starts an iteration (the loss, taken by value, is used as is; see [`TrainStep`]).
     /// Panics if the loss was computed through f16 ops: f16 needs a [`GradScaler`].
     #[track_caller]
-    pub fn scale(&mut self, loss: Tensor<f32>) -> ScaledLoss<'_, NoScale> {
+    pub fn scale<D: Device>(&mut self, loss: Tensor<f32, D>) -> ScaledLoss<'_, NoScale, D> {
         LossScaler::scale(self, loss)
     }
 }

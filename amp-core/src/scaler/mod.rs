@@ -84,4 +84,6 @@ pub fn inv_scale(scale: f32) -> f32 {
     (1.0f64 / scale as f64) as f32
 }
 pub use step::stage;
-pub use step::{GradsView, MicroBatchLoss, ScaledGrads, ScaledLoss, StepReport, Stepped, TrainStep, UnscaledGrads};
+pub use step::{
+    GradsView, MicroBatchLoss, OptimizerPair, ScaledGrads, ScaledLoss, StepReport, Stepped, TrainStep, UnscaledGrads,
+};

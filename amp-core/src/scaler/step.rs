@@ -142,20 +142,20 @@ use stage::{
 /// dropping it at any stage panics with a message naming the call that is missing, because a
 /// dropped step loses its gradients or leaves the loss scale un-updated with no other sign.
 #[must_use = "an unfinished training step: every iteration ends with `.update()`, which adapts the loss scale (the order is `.backward()`, `.unscale()`, `.step(&mut optimizer, &mut model)`, `.update()`); dropping it panics"]
-pub struct TrainStep<'s, K: LossScaler, S: Stage> {
+pub struct TrainStep<'s, K: LossScaler, S: Stage, D: Device = Cpu> {
     /// `None` once the step has ended (moved to the next stage, updated, abandoned or failed).
-    inner: Option<Inner<'s, K>>,
+    inner: Option<Inner<'s, K, D>>,
     _stage: PhantomData<S>,
 }
 
 /// What a step carries from stage to stage.
-struct Inner<'s, K: LossScaler> {
+struct Inner<'s, K: LossScaler, D: Device> {
     scaler: &'s mut K,
     /// The scale this iteration uses (fixed at `scale(loss)`).
     scale: f32,
     /// The loss, until `backward()` consumes it (freeing the forward graph).
-    loss: Option<Tensor<f32>>,
-    grads: Grads,
+    loss: Option<Tensor<f32, D>>,
+    grads: Grads<D>,
     /// Gradients found inf/NaN by `unscale()`.
     non_finite: HashSet<TensorId>,
     /// After `step`: whether any optimizer skipped its step.
@@ -164,14 +164,17 @@ struct Inner<'s, K: LossScaler> {
     grad_norm: Option<f32>,
 }
 
+/// One optimizer and the model it steps, as [`TrainStep::step_many`] takes them.
+pub type OptimizerPair<'a, E, D = Cpu> = (&'a mut dyn Optimizer<E, D>, &'a mut dyn Params<E, D>);
+
 /// `scaler.scale(loss)`: the loss times the scale, waiting for `.backward()`.
-pub type ScaledLoss<'s, K> = TrainStep<'s, K, LossScaled>;
+pub type ScaledLoss<'s, K, D = Cpu> = TrainStep<'s, K, LossScaled, D>;
 /// `.backward()`: gradients times the scale; more micro-batches can be accumulated.
-pub type ScaledGrads<'s, K> = TrainStep<'s, K, GradsScaled>;
+pub type ScaledGrads<'s, K, D = Cpu> = TrainStep<'s, K, GradsScaled, D>;
 /// `.unscale()`: true gradients, checked for inf/NaN; clip here, then `.step(..)`.
-pub type UnscaledGrads<'s, K> = TrainStep<'s, K, GradsUnscaled>;
+pub type UnscaledGrads<'s, K, D = Cpu> = TrainStep<'s, K, GradsUnscaled, D>;
 /// `.step(..)`: the optimizer stepped or skipped; `.update()` ends the iteration.
-pub type Stepped<'s, K> = TrainStep<'s, K, OptimizerStepped>;
+pub type Stepped<'s, K, D = Cpu> = TrainStep<'s, K, OptimizerStepped, D>;
 
 /// What one iteration did, returned by `.update()`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -194,22 +197,22 @@ pub struct StepReport {
 /// so it cannot be cloned into one, clipped or handed to an optimizer. At [`GradsScaled`] the
 /// values are still multiplied by the loss scale ([`GradsView::is_scaled`]).
 #[derive(Clone, Copy, Debug)]
-pub struct GradsView<'a> {
-    grads: &'a Grads,
+pub struct GradsView<'a, D: Device = Cpu> {
+    grads: &'a Grads<D>,
     scaled: bool,
 }
 
-impl<'a> GradsView<'a> {
+impl<'a, D: Device> GradsView<'a, D> {
     /// The gradient of `t` (a parameter, or a leaf marked `requires_grad_()`), in `t`'s precision.
-    pub fn get<E: Precision>(&self, t: &Tensor<E>) -> Option<&'a Tensor<E>> {
+    pub fn get<E: Precision>(&self, t: &Tensor<E, D>) -> Option<&'a Tensor<E, D>> {
         self.grads.get(t)
     }
     /// The gradient of the tensor with this id.
-    pub fn get_by_id(&self, id: TensorId) -> Option<&'a AnyTensor> {
+    pub fn get_by_id(&self, id: TensorId) -> Option<&'a AnyTensor<D>> {
         self.grads.get_by_id(id)
     }
     /// Every (id, gradient), in id order.
-    pub fn iter(&self) -> impl Iterator<Item = (TensorId, &'a AnyTensor)> + use<'a> {
+    pub fn iter(&self) -> impl Iterator<Item = (TensorId, &'a AnyTensor<D>)> + use<'a, D> {
         self.grads.iter()
     }
     /// Number of gradients.
@@ -233,7 +236,7 @@ impl<'a> GradsView<'a> {
 
 mod loss_sealed {
     pub trait Sealed {}
-    impl Sealed for crate::Tensor<f32> {}
+    impl<D: crate::Device> Sealed for crate::Tensor<f32, D> {}
 }
 
 /// A micro-batch's loss, as [`TrainStep::accumulate`] takes it: an f32 scalar tensor, by value
@@ -244,13 +247,13 @@ mod loss_sealed {
     note = "gradients from another `scaler.scale(..)` call belong to another iteration (possibly at another scale) and cannot be mixed in",
     note = "run the micro-batch's forward pass and pass its loss: `grads.accumulate(loss)`, before `.unscale()`"
 )]
-pub trait MicroBatchLoss: loss_sealed::Sealed {
+pub trait MicroBatchLoss<D: Device = Cpu>: loss_sealed::Sealed {
     /// The loss tensor.
-    fn into_loss(self) -> Tensor<f32>;
+    fn into_loss(self) -> Tensor<f32, D>;
 }
 
-impl MicroBatchLoss for Tensor<f32> {
-    fn into_loss(self) -> Tensor<f32> {
+impl<D: Device> MicroBatchLoss<D> for Tensor<f32, D> {
+    fn into_loss(self) -> Tensor<f32, D> {
         self
     }
 }
@@ -275,7 +278,7 @@ fn dropped_message(kind: StageKind, micro_batches: usize) -> String {
     )
 }
 
-impl<K: LossScaler, S: Stage> Drop for TrainStep<'_, K, S> {
+impl<K: LossScaler, S: Stage, D: Device> Drop for TrainStep<'_, K, S, D> {
     fn drop(&mut self) {
         // Not while unwinding: a second panic would abort and hide the first.
         if let Some(inner) = &self.inner
@@ -286,14 +289,14 @@ impl<K: LossScaler, S: Stage> Drop for TrainStep<'_, K, S> {
     }
 }
 
-impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
-    fn st(&self) -> &Inner<'s, K> {
+impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
+    fn st(&self) -> &Inner<'s, K, D> {
         self.inner.as_ref().expect("a live TrainStep holds its state")
     }
-    fn st_mut(&mut self) -> &mut Inner<'s, K> {
+    fn st_mut(&mut self) -> &mut Inner<'s, K, D> {
         self.inner.as_mut().expect("a live TrainStep holds its state")
     }
-    fn into_stage<T: Stage>(mut self) -> TrainStep<'s, K, T> {
+    fn into_stage<T: Stage>(mut self) -> TrainStep<'s, K, T, D> {
         TrainStep { inner: self.inner.take(), _stage: PhantomData }
     }
     /// Ends the step with `e` (nothing to finish: the error says what went wrong).
@@ -322,7 +325,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
 
     /// Runs `backward()` on the scaled loss (gradients come out multiplied by the scale). The
     /// loss and its forward graph are freed here, so the step can update parameters in place.
-    pub fn try_backward(mut self) -> Result<ScaledGrads<'s, K>>
+    pub fn try_backward(mut self) -> Result<ScaledGrads<'s, K, D>>
     where
         S: CanBackward,
     {
@@ -341,7 +344,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     /// Runs `backward()` on the scaled loss. Panics if the loss is not a scalar that depends on
     /// a parameter (see [`TrainStep::try_backward`]).
     #[track_caller]
-    pub fn backward(self) -> ScaledGrads<'s, K>
+    pub fn backward(self) -> ScaledGrads<'s, K, D>
     where
         S: CanBackward,
     {
@@ -352,7 +355,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     /// (PyTorch's repeated `scaler.scale(loss).backward()` before one `step`). Divide each
     /// micro-batch's loss by the number of micro-batches if you want their mean. The loss is
     /// taken by value: its graph is freed by the backward pass.
-    pub fn try_accumulate<L: MicroBatchLoss>(&mut self, loss: L) -> Result<&mut Self>
+    pub fn try_accumulate<L: MicroBatchLoss<D>>(&mut self, loss: L) -> Result<&mut Self>
     where
         S: CanAccumulate,
     {
@@ -367,7 +370,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     }
     /// Adds another micro-batch's gradients; panics where [`TrainStep::try_accumulate`] errs.
     #[track_caller]
-    pub fn accumulate<L: MicroBatchLoss>(&mut self, loss: L) -> &mut Self
+    pub fn accumulate<L: MicroBatchLoss<D>>(&mut self, loss: L) -> &mut Self
     where
         S: CanAccumulate,
     {
@@ -378,7 +381,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     /// Divides every gradient by the scale (multiplying by PyTorch's f32 `inv`) and checks it
     /// for inf/NaN, in one fused pass over all gradients. A [`crate::scaler::GradScaler`]
     /// refuses f16 gradients, as PyTorch does: master parameters and their gradients are f32.
-    pub fn try_unscale(mut self) -> Result<UnscaledGrads<'s, K>>
+    pub fn try_unscale(mut self) -> Result<UnscaledGrads<'s, K, D>>
     where
         S: CanUnscale,
     {
@@ -403,7 +406,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     }
     /// Unscales and checks the gradients; panics where [`TrainStep::try_unscale`] errs.
     #[track_caller]
-    pub fn unscale(self) -> UnscaledGrads<'s, K>
+    pub fn unscale(self) -> UnscaledGrads<'s, K, D>
     where
         S: CanUnscale,
     {
@@ -454,27 +457,26 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     /// [`crate::optim::Optim`], or pure-bf16 weights with an `Optim<R, bf16>`
     /// ([`crate::optim::Optim::for_bf16`]); an optimizer for another element type does not
     /// compile.
-    pub fn try_step<O, M, E>(self, optimizer: &mut O, model: &mut M) -> Result<Stepped<'s, K>>
+    pub fn try_step<O, M, E>(self, optimizer: &mut O, model: &mut M) -> Result<Stepped<'s, K, D>>
     where
         S: CanStep,
         E: Precision,
-        O: Optimizer<E> + ?Sized,
-        M: Params<E> + ?Sized,
+        O: Optimizer<E, D> + ?Sized,
+        M: Params<E, D> + ?Sized,
     {
-        let mut pairs: [(&mut dyn Optimizer<E>, &mut dyn Params<E>); 1] =
-            [(&mut DynOptimizer(optimizer), &mut DynParams(model))];
+        let mut pairs: [OptimizerPair<'_, E, D>; 1] = [(&mut DynOptimizer(optimizer), &mut DynParams(model))];
         self.try_step_many(&mut pairs)
     }
     /// Applies or skips the optimizer step; panics where [`TrainStep::try_step`] errs (a
     /// gradient or optimizer state whose shape does not match its parameter, an optimizer
     /// bound to another model's parameters).
     #[track_caller]
-    pub fn step<O, M, E>(self, optimizer: &mut O, model: &mut M) -> Stepped<'s, K>
+    pub fn step<O, M, E>(self, optimizer: &mut O, model: &mut M) -> Stepped<'s, K, D>
     where
         S: CanStep,
         E: Precision,
-        O: Optimizer<E> + ?Sized,
-        M: Params<E> + ?Sized,
+        O: Optimizer<E, D> + ?Sized,
+        M: Params<E, D> + ?Sized,
     {
         or_panic(self.try_step(optimizer, model))
     }
@@ -483,15 +485,12 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     /// off once in `.update()` however many skipped, as in PyTorch. A pair whose parameters
     /// have no gradient at all is left alone (its optimizer does not count a step). Every pair
     /// has parameters of one element type `E` (f32, or bf16 for pure-bf16 models).
-    pub fn try_step_many<E: Precision>(
-        mut self,
-        pairs: &mut [(&mut dyn Optimizer<E>, &mut dyn Params<E>)],
-    ) -> Result<Stepped<'s, K>>
+    pub fn try_step_many<E: Precision>(mut self, pairs: &mut [OptimizerPair<'_, E, D>]) -> Result<Stepped<'s, K, D>>
     where
         S: CanStep,
     {
         let st = self.st_mut();
-        let grads = std::mem::take(&mut st.grads);
+        let grads = std::mem::replace(&mut st.grads, Grads::empty());
         let mut any_stepped = false;
         for (opt, model) in pairs.iter_mut() {
             let named = model.named_params();
@@ -520,7 +519,7 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     }
     /// Steps several optimizers; panics where [`TrainStep::try_step_many`] errs.
     #[track_caller]
-    pub fn step_many<E: Precision>(self, pairs: &mut [(&mut dyn Optimizer<E>, &mut dyn Params<E>)]) -> Stepped<'s, K>
+    pub fn step_many<E: Precision>(self, pairs: &mut [OptimizerPair<'_, E, D>]) -> Stepped<'s, K, D>
     where
         S: CanStep,
     {
@@ -558,17 +557,17 @@ impl<'s, K: LossScaler, S: Stage> TrainStep<'s, K, S> {
     }
 }
 
-impl<'s, K: LossScaler> TrainStep<'s, K, LossScaled> {
+impl<'s, K: LossScaler, D: Device> TrainStep<'s, K, LossScaled, D> {
     /// Starts a step: refuses a loss computed in f16 when `scaler` does not scale (f16
     /// gradients underflow to zero without loss scaling).
-    pub(crate) fn start(scaler: &'s mut K, loss: Tensor<f32>) -> Result<Self> {
+    pub(crate) fn start(scaler: &'s mut K, loss: Tensor<f32, D>) -> Result<Self> {
         check_precision_fits(&*scaler, &loss)?;
         Ok(TrainStep {
             inner: Some(Inner {
                 scale: scaler.get_scale(),
                 scaler,
                 loss: Some(loss),
-                grads: Grads::new(),
+                grads: Grads::empty(),
                 non_finite: HashSet::new(),
                 found_inf: false,
                 micro_batches: 0,
@@ -578,29 +577,29 @@ impl<'s, K: LossScaler> TrainStep<'s, K, LossScaled> {
         })
     }
     /// The loss as given (not scaled).
-    pub fn loss(&self) -> &Tensor<f32> {
+    pub fn loss(&self) -> &Tensor<f32, D> {
         self.st().loss.as_ref().expect("a LossScaled step holds its loss")
     }
     /// The scaled loss, `loss × scale` computed in f32 (detached: `backward()` is the way to
     /// differentiate it).
-    pub fn scaled_value(&self) -> Tensor<f32> {
+    pub fn scaled_value(&self) -> Tensor<f32, D> {
         let loss = self.loss().detach();
         let scale = self.st().scale;
         if scale == 1.0 { loss } else { crate::no_grad(|| loss.mul_scalar(scale as f64)) }
     }
 }
 
-impl<K: LossScaler> TrainStep<'_, K, GradsScaled> {
+impl<K: LossScaler, D: Device> TrainStep<'_, K, GradsScaled, D> {
     /// The gradients, still multiplied by the scale (a read-only view: scaled gradients are
     /// never a [`Grads`] that could be clipped or stepped).
-    pub fn scaled_grads(&self) -> GradsView<'_> {
+    pub fn scaled_grads(&self) -> GradsView<'_, D> {
         GradsView { grads: &self.st().grads, scaled: true }
     }
 }
 
-impl<K: LossScaler> TrainStep<'_, K, GradsUnscaled> {
+impl<K: LossScaler, D: Device> TrainStep<'_, K, GradsUnscaled, D> {
     /// The unscaled gradients (a read-only view: the step applies them, once).
-    pub fn grads(&self) -> GradsView<'_> {
+    pub fn grads(&self) -> GradsView<'_, D> {
         GradsView { grads: &self.st().grads, scaled: false }
     }
     /// Whether any gradient is inf or NaN (the step will be skipped for the optimizers whose
@@ -614,7 +613,7 @@ impl<K: LossScaler> TrainStep<'_, K, GradsUnscaled> {
     }
 }
 
-impl<K: LossScaler> TrainStep<'_, K, OptimizerStepped> {
+impl<K: LossScaler, D: Device> TrainStep<'_, K, OptimizerStepped, D> {
     /// Whether the optimizer step was skipped (a gradient was inf or NaN).
     pub fn skipped(&self) -> bool {
         self.st().found_inf
@@ -624,7 +623,7 @@ impl<K: LossScaler> TrainStep<'_, K, OptimizerStepped> {
 /// Refuses a loss whose graph runs through f16 ops when `scaler` does not scale it: their
 /// gradients underflow (35.7% of the nonzero f16 gradients of a small GPT flush to zero). The
 /// graph is walked only then, so an f16 run with a `GradScaler` pays nothing.
-fn check_precision_fits<K: LossScaler>(scaler: &K, loss: &Tensor<f32>) -> Result<()> {
+fn check_precision_fits<K: LossScaler, D: Device>(scaler: &K, loss: &Tensor<f32, D>) -> Result<()> {
     if scaler.scales_loss() {
         return Ok(());
     }
@@ -643,24 +642,25 @@ fn check_precision_fits<K: LossScaler>(scaler: &K, loss: &Tensor<f32>) -> Result
 
 /// `loss.backward()` with every gradient multiplied by `scale` (the seed is the scale, which
 /// is what PyTorch's backward of `loss * scale` gives: `1 × scale` exactly).
-fn scaled_backward(loss: &Tensor<f32>, scale: f32) -> Result<Grads> {
+fn scaled_backward<D: Device>(loss: &Tensor<f32, D>, scale: f32) -> Result<Grads<D>> {
     loss.try_backward_with_seed(scale as f64)
 }
 
 /// The fused unscale + check over every gradient, on the gradients' device; returns the ids
 /// of non-finite gradients.
-fn unscale_grads(grads: &mut Grads, mode: UnscaleMode) -> HashSet<TensorId> {
-    let dev = Cpu;
+fn unscale_grads<D: Device>(grads: &mut Grads<D>, mode: UnscaleMode) -> HashSet<TensorId> {
     let mut bad = HashSet::new();
     match mode {
         UnscaleMode::Nothing => {}
         UnscaleMode::Unscale(inv) => {
             let mut ids = Vec::new();
             let mut f32s = Vec::new();
+            let mut dev = None;
             for (id, g) in grads.iter_mut() {
                 match g {
                     AnyTensor::F32(t) => {
                         t.make_exclusive();
+                        dev.get_or_insert_with(|| t.device().clone());
                         ids.push(id);
                         f32s.push(&mut t.storage);
                     }
@@ -668,6 +668,7 @@ fn unscale_grads(grads: &mut Grads, mode: UnscaleMode) -> HashSet<TensorId> {
                         // bf16 (pure-bf16 training) or f64: check, then `v × inv` in E::Acc.
                         let found = crate::with_any!(other, t => {
                             t.make_exclusive();
+                            let dev = t.device().clone();
                             let found = dev.any_non_finite(&t.storage, &t.layout);
                             dev.scale_in_place(&mut t.storage, inv);
                             found
@@ -678,14 +679,16 @@ fn unscale_grads(grads: &mut Grads, mode: UnscaleMode) -> HashSet<TensorId> {
                     }
                 }
             }
-            let mut found_inf = dev.full(ids.len(), 0f32);
-            dev.unscale_check(&mut f32s, inv, &mut found_inf);
-            let flags = dev.to_host(&found_inf, &Layout::contiguous(&[ids.len()]));
-            bad.extend(ids.into_iter().zip(flags).filter(|(_, f)| *f != 0.0).map(|(id, _)| id));
+            if let Some(dev) = dev {
+                let mut found_inf = dev.full(ids.len(), 0f32);
+                dev.unscale_check(&mut f32s, inv, &mut found_inf);
+                let flags = dev.to_host(&found_inf, &Layout::contiguous(&[ids.len()]));
+                bad.extend(ids.into_iter().zip(flags).filter(|(_, f)| *f != 0.0).map(|(id, _)| id));
+            }
         }
         UnscaleMode::CheckOnly => {
             for (id, g) in grads.iter() {
-                if crate::with_any!(g, t => dev.any_non_finite(&t.storage, &t.layout)) {
+                if crate::with_any!(g, t => t.device().any_non_finite(&t.storage, &t.layout)) {
                     bad.insert(id);
                 }
             }
@@ -697,11 +700,11 @@ fn unscale_grads(grads: &mut Grads, mode: UnscaleMode) -> HashSet<TensorId> {
 /// `&mut M` for any `M: Params<E> + ?Sized`, as a sized `Params<E>`.
 struct DynParams<'a, M: ?Sized>(&'a mut M);
 
-impl<E: Precision, M: Params<E> + ?Sized> Params<E> for DynParams<'_, M> {
-    fn named_params(&self) -> Vec<(String, &Param<E>)> {
+impl<E: Precision, D: Device, M: Params<E, D> + ?Sized> Params<E, D> for DynParams<'_, M> {
+    fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
         self.0.named_params()
     }
-    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E>)> {
+    fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
         self.0.named_params_mut()
     }
 }
@@ -709,8 +712,8 @@ impl<E: Precision, M: Params<E> + ?Sized> Params<E> for DynParams<'_, M> {
 /// `&mut O` for any `O: Optimizer<E> + ?Sized`, as a sized `Optimizer<E>`.
 struct DynOptimizer<'a, O: ?Sized>(&'a mut O);
 
-impl<E: Precision, O: Optimizer<E> + ?Sized> Optimizer<E> for DynOptimizer<'_, O> {
-    fn step(&mut self, params: &mut dyn Params<E>, grads: &Grads) -> Result<()> {
+impl<E: Precision, D: Device, O: Optimizer<E, D> + ?Sized> Optimizer<E, D> for DynOptimizer<'_, O> {
+    fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
         self.0.step(params, grads)
     }
     fn lr(&self) -> f64 {
@@ -725,7 +728,7 @@ impl<E: Precision, O: Optimizer<E> + ?Sized> Optimizer<E> for DynOptimizer<'_, O
 mod tests {
     use std::sync::Arc;
 
-    use crate::optim::{Optimizer, Sgd};
+    use crate::optim::Sgd;
     use crate::scaler::GradScaler;
     use crate::{Param, Tensor, f16};
 

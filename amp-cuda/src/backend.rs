@@ -17,7 +17,8 @@ use std::any::TypeId;
 use std::sync::Arc;
 
 use amp_core::backend::{
-    BatchNormStats, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Pool2dSpec, PoolWindow, ReduceOp, UnaryOp,
+    AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit,
+    Pool2dSpec, PoolWindow, ReduceOp, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
 use amp_core::{DType, Precision};
@@ -27,7 +28,7 @@ use crate::device::{Cuda, ModuleKey, State};
 use crate::gemm::{self, Mat, as_operand};
 use crate::kernels::{self, Family};
 use crate::launch::{broadcast_strides, grid, launch, row_cache, rows_grid, view1, views};
-use crate::storage::{CudaRowStats, CudaStorage, RawVec, StatsKind};
+use crate::storage::{CudaRowStats, CudaStateVec, CudaStorage, RawVec, StatsKind};
 
 /// A strided view that need not be a [`Layout`] (a weight seen transposed, for GEMM).
 #[derive(Clone, Debug)]
@@ -426,6 +427,7 @@ impl Cuda {
 impl Device for Cuda {
     type Storage<E: Precision> = CudaStorage<E>;
     type RowStats<E: Precision> = CudaRowStats<E>;
+    type StateVec = CudaStateVec;
 
     fn name(&self) -> String {
         format!("cuda:{}", self.ordinal())
@@ -1396,6 +1398,101 @@ impl Device for Cuda {
             let f = st.family_fn(Family::Amp, E::DTYPE, "clamp_fwd");
             launch!(st, f, grid(x.len); x.ptr(), x.len as i64, c);
         }
+    }
+
+    // ---- optimizer updates
+
+    fn state_zeros(&self, n: usize) -> CudaStateVec {
+        CudaStateVec(self.zeros::<f32>(n))
+    }
+    fn state_from_host(&self, v: Vec<f32>) -> CudaStateVec {
+        CudaStateVec(self.from_host(v))
+    }
+    fn state_to_host(&self, v: &CudaStateVec) -> Vec<f32> {
+        self.download(v.0.ptr(), v.0.len)
+    }
+    fn state_len(&self, v: &CudaStateVec) -> usize {
+        v.0.len
+    }
+    fn sgd_update(
+        &self,
+        args: &SgdArgs,
+        param: &mut CudaStorage<f32>,
+        grad: &CudaStorage<f32>,
+        momentum_buffer: Option<&mut CudaStateVec>,
+        found_inf: Option<&CudaStorage<f32>>,
+    ) {
+        assert!(Self::is_exclusive(param), "backend invariant: sgd_update on a shared parameter");
+        let st = self.st();
+        let n = param.len;
+        if n == 0 {
+            return;
+        }
+        let SgdArgs { neg_lr, weight_decay, momentum, keep, nesterov, first } = *args;
+        let buf = momentum_buffer.map_or(0, |b| b.0.ptr());
+        let f = st.family_fn(Family::Optim, DType::F32, "sgd_update_fwd");
+        launch!(st, f, grid(n);
+            param.ptr(), grad.ptr(), buf, n as i64, neg_lr, weight_decay.is_some() as i32, weight_decay.unwrap_or(0.0),
+            momentum, keep, nesterov as i32, first as i32, found_inf.map_or(0, |f| f.ptr()));
+    }
+    fn write_bf16(
+        &self,
+        updated: &CudaStorage<f32>,
+        param: &mut CudaStorage<half::bf16>,
+        mode: Bf16Write,
+        compensation: Option<&mut CudaStorage<half::bf16>>,
+    ) {
+        assert!(Self::is_exclusive(param), "backend invariant: write_bf16 into a shared parameter");
+        let st = self.st();
+        let n = param.len;
+        if n == 0 {
+            return;
+        }
+        match (mode, compensation) {
+            (Bf16Write::Nearest, None) => {
+                let f = st.family_fn(Family::Optim, DType::F32, "write_bf16_nearest_fwd");
+                launch!(st, f, grid(n); param.ptr(), updated.ptr(), n as i64);
+            }
+            (Bf16Write::Kahan, Some(c)) => {
+                let f = st.family_fn(Family::Optim, DType::F32, "write_bf16_kahan_fwd");
+                launch!(st, f, grid(n); param.ptr(), c.ptr(), updated.ptr(), n as i64);
+            }
+            (Bf16Write::Stochastic { key }, None) => {
+                let f = st.family_fn(Family::Optim, DType::F32, "write_bf16_stochastic_fwd");
+                launch!(st, f, grid(n); param.ptr(), updated.ptr(), n as i64, key);
+            }
+            (mode, c) => panic!("backend invariant: {mode:?} with compensation {}", c.is_some()),
+        }
+    }
+    fn adam_update(
+        &self,
+        args: &AdamArgs,
+        param: &mut CudaStorage<f32>,
+        grad: &CudaStorage<f32>,
+        exp_avg: &mut CudaStateVec,
+        exp_avg_sq: &mut CudaStateVec,
+        found_inf: Option<&CudaStorage<f32>>,
+    ) {
+        assert!(Self::is_exclusive(param), "backend invariant: adam_update on a shared parameter");
+        let st = self.st();
+        let n = param.len;
+        if n == 0 {
+            return;
+        }
+        let AdamArgs { neg_step_size, bias_correction2_sqrt, lerp_weight, beta2, one_minus_beta2, eps, decay } = *args;
+        let (l2, wd) = match decay {
+            AdamDecay::L2(wd) => (1i32, wd),
+            _ => (0, 0.0f32),
+        };
+        let (decoupled, decay_mul) = match decay {
+            AdamDecay::Decoupled(m) => (1i32, m),
+            _ => (0, 1.0f32),
+        };
+        let f = st.family_fn(Family::Optim, DType::F32, "adam_update_fwd");
+        launch!(st, f, grid(n);
+            param.ptr(), grad.ptr(), exp_avg.0.ptr(), exp_avg_sq.0.ptr(), n as i64, neg_step_size,
+            bias_correction2_sqrt, lerp_weight, beta2, one_minus_beta2, eps, l2, wd, decoupled, decay_mul,
+            found_inf.map_or(0, |f| f.ptr()));
     }
 }
 

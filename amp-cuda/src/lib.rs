@@ -9,4 +9,4 @@ pub mod nvrtc;
 mod storage;
 
 pub use device::Cuda;
-pub use storage::{CudaRowStats, CudaStorage};
+pub use storage::{CudaRowStats, CudaStateVec, CudaStorage};

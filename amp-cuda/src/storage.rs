@@ -123,3 +123,38 @@ impl<E> CudaRowStats<E> {
         CudaRowStats { kind, a, b, _e: PhantomData }
     }
 }
+
+/// An f32 optimizer-state vector (moments, momentum buffers) in device memory.
+///
+/// Unlike a tensor storage, cloning it copies the values (a device-to-device copy on the
+/// stream): the CPU's state is a `Vec<f32>`, and an optimizer that clones its state must not
+/// see the copy change under later in-place updates.
+pub struct CudaStateVec(pub(crate) CudaStorage<f32>);
+
+impl Clone for CudaStateVec {
+    fn clone(&self) -> Self {
+        let state = &self.0.buf.state;
+        state.enter();
+        let copy = CudaStorage::<f32>::uninit(state, self.0.len);
+        if self.0.len > 0 {
+            // SAFETY: both blocks hold `len` f32s; the copy is ordered on the device's stream
+            // after every earlier write of the source.
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    copy.ptr(),
+                    self.0.ptr(),
+                    self.0.len * 4,
+                    state.stream.cu_stream(),
+                )
+            };
+            state.check("cuMemcpyDtoDAsync", r);
+        }
+        CudaStateVec(copy)
+    }
+}
+
+impl std::fmt::Debug for CudaStateVec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaStateVec({} f32 on {})", self.0.len, self.0.buf.state.name())
+    }
+}

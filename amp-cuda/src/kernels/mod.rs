@@ -30,6 +30,7 @@ const CONV: &str = include_str!("conv.cu");
 const POOL: &str = include_str!("pool.cu");
 const BATCH_NORM: &str = include_str!("batch_norm.cu");
 const AMP: &str = include_str!("amp.cu");
+const OPTIM: &str = include_str!("optim.cu");
 
 /// Every precision a tensor can have, in kernel-name order.
 pub const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
@@ -71,11 +72,13 @@ pub enum Family {
     Amp,
     /// The fused multi-tensor unscale and non-finite check (f32 gradients only).
     Unscale,
+    /// SGD and Adam/AdamW updates of f32 parameters, and the bf16 write-backs.
+    Optim,
 }
 
 impl Family {
     /// Every family.
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Family::Copy,
         Family::Reduce,
         Family::Softmax,
@@ -87,6 +90,7 @@ impl Family {
         Family::BatchNorm,
         Family::Amp,
         Family::Unscale,
+        Family::Optim,
     ];
 
     /// The family's name (its programs are `<name>_<dtype>`).
@@ -103,13 +107,14 @@ impl Family {
             Family::BatchNorm => "batch_norm",
             Family::Amp => "amp",
             Family::Unscale => "unscale",
+            Family::Optim => "optim",
         }
     }
 
     /// The precisions the family exists for.
     pub fn dtypes(self) -> &'static [DType] {
         match self {
-            Family::Unscale => &[DType::F32],
+            Family::Unscale | Family::Optim => &[DType::F32],
             _ => &DTYPES,
         }
     }
@@ -124,6 +129,7 @@ impl Family {
             Family::Pool => POOL,
             Family::BatchNorm => BATCH_NORM,
             Family::Amp | Family::Unscale => AMP,
+            Family::Optim => OPTIM,
         }
     }
 
@@ -140,7 +146,7 @@ impl Family {
             Family::Pool => "AMP_POOL_KERNELS",
             Family::BatchNorm => "AMP_BATCH_NORM_KERNELS",
             Family::Amp => "AMP_AMP_KERNELS",
-            Family::Unscale => return None,
+            Family::Unscale | Family::Optim => return None,
         })
     }
 
@@ -172,6 +178,13 @@ impl Family {
             ],
             Family::Amp => &["non_finite_fwd", "sum_squares_fwd", "scale_fwd", "clamp_fwd", "dropout_fwd"],
             Family::Unscale => &["unscale_check_fwd"],
+            Family::Optim => &[
+                "sgd_update_fwd",
+                "adam_update_fwd",
+                "write_bf16_nearest_fwd",
+                "write_bf16_kahan_fwd",
+                "write_bf16_stochastic_fwd",
+            ],
         }
     }
 }

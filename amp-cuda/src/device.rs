@@ -156,9 +156,9 @@ fn driver_call<T>(device: &str, f: impl FnOnce(&str) -> Result<T, DriverError>) 
     // it runs no code of the library.
     if !unsafe { sys::is_culib_present() } {
         return Err(err(format!(
-            "the NVIDIA driver library (libcuda) was not found (tried {:?}): no NVIDIA driver is installed, or its \
+            "the NVIDIA driver library (libcuda) was not found (tried {}): no NVIDIA driver is installed, or its \
              folder is not on LD_LIBRARY_PATH",
-            cudarc::get_lib_name_candidates("cuda")
+            nvrtc::tried("cuda")
         )));
     }
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(device))) {
@@ -261,9 +261,9 @@ impl State {
         // SAFETY: as in driver_call's probe: dlopen attempts only.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(err(format!(
-                "cuBLAS (libcublas) was not found (tried {:?}): install the CUDA toolkit or `pip install \
+                "cuBLAS (libcublas) was not found (tried {}): install the CUDA toolkit or `pip install \
                  nvidia-cublas` and put its lib folder on LD_LIBRARY_PATH",
-                cudarc::get_lib_name_candidates("cublas")
+                nvrtc::tried("cublas")
             )));
         }
         nvrtc::nvrtc_status().map_err(|e| err(e.to_string()))?;

@@ -39,9 +39,9 @@ pub fn nvrtc_status() -> Result<(i32, i32), Error> {
             // it runs no code of the library.
             if !unsafe { sys::is_culib_present() } {
                 return Err(format!(
-                    "libnvrtc was not found on the library path (tried {:?}); install the CUDA toolkit or \
-                     `pip install nvidia-cuda-nvrtc` and put its nvidia/cu13/lib folder on LD_LIBRARY_PATH",
-                    cudarc::get_lib_name_candidates("nvrtc")
+                    "libnvrtc was not found on the library path (tried {}); install the CUDA toolkit or `pip \
+                     install nvidia-cuda-nvrtc` and put its nvidia/cu13/lib folder on LD_LIBRARY_PATH",
+                    tried("nvrtc")
                 ));
             }
             std::panic::catch_unwind(|| {
@@ -54,6 +54,16 @@ pub fn nvrtc_status() -> Result<(i32, i32), Error> {
         })
         .clone()
         .map_err(nvrtc_error)
+}
+
+/// The library names cudarc tried for `lib`, in short: the first plain ones and a count.
+pub(crate) fn tried(lib: &str) -> String {
+    let mut names = cudarc::get_lib_name_candidates(lib);
+    names.dedup();
+    let prefix = format!("lib{lib}.so");
+    let major: Vec<&String> = names.iter().filter(|n| n.starts_with(&prefix)).collect();
+    let shown: Vec<&str> = major.iter().take(3).map(|s| s.as_str()).collect();
+    format!("{} and {} other names", shown.join(", "), names.len().saturating_sub(shown.len()))
 }
 
 /// The text of a caught panic's payload.

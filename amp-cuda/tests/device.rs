@@ -1,0 +1,101 @@
+//! Opening devices, and the device's own machinery (copies, the caching allocator, state
+//! vectors). The error tests run everywhere; the others need a GPU and say SKIPPED without one.
+
+mod common;
+
+use amp_core::layout::Layout;
+use amp_core::{Device, Error, Tensor};
+use amp_cuda::Cuda;
+use common::cuda_or_skip;
+
+#[test]
+fn opening_a_missing_device_is_an_error_naming_what_is_missing_never_a_panic() {
+    match Cuda::new(0) {
+        Ok(c) => {
+            // A GPU is here: an ordinal past the last one must still be an error.
+            let n = Cuda::device_count().expect("the driver answers");
+            let e = Cuda::new(n + 7).err().expect("an out-of-range ordinal is an error");
+            assert!(e.to_string().contains("out of range"), "{e}");
+            assert_eq!(c.name(), "cuda:0");
+        }
+        Err(e) => {
+            let Error::Device { op, device, detail } = &e else { panic!("not a device error: {e:?}") };
+            assert_eq!((*op, device.as_str()), ("Cuda::new", "cuda:0"));
+            let named = ["libcuda", "no CUDA device", "CUDA_ERROR", "libcublas", "libnvrtc"];
+            assert!(named.iter().any(|w| detail.contains(w)), "the message names what is missing: {detail}");
+            // Every ordinal fails the same way, none panics.
+            assert!(Cuda::new(3).is_err());
+            assert!(Cuda::available().is_err());
+            println!("no GPU here, as reported: {e}");
+        }
+    }
+}
+
+#[test]
+fn a_default_handle_opens_device_0_on_first_use_and_says_why_it_cannot() {
+    let d = Cuda::default();
+    assert_eq!(d.name(), "cuda:0"); // naming it touches nothing
+    if Cuda::new(0).is_ok() {
+        assert!(!d.device_name().is_empty());
+        return;
+    }
+    let r = std::panic::catch_unwind(|| d.device_name());
+    let msg = r.err().map(|p| p.downcast_ref::<String>().cloned().unwrap_or_default()).expect("a panic");
+    assert!(msg.contains("Cuda::new(0)") && msg.contains("cuda:0"), "{msg}");
+}
+
+#[test]
+fn host_round_trips_strided_views_and_fills() {
+    let Some(cuda) = cuda_or_skip("host_round_trips_strided_views_and_fills") else { return };
+    let x = Tensor::<f32>::from_f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let g = x.to_device(&cuda);
+    assert_eq!(g.to_vec(), x.to_vec());
+    assert_eq!(g.t().to_vec(), x.t().to_vec(), "a transposed view comes back in row-major order");
+    assert_eq!(g.narrow(1, 1, 2).to_vec(), x.narrow(1, 1, 2).to_vec());
+    let s = cuda.full(5, half::bf16::from_f32(1.5));
+    assert_eq!(cuda.to_host(&s, &Layout::contiguous(&[5])), vec![half::bf16::from_f32(1.5); 5]);
+    let z = cuda.full(3, 0.0f64);
+    assert_eq!(cuda.to_host(&z, &Layout::contiguous(&[3])), vec![0.0; 3]);
+}
+
+#[test]
+fn freed_storage_is_cached_and_reused_and_empty_cache_gives_it_back() {
+    let Some(cuda) = cuda_or_skip("freed_storage_is_cached_and_reused_and_empty_cache_gives_it_back") else { return };
+    cuda.empty_cache();
+    let before = cuda.memory_stats();
+    let a = cuda.full(1 << 20, 1.0f32); // 4 MiB
+    let mid = cuda.memory_stats();
+    assert!(mid.bytes_in_use >= before.bytes_in_use + (4 << 20));
+    drop(a);
+    let after = cuda.memory_stats();
+    assert!(after.bytes_cached >= 4 << 20, "the block is cached: {after:?}");
+    let b = cuda.full(1 << 20, 2.0f32);
+    assert!(cuda.memory_stats().hits > after.hits, "the cached block was reused");
+    drop(b);
+    assert!(cuda.empty_cache() >= 4 << 20);
+    assert_eq!(cuda.memory_stats().bytes_cached, 0);
+}
+
+#[test]
+fn a_cloned_state_vector_is_a_copy() {
+    let Some(cuda) = cuda_or_skip("a_cloned_state_vector_is_a_copy") else { return };
+    let a = cuda.state_from_host(vec![1.0, 2.0, 3.0]);
+    let b = a.clone();
+    let mut p = cuda.from_host(vec![0.0f32; 3]);
+    let g = cuda.from_host(vec![1.0f32; 3]);
+    let mut m = a;
+    let mut v = cuda.state_zeros(3);
+    let args = amp_core::backend::AdamArgs {
+        neg_step_size: -0.1,
+        bias_correction2_sqrt: 1.0,
+        lerp_weight: 0.5,
+        beta2: 0.9,
+        one_minus_beta2: 0.1,
+        eps: 1e-8,
+        decay: amp_core::backend::AdamDecay::None,
+    };
+    cuda.adam_update(&args, &mut p, &g, &mut m, &mut v, None);
+    assert_eq!(cuda.state_to_host(&b), vec![1.0, 2.0, 3.0], "the clone did not change");
+    assert_ne!(cuda.state_to_host(&m), vec![1.0, 2.0, 3.0]);
+    assert_eq!(cuda.state_len(&b), 3);
+}

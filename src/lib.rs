@@ -15,6 +15,13 @@ pub use amp_core;
 pub use amp_core::*;
 #[cfg(feature = "cuda")]
 pub use amp_cuda;
+
+/// The CUDA backend (feature `cuda`): the [`cuda::Cuda`] device and its storage types, the
+/// `amp_cuda` crate under a short name.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    pub use amp_cuda::*;
+}
 pub use amp_macros;
 
 #[cfg(feature = "trainer")]

@@ -406,7 +406,7 @@ impl Cuda {
     ) -> (CudaStorage<E>, CudaRowStats<E>) {
         let st = self.st();
         let n = x.1.numel();
-        let rows = if d == 0 { 0 } else { n / d };
+        let rows = n.checked_div(d).unwrap_or(0);
         let mut keep = Vec::new();
         let px = self.contig_ptr(x, &mut keep);
         let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));
@@ -815,7 +815,7 @@ impl Device for Cuda {
         assert_eq!(stats.kind, StatsKind::Norm, "norm backward with other statistics");
         let st = self.st();
         let n = x.1.numel();
-        let rows = if d == 0 { 0 } else { n / d };
+        let rows = n.checked_div(d).unwrap_or(0);
         let mut keep = Vec::new();
         let (px, pg) = (self.contig_ptr(x, &mut keep), self.contig_ptr(g, &mut keep));
         let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));

@@ -336,21 +336,24 @@ impl State {
     /// The kernel `kernel` of the module `key`, compiling and loading `program()` on first use.
     pub(crate) fn function(&self, key: ModuleKey, program: impl FnOnce() -> Program, kernel: &str) -> CudaFunction {
         let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        if !modules.contains_key(&key) {
-            let program = program();
-            let ptx = nvrtc::compile_ptx(&program).unwrap_or_else(|e| panic!("{}: {e}", self.name()));
-            let module = self.check(
-                &format!("loading the PTX of {}", program.name),
-                self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)),
-            );
-            let mut functions = HashMap::new();
-            for k in &program.kernels {
-                let f = self.check(&format!("looking up kernel {k}"), module.load_function(k));
-                functions.insert(k.clone(), f);
+        let loaded = match modules.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                let program = program();
+                let ptx = nvrtc::compile_ptx(&program).unwrap_or_else(|e| panic!("{}: {e}", self.name()));
+                let module = self.check(
+                    &format!("loading the PTX of {}", program.name),
+                    self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)),
+                );
+                let mut functions = HashMap::new();
+                for k in &program.kernels {
+                    let f = self.check(&format!("looking up kernel {k}"), module.load_function(k));
+                    functions.insert(k.clone(), f);
+                }
+                slot.insert(Loaded { functions, _module: module })
             }
-            modules.insert(key, Loaded { functions, _module: module });
-        }
-        match modules[&key].functions.get(kernel) {
+        };
+        match loaded.functions.get(kernel) {
             Some(f) => f.clone(),
             None => panic!("{}: no kernel {kernel} in module {key:?}", self.name()),
         }

@@ -14,7 +14,7 @@ fn opening_a_missing_device_is_an_error_naming_what_is_missing_never_a_panic() {
         Ok(c) => {
             // A GPU is here: an ordinal past the last one must still be an error.
             let n = Cuda::device_count().expect("the driver answers");
-            let e = Cuda::new(n + 7).err().expect("an out-of-range ordinal is an error");
+            let e = Cuda::new(n + 7).expect_err("an out-of-range ordinal is an error");
             assert!(e.to_string().contains("out of range"), "{e}");
             assert_eq!(c.name(), "cuda:0");
         }

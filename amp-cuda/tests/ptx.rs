@@ -1,29 +1,101 @@
-//! Every kernel program compiles with NVRTC, by the function the backend uses at run time.
-use amp_cuda::{kernels, nvrtc};
+//! Every kernel program the backend can ask for compiles with NVRTC to PTX for `compute_90`,
+//! through the same function the backend calls at run time, and also assembles for `sm_90`
+//! (which checks the inline PTX). No GPU is needed: only libnvrtc on the library path
+//! (`pip install nvidia-cuda-nvrtc`, then its `nvidia/cu13/lib` on `LD_LIBRARY_PATH`); without
+//! it the compile test prints `SKIPPED: no NVRTC (<reason>)`.
+
+use std::path::Path;
+
+use amp_cuda::kernels::{self, Family};
+use amp_cuda::nvrtc;
 
 #[test]
-fn every_kernel_compiles_to_ptx_for_compute_90() {
+fn every_kernel_compiles_to_ptx_for_compute_90_and_assembles_for_sm_90() {
     if let Err(e) = nvrtc::nvrtc_status() {
         println!("SKIPPED: no NVRTC ({e})");
         return;
     }
-    let mut failures = Vec::new();
     let all = kernels::catalog();
-    for p in &all {
-        match nvrtc::compile_ptx(p) {
-            Ok(ptx) => {
-                for k in &p.kernels {
-                    if !ptx.contains(&format!(".entry {k}(")) {
-                        failures.push(format!("{}: no entry {k} in the PTX", p.name));
+    // Two threads (the CI machines have two cores); each program is independent.
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let halves: Vec<_> = all
+            .chunks(all.len().div_ceil(2))
+            .map(|part| {
+                s.spawn(move || {
+                    let mut failures = Vec::new();
+                    for p in part {
+                        match nvrtc::compile_ptx(p) {
+                            Ok(ptx) => {
+                                for k in &p.kernels {
+                                    if !ptx.contains(&format!(".entry {k}(")) {
+                                        failures.push(format!("{}: no entry {k} in the PTX", p.name));
+                                    }
+                                }
+                            }
+                            Err(e) => failures.push(e.to_string()),
+                        }
+                        if let Err(e) = nvrtc::assemble_sm90(p) {
+                            failures.push(e.to_string());
+                        }
                     }
-                }
-            }
-            Err(e) => failures.push(e.to_string()),
-        }
-        if let Err(e) = nvrtc::assemble_sm90(p) {
-            failures.push(e.to_string());
+                    failures
+                })
+            })
+            .collect();
+        halves.into_iter().flat_map(|h| h.join().expect("compile thread")).collect()
+    });
+    let kernels: usize = all.iter().map(|p| p.kernels.len()).sum();
+    assert!(failures.is_empty(), "{} of {} programs failed:\n{}", failures.len(), all.len(), failures.join("\n"));
+    let (major, minor) = nvrtc::nvrtc_status().unwrap();
+    println!(
+        "NVRTC {major}.{minor}: {} programs, {kernels} kernels compiled to PTX for {} and assembled for sm_90",
+        all.len(),
+        nvrtc::ARCH
+    );
+}
+
+/// Counts the op values defined in amp-core's op files (macro uses and hand-written impls).
+fn count_ops(pattern_macro: &str, pattern_impl: &str) -> usize {
+    let ops = Path::new(env!("CARGO_MANIFEST_DIR")).join("../amp-core/src/ops");
+    let mut n = 0;
+    for entry in std::fs::read_dir(ops).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        n += text.lines().filter(|l| l.trim_start().starts_with(pattern_macro)).count();
+        n += text.lines().filter(|l| l.contains(pattern_impl) && !l.contains('$')).count();
+    }
+    n
+}
+
+#[test]
+fn the_catalogue_has_every_op_value_of_amp_core() {
+    assert_eq!(count_ops("unary_op!(", "impl UnaryOp for"), kernels::unary_ops().len(), "unary ops");
+    assert_eq!(count_ops("binary_op!(", "impl BinaryOp for"), kernels::binary_ops().len(), "binary ops");
+}
+
+#[test]
+fn every_kernel_the_backend_launches_is_in_its_program() {
+    // The backend names family kernels as `family_fn(Family::X, dtype, "stem")`: each stem must
+    // be one its family's program defines (a typo would only fail on a GPU otherwise).
+    let src = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend.rs")).unwrap();
+    let mut seen = 0;
+    for (i, _) in src.match_indices("family_fn(Family::") {
+        let call = &src[i + "family_fn(Family::".len()..];
+        let family_name = &call[..call.find(',').unwrap()];
+        let family = Family::ALL.iter().copied().find(|f| format!("{f:?}") == family_name).expect("a family");
+        // A literal stem, or a variable whose values are literals checked below.
+        for stem in call[..call.find(')').unwrap()].split('"').skip(1).step_by(2) {
+            assert!(family.kernel_stems().contains(&stem), "{family:?} has no kernel {stem}");
+            seen += 1;
         }
     }
-    assert!(failures.is_empty(), "{} of {} programs failed:\n{}", failures.len(), all.len(), failures.join("\n"));
-    println!("{} programs, {} kernels", all.len(), all.iter().map(|p| p.kernels.len()).sum::<usize>());
+    // Every literal that looks like a kernel stem names a kernel of some family.
+    let all: Vec<&str> = Family::ALL.iter().flat_map(|f| f.kernel_stems().iter().copied()).collect();
+    for lit in src.split('"').skip(1).step_by(2) {
+        let stem_like = (lit.ends_with("_fwd") || lit.ends_with("_bwd"))
+            && lit.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if stem_like {
+            assert!(all.contains(&lit), "no family has a kernel {lit}");
+        }
+    }
+    assert!(seen > 40, "found only {seen} launches");
 }

@@ -229,6 +229,12 @@ pub(crate) enum ModuleKey {
     Op(TypeId, DType),
 }
 
+/// A kernel ready to launch, with its name for messages.
+pub(crate) struct Kernel {
+    pub(crate) function: CudaFunction,
+    pub(crate) name: String,
+}
+
 /// A loaded module and its functions by name.
 struct Loaded {
     functions: HashMap<String, CudaFunction>,
@@ -334,7 +340,7 @@ impl State {
     }
 
     /// The kernel `kernel` of the module `key`, compiling and loading `program()` on first use.
-    pub(crate) fn function(&self, key: ModuleKey, program: impl FnOnce() -> Program, kernel: &str) -> CudaFunction {
+    pub(crate) fn function(&self, key: ModuleKey, program: impl FnOnce() -> Program, kernel: &str) -> Kernel {
         let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
         let loaded = match modules.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -354,13 +360,13 @@ impl State {
             }
         };
         match loaded.functions.get(kernel) {
-            Some(f) => f.clone(),
+            Some(f) => Kernel { function: f.clone(), name: kernel.to_string() },
             None => panic!("{}: no kernel {kernel} in module {key:?}", self.name()),
         }
     }
 
     /// A fixed family's kernel at precision `dtype` (`stem` without the dtype suffix).
-    pub(crate) fn family_fn(&self, family: Family, dtype: DType, stem: &str) -> CudaFunction {
+    pub(crate) fn family_fn(&self, family: Family, dtype: DType, stem: &str) -> Kernel {
         self.function(
             ModuleKey::Family(family, dtype),
             || kernels::family(family, dtype),

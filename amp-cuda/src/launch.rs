@@ -141,9 +141,9 @@ macro_rules! launch {
     ($st:expr, $func:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
         use cudarc::driver::PushKernelArg as _;
         let st: &crate::device::State = $st;
-        let func: cudarc::driver::CudaFunction = $func;
+        let kernel: crate::device::Kernel = $func;
         let cfg: cudarc::driver::LaunchConfig = $cfg;
-        let mut builder = st.stream.launch_builder(&func);
+        let mut builder = st.stream.launch_builder(&kernel.function);
         $(
             let arg = $arg;
             builder.arg(&arg);
@@ -152,7 +152,7 @@ macro_rules! launch {
         // structs are mirrored by `AmpShape`/`AmpView`, pointers are u64 device addresses of
         // live blocks sized for the kernel's indexing), and they live until the launch returns.
         let r = unsafe { builder.launch(cfg) };
-        st.check(&format!("launching {}", stringify!($func)), r);
+        st.check(&format!("launching {}", kernel.name), r);
     }};
 }
 pub(crate) use launch;

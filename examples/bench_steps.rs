@@ -1,9 +1,13 @@
 //! Step time of the fixed workloads W1 (MLP) and W2 (GPT) from
-//! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table
-//! next to PyTorch's figures on the same 2-core machine.
+//! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table.
 //!
-//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16]`.
-//! Cells left out by `--only` or `--precision` print as `-`.
+//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON]`.
+//! Cells left out by `--only` or `--precision` print as `-`. With `--torch PYTHON` (a Python
+//! with PyTorch), PyTorch's step times are measured in the same run by
+//! `tests/python/bench_steps.py` (the same workloads and step, on the same threads) and
+//! printed beside ours with the ratios; without it the PyTorch columns print as `-`.
+//! The run starts by naming the CPU (model, the SIMD and AMX flags it reports) and the kernels
+//! this build runs on it.
 //! Each step is a full AMP step: forward, scaled backward, unscale, clip_grad_norm(1.0),
 //! AdamW step, scaler update. Median of `--steps` timed steps after one warm-up step.
 //! A second table gives the minor page faults per timed step (the kernel's count for this
@@ -169,6 +173,54 @@ fn w2_gemms<L: Precision>(steps: usize) -> (f64, f64) {
     (median(times), flops as f64 / 1e9)
 }
 
+/// The CPU's model name and the flags that decide which kernels run (from `/proc/cpuinfo`).
+fn cpu_description() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines().find(|l| l.starts_with(name)).and_then(|l| l.split(':').nth(1)).unwrap_or("").trim().to_string()
+    };
+    let flags = field("flags");
+    let wanted = ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"];
+    let present: Vec<&str> = wanted.iter().copied().filter(|w| flags.split_whitespace().any(|f| f == *w)).collect();
+    let missing: Vec<&str> = wanted.iter().copied().filter(|w| !present.contains(w)).collect();
+    format!("CPU: {} (has {}; lacks {})", field("model name"), present.join(" "), missing.join(" "))
+}
+
+/// PyTorch's median step times, measured now by `tests/python/bench_steps.py` under `python`:
+/// `[w1, w2]` of `[f32, bf16, f16]` (NaN where not measured), and the torch version.
+fn torch_times(
+    python: &str,
+    steps: usize,
+    only: Option<&str>,
+    precision: Option<&str>,
+    threads: usize,
+) -> ([[f64; 3]; 2], String) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/bench_steps.py");
+    let mut cmd = std::process::Command::new(python);
+    cmd.arg(script).args(["--steps", &steps.to_string(), "--threads", &threads.to_string()]);
+    if let Some(w) = only {
+        cmd.args(["--only", w]);
+    }
+    if let Some(p) = precision {
+        cmd.args(["--precision", p]);
+    }
+    let out = cmd.output().unwrap_or_else(|e| panic!("--torch: cannot run `{python}`: {e}"));
+    assert!(
+        out.status.success(),
+        "--torch: `{python} {script}` failed: {}",
+        String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json: serde_json::Value = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("--torch: the script printed no JSON result: {stdout}"));
+    let cell = |w: &str, p: &str| json[w][p].as_f64().unwrap_or(f64::NAN);
+    let row = |w: &str| [cell(w, "f32"), cell(w, "bf16"), cell(w, "f16")];
+    ([row("w1"), row("w2")], json["torch"].as_str().unwrap_or("?").to_string())
+}
+
 fn main() {
     let steps: usize = arg_value("--steps").map(|s| s.parse().expect("--steps takes a positive integer")).unwrap_or(5);
     let only = arg_value("--only");
@@ -192,6 +244,9 @@ fn main() {
         f()
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("{}", cpu_description());
+    println!("Kernels: {}", amp::Cpu.kernel_report());
+    let torch_python = arg_value("--torch");
     println!(
         "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, median of {steps} steps",
         { Mlp::new(&mut Rng::seed(0)).num_params() },
@@ -207,7 +262,7 @@ fn main() {
             cell("bf16", &|| w1::<bf16, _>(&mut NoScale, steps)),
             cell("f16", &|| w1::<f16, _>(&mut GradScaler::new(), steps)),
         ];
-        rows.push(("W1 MLP step", ours, [0.374, 0.222, 33.4]));
+        rows.push(("W1 MLP step", ours));
     }
     if run("w2") {
         let ours = [
@@ -215,27 +270,38 @@ fn main() {
             cell("bf16", &|| w2::<bf16, _>(&mut NoScale, steps)),
             cell("f16", &|| w2::<f16, _>(&mut GradScaler::new(), steps)),
         ];
-        rows.push(("W2 GPT step", ours, [0.291, 0.188, 9.76]));
+        rows.push(("W2 GPT step", ours));
     }
+    // PyTorch after ours, in the same run, on the same threads.
+    let (torch, torch_version) = match &torch_python {
+        Some(py) => {
+            let (t, v) = torch_times(py, steps, only.as_deref(), precision.as_deref(), threads);
+            (t, format!("PyTorch {v}, measured in this run"))
+        }
+        None => ([[f64::NAN; 3]; 2], "PyTorch not measured (pass --torch PYTHON)".to_string()),
+    };
+    println!("{torch_version}");
     println!();
     println!(
-        "| workload | f32 (s) | bf16 (s) | f16 + GradScaler (s) | PyTorch f32 / bf16 / f16 (s) | bf16 vs PyTorch | f16 speed-up vs PyTorch |"
+        "| workload | f32 (s) | bf16 (s) | f16 + GradScaler (s) | PyTorch f32 / bf16 / f16 (s) | ours / PyTorch's time: f32 / bf16 / f16 |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for &(name, ours, torch) in &rows {
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for &(name, ours) in &rows {
+        let torch = if name.starts_with("W1") { torch[0] } else { torch[1] };
         let ours = ours.map(|t| t.secs);
         let secs = |t: f64| if t.is_nan() { "-".to_string() } else { format!("{t:.3}") };
         let ratio = |r: f64, digits: usize| if r.is_nan() { "-".to_string() } else { format!("{r:.digits$}") };
         println!(
-            "| {name} | {} | {} | {} | {} / {} / {} | {}× PyTorch's time | {}× faster |",
+            "| {name} | {} | {} | {} | {} / {} / {} | {} / {} / {} |",
             secs(ours[0]),
             secs(ours[1]),
             secs(ours[2]),
-            torch[0],
-            torch[1],
-            torch[2],
+            secs(torch[0]),
+            secs(torch[1]),
+            secs(torch[2]),
+            ratio(ours[0] / torch[0], 2),
             ratio(ours[1] / torch[1], 2),
-            ratio(torch[2] / ours[2], 0)
+            ratio(ours[2] / torch[2], 2)
         );
     }
     println!();
@@ -243,7 +309,7 @@ fn main() {
     println!();
     println!("| workload | f32 | bf16 | f16 + GradScaler |");
     println!("| --- | --- | --- | --- |");
-    for (name, ours, _) in &rows {
+    for (name, ours) in &rows {
         let cell = |t: &Timing| {
             if t.faults.is_nan() {
                 return "-".to_string();

@@ -655,3 +655,22 @@ fn update_kernels_leave_everything_untouched_when_found_inf_is_set() {
         assert_eq!(untouched, flag != 0.0, "found_inf = {flag}");
     }
 }
+
+#[test]
+fn weights_are_saved_from_and_loaded_into_a_model_on_the_second_device() {
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.0 };
+    let cpu = Gpt::new(config.clone(), &mut Rng::seed(4));
+    let moved: Gpt<f32, Mirror> = cpu.to_device(&Mirror);
+    let bytes = amp_core::checkpoint::weights_to_bytes(&moved).unwrap();
+    assert_eq!(bytes, amp_core::checkpoint::weights_to_bytes(&cpu).unwrap(), "the same file from either device");
+    let dir = std::env::temp_dir().join(format!("amp-second-device-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.safetensors");
+    amp_core::checkpoint::save_weights(&path, &moved).unwrap();
+    let mut other: Gpt<f32, Mirror> = Gpt::new(config, &mut Rng::seed(5)).to_device(&Mirror);
+    amp_core::checkpoint::load_weights(&path, &mut other).unwrap();
+    for ((n, a), (_, b)) in cpu.named_params().into_iter().zip(other.named_params()) {
+        assert_eq!(a.to_vec(), b.to_vec(), "{n} loaded onto the second device");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -4,8 +4,21 @@
 //! Design notes:
 //! - An optimizer is [`Optim<R>`]: the bookkeeping (groups, schedule, applied-step count, state
 //!   per parameter) is shared, and the update rule `R` ([`Sgd`], [`Adam`], [`AdamW`]) is one
-//!   fused pass per parameter over its values, gradient and state: no chain of tensor ops, no
-//!   temporaries. Large parameters are split across rayon's pool.
+//!   fused pass per parameter over its values, gradient and state, run by the parameter's
+//!   device ([`crate::Device::sgd_update`], [`crate::Device::adam_update`]): no chain of
+//!   tensor ops, no temporaries. The rule computes the scalars on the host (learning rate,
+//!   bias corrections) and the device applies them.
+//! - An optimizer is not tied to a device, as in PyTorch: each parameter's state is made on
+//!   the parameter's device at its first step ([`Rule::DeviceState`]), and follows it if the
+//!   model moves (`model.to_device(..)` then [`Optim::bind`]). [`Optim::state_dict`] copies
+//!   it to the host; a loaded checkpoint moves to each parameter's device at its next step.
+//! - The device kernels also take an on-device `found_inf` flag and change nothing when it is
+//!   set. The training step does not pass it yet: step counts (and so Adam's bias
+//!   corrections) live on the host, and a skipped step is decided on the host from the
+//!   unscale pass's flags, so it never reaches the optimizer. Keeping the whole step on a GPU
+//!   without a host read moves the step counts to the device too.
+//! - Pure-bf16 optimizers ([`Optim::for_bf16`]) run on the CPU only: their Kahan compensation
+//!   is CPU storage. On another device, train with f32 master weights and autocast.
 //! - The arithmetic is PyTorch's single-tensor (CPU default) path, operation for operation and
 //!   in the same order, in f32 with the hyperparameters rounded to f32 where PyTorch rounds
 //!   them (bias corrections and step sizes in f64, as Python floats). Where PyTorch's

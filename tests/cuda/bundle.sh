@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the GPU bundle: everything that needs an NVIDIA GPU, compiled here (no GPU needed) for
+# a portable CPU, into one folder with a run.sh for a bare GPU machine (no Rust toolchain, no
+# network). The repository builds with `target-cpu=native` (.cargo/config.toml); the GPU
+# machine's CPU is another one, so the bundle is built for x86-64-v3 in its own target folder.
+#
+# Usage: tests/cuda/bundle.sh [OUT]      (default OUT: target/gpu-bundle, git-ignored)
+# Then, on the GPU machine:  OUT/run.sh LOGDIR
+# Contents: the amp-cuda test binaries (device tests and the CPU/GPU parity suite), the main
+# command and the benchmarks, stripped; size printed at the end (the device tool carries 64 MiB).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-target/gpu-bundle}
+rm -rf "$out"
+mkdir -p "$out/bin"
+
+export RUSTFLAGS="-C target-cpu=x86-64-v3 -C strip=symbols"
+export CARGO_TARGET_DIR=target/gpu-build
+# Test executables of amp-cuda (release, so the parity suite and benchmarks run at speed).
+cargo test --release -p amp-cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys, shutil, os
+out = sys.argv[1]
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    exe = m.get("executable")
+    if m.get("reason") == "compiler-artifact" and exe and m["profile"]["test"]:
+        name = m["target"]["name"] + ("-lib" if "lib" in m["target"]["kind"] else "")
+        shutil.copy(exe, os.path.join(out, "bin", "test-" + name))
+        print("test binary:", name)
+' "$out"
+# The main command and the benchmarks, with the CUDA backend.
+cargo build --release --features cuda --example train --example bench_steps
+for ex in train bench_steps; do
+    cp "$CARGO_TARGET_DIR/release/examples/$ex" "$out/bin/$ex"
+done
+for ex in examples/gpu_*.rs; do
+    [ -e "$ex" ] || continue
+    name=$(basename "$ex" .rs)
+    cargo build --release --features cuda --example "$name"
+    cp "$CARGO_TARGET_DIR/release/examples/$name" "$out/bin/$name"
+done
+cp tests/cuda/run.sh "$out/run.sh"
+chmod +x "$out/run.sh"
+du -sh "$out"

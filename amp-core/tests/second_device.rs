@@ -69,6 +69,9 @@ impl Device for Mirror {
     fn is_exclusive<E: Precision>(s: &Buf<E>) -> bool {
         Cpu::is_exclusive(&s.0)
     }
+    fn storage_id<E: Precision>(s: &Buf<E>) -> usize {
+        Cpu::storage_id(&s.0)
+    }
     fn write_into<E: Precision>(&self, dst: &mut Buf<E>, dl: &Layout, src: &Buf<E>, sl: &Layout, add: bool) {
         hit();
         Cpu.write_into(&mut dst.0, dl, &src.0, sl, add)

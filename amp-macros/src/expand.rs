@@ -348,14 +348,17 @@ fn pat_idents(pat: &Pat, out: &mut HashSet<String>) {
 
 /// `Tensor::zeros`, `Tensor::from_vec`, ... without a turbofish on `Tensor`: the precision of
 /// what they build comes from the context, so a conversion around them would leave it unknown.
+/// The `_on` forms build on a given device (`Tensor::full_on(x.device(), ..)`), whatever it is.
 fn is_tensor_constructor(func: &Expr) -> bool {
     const CTORS: &[&str] = &[
         "zeros",
         "ones",
         "full",
+        "full_on",
         "scalar",
         "from_vec",
         "try_from_vec",
+        "try_from_vec_on",
         "from_f64s",
         "from_f32s",
         "rand",

@@ -5,17 +5,23 @@
 //! - The macro sees names, not types, so the type decides: the generated code wraps each
 //!   operand as `(&W::new(x)).__amp_to::<T>()`. Method lookup tries three receiver types in
 //!   turn (autoref specialisation), and the first level whose impl applies wins:
-//!   1. `&W<X>` (impls on `W<X>`): [`KeepF64`], for f64 operands (`Tensor<f64>`, `Param<f64>`,
-//!      references to them), handed back untouched: autocast only changes f32/f16/bf16, as
-//!      PyTorch's only touches those, so f64 code runs as written.
+//!   1. `&W<X>` (impls on `W<X>`): [`KeepF64`], for f64 operands (`Tensor<f64, D>`,
+//!      `Param<f64, D>`, references to them), handed back untouched: autocast only changes
+//!      f32/f16/bf16, as PyTorch's only touches those, so f64 code runs as written.
 //!   2. `&&W<X>` (impls on `&W<X>`, `&self`): [`CastSpec`], for other tensor-like operands
-//!      (`X:` [`AsTensor`]), cast to `T`. A generic `Tensor<E>` with `E: Precision` lands here
-//!      (the compiler cannot prove `E = f64`), so generic code keeps its declared `Tensor<T>`.
+//!      (`X:` [`AsTensor`]), cast to `T`. A generic `Tensor<E, D>` with `E: Precision` lands
+//!      here (the compiler cannot prove `E = f64`), so generic code keeps its declared
+//!      `Tensor<T, D>`.
 //!   3. `&mut &W<X>` (impls on `&W<X>`, `&mut self`): [`CastPass`], for anything else (an
 //!      iterator, an `f32`, a user type), handed back untouched.
 //!
 //!   The value sits in a `Cell<Option<_>>` so every impl can move it out from behind a
 //!   reference. Everything inlines to the cast (or to nothing).
+//! - The device is a second dimension that no level looks at: every helper takes tensors and
+//!   parameters of any `D: Device` ([`AsTensor::Dev`] names an operand's device), and a cast
+//!   stays on its operand's device (`Owned<P, D>`, `Borrowed<P, D>`, `OptHeld<P, D>`; `D`
+//!   defaults to the CPU, so messages about CPU code read as before). Nothing is moved between
+//!   devices: operands on two devices meet in the op, which refuses them as written code would.
 //! - Arguments keep their form: a `&Tensor` comes back as a reference to the cast temporary
 //!   ([`Borrowed`], read with `&self`), an owned tensor as an owned one ([`Owned`]), anything
 //!   else as itself ([`Same`]); `__amp_get` picks the right one by plain method lookup, as the
@@ -25,13 +31,17 @@
 //!   compute precision is a type parameter ([`AsModule`]: the module, or a reference or
 //!   pointer to one) comes back as [`In`], whose `forward` / `loss` call the module's own with
 //!   `::<L>` (so `block.forward(&x, rng)`, whose value is the f32 residual stream, runs in
-//!   `L` too); anything else comes back as it went in, and its own method is found as written.
+//!   `L` too), whatever its weight precision and device; anything else comes back as it went
+//!   in, and its own method is found as written.
 //!   A place receiver goes in as a method call would take it: mutably when the macro sees the
 //!   place is mutable (`&mut place`), else through [`PlaceMut`] / [`PlaceRef`]
 //!   (`place.__amp_place()`: a `&mut T` reborrowed, anything else borrowed); a temporary is
 //!   moved in, so a `forward(self)` of its own still works. The call's value then goes through
-//!   [`Hint`], for modules of the user's own: a `Tensor<?L>` whose `L` is still open is
-//!   unified with the region's low type; any other value passes through.
+//!   [`Hint`], for modules of the user's own: a `Tensor<?L, D>` (any device) whose `L` is still
+//!   open is unified with the region's low type; any other value passes through.
+//! - A declared return type's `Tensor<X, ..>` positions go through [`conform`] (`conform::<X,
+//!   _>(value)`): the `_` is the value's tensor type ([`IntoTensor`]), so its device comes with
+//!   it and the generated code names no device.
 //! - A region ([`Region`]) is entered by every `#[autocast]` function and records its low
 //!   type: a bare `#[autocast]` (f16 by default, not chosen) entered from a region of another
 //!   type panics with the fix, instead of silently running its ops in f16.
@@ -42,20 +52,28 @@
 //!   its own `cast` node, so gradients are exactly those of casts written at each use (cast
 //!   back to f32 and summed in f32 at the parameter). Entries are shared by nested regions and
 //!   dropped when the outermost one exits, or earlier, as soon as they are stale (below).
+//! - The cache works the same on every device and never looks inside a storage: an entry is
+//!   keyed by the device's type and [`Device::storage_id`] of the source storage (with the
+//!   target type and extent), holds a clone of the source's storage handle, and is stale when
+//!   [`Device::is_exclusive`] says that clone is the only one left. One thread-local map holds
+//!   the entries of every device (each a `CacheEntry<D>` behind `dyn AnyEntry`).
 //! - Each entry keeps the source storage alive, so an in-place update of the parameter inside
-//!   the region copies on write and can never be served a stale cast (the storage pointer no
-//!   longer matches). An entry whose source storage nothing but the cache holds any more (the
-//!   parameter moved on to its copy, or the tensor was dropped) can never be hit again: such
-//!   entries are evicted at every insert and every region exit, so the cache holds at most one
-//!   entry per live source storage, target type and extent, plus those gone stale since the
-//!   last insert or exit (at most one per parameter updated since), however long a loop inside
-//!   one region runs ([`cache_entries`] counts them).
+//!   the region copies on write and can never be served a stale cast (the storage id no
+//!   longer matches, and cannot be reused while the entry holds the old storage). An entry
+//!   whose source storage nothing but the cache holds any more (the parameter moved on to its
+//!   copy, or the tensor was dropped) can never be hit again: such entries are evicted at
+//!   every insert and every region exit, so the cache holds at most one entry per live source
+//!   storage, target type and extent, plus those gone stale since the last insert or exit (at
+//!   most one per parameter updated since), however long a loop inside one region runs
+//!   ([`cache_entries`] counts them, every device's together).
 
+use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::autograd::{AnyTensor, Node};
+use crate::backend::{Cpu, Device};
 use crate::param::Param;
 use crate::precision::{DType, Promoted};
 use crate::tensor::Tensor;
@@ -75,66 +93,72 @@ pub mod autocast_traits {
 
 // ---- what counts as a tensor -----------------------------------------------------------
 
-/// A tensor-like operand: `Tensor<E>`, `Param<E>`, or a reference to one.
+/// A tensor-like operand: `Tensor<E, D>`, `Param<E, D>`, or a reference to one, on any device.
 pub trait AsTensor {
     /// Its precision.
     type Elem: Precision;
+    /// Its device (a cast stays on it).
+    type Dev: Device;
     /// How a cast of it is handed on: owned for an owned value, borrowed for a reference.
     type Held<P: Precision>;
     /// The tensor inside.
-    fn as_tensor(&self) -> &Tensor<Self::Elem>;
+    fn as_tensor(&self) -> &Tensor<Self::Elem, Self::Dev>;
     /// Wraps a cast of it in the matching form.
-    fn hold<P: Precision>(t: Tensor<P>) -> Self::Held<P>;
+    fn hold<P: Precision>(t: Tensor<P, Self::Dev>) -> Self::Held<P>;
 }
 
-impl<E: Precision> AsTensor for Tensor<E> {
+impl<E: Precision, D: Device> AsTensor for Tensor<E, D> {
     type Elem = E;
-    type Held<P: Precision> = Owned<P>;
-    fn as_tensor(&self) -> &Tensor<E> {
+    type Dev = D;
+    type Held<P: Precision> = Owned<P, D>;
+    fn as_tensor(&self) -> &Tensor<E, D> {
         self
     }
-    fn hold<P: Precision>(t: Tensor<P>) -> Owned<P> {
+    fn hold<P: Precision>(t: Tensor<P, D>) -> Owned<P, D> {
         Owned(t)
     }
 }
 
-impl<E: Precision> AsTensor for Param<E> {
+impl<E: Precision, D: Device> AsTensor for Param<E, D> {
     type Elem = E;
-    type Held<P: Precision> = Owned<P>;
-    fn as_tensor(&self) -> &Tensor<E> {
+    type Dev = D;
+    type Held<P: Precision> = Owned<P, D>;
+    fn as_tensor(&self) -> &Tensor<E, D> {
         self.tensor()
     }
-    fn hold<P: Precision>(t: Tensor<P>) -> Owned<P> {
+    fn hold<P: Precision>(t: Tensor<P, D>) -> Owned<P, D> {
         Owned(t)
     }
 }
 
 impl<T: AsTensor + ?Sized> AsTensor for &T {
     type Elem = T::Elem;
-    type Held<P: Precision> = Borrowed<P>;
-    fn as_tensor(&self) -> &Tensor<T::Elem> {
+    type Dev = T::Dev;
+    type Held<P: Precision> = Borrowed<P, T::Dev>;
+    fn as_tensor(&self) -> &Tensor<T::Elem, T::Dev> {
         (**self).as_tensor()
     }
-    fn hold<P: Precision>(t: Tensor<P>) -> Borrowed<P> {
+    fn hold<P: Precision>(t: Tensor<P, T::Dev>) -> Borrowed<P, T::Dev> {
         Borrowed(t)
     }
 }
 
 impl<T: AsTensor + ?Sized> AsTensor for &mut T {
     type Elem = T::Elem;
-    type Held<P: Precision> = Borrowed<P>;
-    fn as_tensor(&self) -> &Tensor<T::Elem> {
+    type Dev = T::Dev;
+    type Held<P: Precision> = Borrowed<P, T::Dev>;
+    fn as_tensor(&self) -> &Tensor<T::Elem, T::Dev> {
         (**self).as_tensor()
     }
-    fn hold<P: Precision>(t: Tensor<P>) -> Borrowed<P> {
+    fn hold<P: Precision>(t: Tensor<P, T::Dev>) -> Borrowed<P, T::Dev> {
         Borrowed(t)
     }
 }
 
 /// A cast argument that was owned: handed on by value.
-pub struct Owned<P: Precision>(Tensor<P>);
+pub struct Owned<P: Precision, D: Device = Cpu>(Tensor<P, D>);
 /// A cast argument that was a reference: handed on as a reference to this temporary.
-pub struct Borrowed<P: Precision>(Tensor<P>);
+pub struct Borrowed<P: Precision, D: Device = Cpu>(Tensor<P, D>);
 /// An argument that is not a tensor: handed on as it came.
 pub struct Same<T>(T);
 
@@ -145,10 +169,10 @@ pub trait TakeHeld {
     /// The value.
     fn __amp_get(self) -> Self::Out;
 }
-impl<P: Precision> TakeHeld for Owned<P> {
-    type Out = Tensor<P>;
+impl<P: Precision, D: Device> TakeHeld for Owned<P, D> {
+    type Out = Tensor<P, D>;
     #[inline(always)]
-    fn __amp_get(self) -> Tensor<P> {
+    fn __amp_get(self) -> Tensor<P, D> {
         self.0
     }
 }
@@ -164,13 +188,16 @@ impl<T> TakeHeld for Same<T> {
 pub trait BorrowHeld {
     /// The precision.
     type P: Precision;
+    /// The device.
+    type Dev: Device;
     /// A reference to the cast tensor.
-    fn __amp_get(&self) -> &Tensor<Self::P>;
+    fn __amp_get(&self) -> &Tensor<Self::P, Self::Dev>;
 }
-impl<P: Precision> BorrowHeld for Borrowed<P> {
+impl<P: Precision, D: Device> BorrowHeld for Borrowed<P, D> {
     type P = P;
+    type Dev = D;
     #[inline(always)]
-    fn __amp_get(&self) -> &Tensor<P> {
+    fn __amp_get(&self) -> &Tensor<P, D> {
         &self.0
     }
 }
@@ -213,19 +240,22 @@ impl<T: AsTensor<Elem = f64>> KeepF64 for W<T> {
     }
 }
 
-/// Tensor-like operands: cast (level 2).
+/// Tensor-like operands: cast (level 2), on their own device.
 pub trait CastSpec {
+    /// The operand's device.
+    type Dev: Device;
     /// The held form of a cast argument.
     type Held<L: Precision>;
     /// The receiver, cast to `L`.
-    fn __amp_to<L: Precision>(&self) -> Tensor<L>;
+    fn __amp_to<L: Precision>(&self) -> Tensor<L, Self::Dev>;
     /// An argument, cast to `L`, in its original form.
     fn __amp_arg<L: Precision>(&self) -> Self::Held<L>;
 }
 impl<T: AsTensor> CastSpec for &W<T> {
+    type Dev = T::Dev;
     type Held<L: Precision> = T::Held<L>;
     #[inline]
-    fn __amp_to<L: Precision>(&self) -> Tensor<L> {
+    fn __amp_to<L: Precision>(&self) -> Tensor<L, T::Dev> {
         cast(self.take().as_tensor())
     }
     #[inline]
@@ -256,19 +286,22 @@ impl<T> CastPass for &W<T> {
 }
 
 /// An optional tensor argument (a norm's weight), cast when present.
-pub struct OptHeld<P: Precision>(Option<Tensor<P>>);
+pub struct OptHeld<P: Precision, D: Device = Cpu>(Option<Tensor<P, D>>);
 
 /// Lends out [`OptHeld`].
 pub trait BorrowOpt {
     /// The precision.
     type P: Precision;
+    /// The device.
+    type Dev: Device;
     /// The cast tensor, if there was one.
-    fn __amp_get(&self) -> Option<&Tensor<Self::P>>;
+    fn __amp_get(&self) -> Option<&Tensor<Self::P, Self::Dev>>;
 }
-impl<P: Precision> BorrowOpt for OptHeld<P> {
+impl<P: Precision, D: Device> BorrowOpt for OptHeld<P, D> {
     type P = P;
+    type Dev = D;
     #[inline(always)]
-    fn __amp_get(&self) -> Option<&Tensor<P>> {
+    fn __amp_get(&self) -> Option<&Tensor<P, D>> {
         self.0.as_ref()
     }
 }
@@ -290,12 +323,15 @@ impl<'a, T: AsTensor<Elem = f64> + ?Sized> KeepF64Opt for W<Option<&'a T>> {
 
 /// `Option<&tensor>` arguments: cast when present (level 2).
 pub trait OptSpec {
+    /// The argument's device.
+    type Dev: Device;
     /// An optional argument, cast to `L`.
-    fn __amp_opt<L: Precision>(&self) -> OptHeld<L>;
+    fn __amp_opt<L: Precision>(&self) -> OptHeld<L, Self::Dev>;
 }
 impl<T: AsTensor + ?Sized> OptSpec for &W<Option<&T>> {
+    type Dev = T::Dev;
     #[inline]
-    fn __amp_opt<L: Precision>(&self) -> OptHeld<L> {
+    fn __amp_opt<L: Precision>(&self) -> OptHeld<L, T::Dev> {
         OptHeld(self.take().map(|t| cast(t.as_tensor())))
     }
 }
@@ -346,7 +382,8 @@ impl<T: ?Sized> PlaceRef for T {
 /// An `amp::nn` module whose methods take the compute precision as a type parameter that
 /// their arguments need not fix ([`Linear`](crate::nn::Linear), [`Mlp`](crate::nn::Mlp),
 /// [`CausalSelfAttention`](crate::nn::CausalSelfAttention), [`Block`](crate::nn::Block),
-/// [`Gpt`](crate::nn::Gpt)), or a reference or pointer to one.
+/// [`Gpt`](crate::nn::Gpt)), of any weight precision and on any device, or a reference or
+/// pointer to one.
 pub trait AsModule {
     /// The module.
     type Module;
@@ -356,7 +393,7 @@ pub trait AsModule {
 
 macro_rules! as_module {
     ($($m:ident),*) => {$(
-        impl<W: Precision> AsModule for crate::nn::$m<W> {
+        impl<W: Precision, D: Device> AsModule for crate::nn::$m<W, D> {
             type Module = Self;
             #[inline(always)]
             fn module(&self) -> &Self {
@@ -419,64 +456,68 @@ impl<T> ModulePass for &W<T> {
     }
 }
 
-impl<W: Precision, H: AsModule<Module = crate::nn::Linear<W>>, P: Precision> In<crate::nn::Linear<W>, H, P> {
+impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Linear<W, D>>, P: Precision>
+    In<crate::nn::Linear<W, D>, H, P>
+{
     /// [`Linear::forward`](crate::nn::Linear::forward) in `P`.
     #[inline]
     #[track_caller]
-    pub fn forward<X: Precision>(self, x: &Tensor<X>) -> Tensor<P> {
+    pub fn forward<X: Precision>(self, x: &Tensor<X, D>) -> Tensor<P, D> {
         self.0.module().forward::<P, X>(x)
     }
 }
 
-impl<W: Precision, H: AsModule<Module = crate::nn::Mlp<W>>, P: Precision> In<crate::nn::Mlp<W>, H, P> {
+impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Mlp<W, D>>, P: Precision> In<crate::nn::Mlp<W, D>, H, P> {
     /// [`Mlp::forward`](crate::nn::Mlp::forward) in `P`.
     #[inline]
     #[track_caller]
-    pub fn forward<X: Precision>(self, x: &Tensor<X>, rng: &mut crate::Rng) -> Tensor<P> {
+    pub fn forward<X: Precision>(self, x: &Tensor<X, D>, rng: &mut crate::Rng) -> Tensor<P, D> {
         self.0.module().forward::<P, X>(x, rng)
     }
 }
 
-impl<W: Precision, H: AsModule<Module = crate::nn::CausalSelfAttention<W>>, P: Precision>
-    In<crate::nn::CausalSelfAttention<W>, H, P>
+impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::CausalSelfAttention<W, D>>, P: Precision>
+    In<crate::nn::CausalSelfAttention<W, D>, H, P>
 {
     /// [`CausalSelfAttention::forward`](crate::nn::CausalSelfAttention::forward) in `P`.
     #[inline]
     #[track_caller]
-    pub fn forward<X: Precision>(self, x: &Tensor<X>, rng: &mut crate::Rng) -> Tensor<P> {
+    pub fn forward<X: Precision>(self, x: &Tensor<X, D>, rng: &mut crate::Rng) -> Tensor<P, D> {
         self.0.module().forward::<P, X>(x, rng)
     }
 }
 
-impl<W: Precision, H: AsModule<Module = crate::nn::Block<W>>, P: Precision> In<crate::nn::Block<W>, H, P> {
+impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Block<W, D>>, P: Precision>
+    In<crate::nn::Block<W, D>, H, P>
+{
     /// [`Block::forward`](crate::nn::Block::forward) in `P` (its value is the f32 residual
     /// stream, so only the region can say what `P` is).
     #[inline]
     #[track_caller]
-    pub fn forward(self, x: &Tensor<f32>, rng: &mut crate::Rng) -> Tensor<f32> {
+    pub fn forward(self, x: &Tensor<f32, D>, rng: &mut crate::Rng) -> Tensor<f32, D> {
         self.0.module().forward::<P>(x, rng)
     }
 }
 
-impl<W: Precision, H: AsModule<Module = crate::nn::Gpt<W>>, P: Precision> In<crate::nn::Gpt<W>, H, P> {
+impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Gpt<W, D>>, P: Precision> In<crate::nn::Gpt<W, D>, H, P> {
     /// [`Gpt::forward`](crate::nn::Gpt::forward) in `P`.
     #[inline]
     #[track_caller]
-    pub fn forward(self, ids: &crate::Indices, rng: &mut crate::Rng) -> Tensor<P> {
+    pub fn forward(self, ids: &crate::Indices, rng: &mut crate::Rng) -> Tensor<P, D> {
         self.0.module().forward::<P>(ids, rng)
     }
     /// [`Gpt::loss`](crate::nn::Gpt::loss) in `P` (an f32 loss, so only the region can say
     /// what `P` is).
     #[inline]
     #[track_caller]
-    pub fn loss(self, ids: &crate::Indices, targets: &crate::Indices, rng: &mut crate::Rng) -> Tensor<f32> {
+    pub fn loss(self, ids: &crate::Indices, targets: &crate::Indices, rng: &mut crate::Rng) -> Tensor<f32, D> {
         self.0.module().loss::<P>(ids, targets, rng)
     }
 }
 
 /// The value of a `forward` / `loss` call of a module of your own, waiting for its type: a
-/// `Tensor<L>` whose precision the call left open (`fn forward<L: Precision>(..) ->
-/// Tensor<L>`) is fixed to the region's `L`.
+/// `Tensor<L, D>` (any device) whose precision the call left open (`fn forward<L:
+/// Precision>(..) -> Tensor<L, D>`) is fixed to the region's `L`.
 pub struct Hint<L, T>(Cell<Option<T>>, std::marker::PhantomData<L>);
 
 impl<L, T> Hint<L, T> {
@@ -498,10 +539,10 @@ pub trait HintSpec {
     /// Hands it on.
     fn __amp_low(&self) -> Self::Out;
 }
-impl<L: Precision> HintSpec for Hint<L, Tensor<L>> {
-    type Out = Tensor<L>;
+impl<L: Precision, D: Device> HintSpec for Hint<L, Tensor<L, D>> {
+    type Out = Tensor<L, D>;
     #[inline(always)]
-    fn __amp_low(&self) -> Tensor<L> {
+    fn __amp_low(&self) -> Tensor<L, D> {
         self.take()
     }
 }
@@ -538,7 +579,8 @@ impl<A, B> Pair<A, B> {
     }
 }
 
-/// Two tensor-like operands of a promote method (`a.add(&b)`): both to `Promoted<A, B>`.
+/// Two tensor-like operands of a promote method (`a.add(&b)`): both to `Promoted<A, B>`, each
+/// on its own device (operands on two devices are the op's type error, as written).
 pub trait PromoteSpec {
     /// The cast receiver and the held argument.
     type Out;
@@ -549,7 +591,7 @@ impl<A: AsTensor, B: AsTensor> PromoteSpec for Pair<A, B>
 where
     A::Elem: Promote<B::Elem>,
 {
-    type Out = (Tensor<Promoted<A::Elem, B::Elem>>, B::Held<Promoted<A::Elem, B::Elem>>);
+    type Out = (Tensor<Promoted<A::Elem, B::Elem>, A::Dev>, B::Held<Promoted<A::Elem, B::Elem>>);
     #[inline]
     fn __amp_promote(&self) -> Self::Out {
         let (a, b) = self.take();
@@ -584,7 +626,7 @@ impl<A: AsTensor, B: AsTensor> PromoteOpSpec for Pair<A, B>
 where
     A::Elem: Promote<B::Elem>,
 {
-    type Out = (Tensor<Promoted<A::Elem, B::Elem>>, Tensor<Promoted<A::Elem, B::Elem>>);
+    type Out = (Tensor<Promoted<A::Elem, B::Elem>, A::Dev>, Tensor<Promoted<A::Elem, B::Elem>, B::Dev>);
     #[inline]
     fn __amp_promote_op(&self) -> Self::Out {
         let (a, b) = self.take();
@@ -649,7 +691,8 @@ impl<T> Many<T> {
     }
 }
 
-/// Tensor-like operands: all to the widest precision, each in its original form.
+/// Tensor-like operands: all to the widest precision, each in its original form and on its
+/// own device.
 pub trait ManySpec {
     /// The held operands.
     type Out;
@@ -698,12 +741,37 @@ many!((A, B, C, D, E, F, G, H); A a, B b, C c, D d, E e, F f, G g, H h);
 
 // ---- return types --------------------------------------------------------------------------
 
-/// A tensor in the declared return precision `T` (moved, not copied, when it already is).
-pub fn conform<T: Precision, E: Precision>(t: Tensor<E>) -> Tensor<T> {
-    match T::from_any(E::into_any(t)) {
+/// A tensor value of any precision on any device: what [`conform`] takes (`conform::<T, _>`
+/// names the tensor's type, so the precision and the device both come from it).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `Tensor`, but the function's declared type has a `Tensor` here",
+    label = "expected a `Tensor` value"
+)]
+pub trait IntoTensor {
+    /// Its precision.
+    type Elem: Precision;
+    /// Its device.
+    type Dev: Device;
+    /// The tensor.
+    fn into_tensor(self) -> Tensor<Self::Elem, Self::Dev>;
+}
+
+impl<E: Precision, D: Device> IntoTensor for Tensor<E, D> {
+    type Elem = E;
+    type Dev = D;
+    #[inline(always)]
+    fn into_tensor(self) -> Tensor<E, D> {
+        self
+    }
+}
+
+/// A tensor in the declared return precision `T`, on its own device (moved, not copied, when
+/// it already is).
+pub fn conform<T: Precision, X: IntoTensor>(t: X) -> Tensor<T, X::Dev> {
+    match T::from_any(<X::Elem as Precision>::into_any(t.into_tensor())) {
         Ok(same) => same,
         Err(any) => {
-            let t = any.downcast::<E>().unwrap_or_else(|_| unreachable!("the tensor came in as E"));
+            let t = any.downcast::<X::Elem>().unwrap_or_else(|_| unreachable!("the tensor came in as its own type"));
             count_cast();
             t.cast::<T>()
         }
@@ -711,18 +779,18 @@ pub fn conform<T: Precision, E: Precision>(t: Tensor<E>) -> Tensor<T> {
 }
 
 /// [`conform`] inside a `Result`.
-pub fn conform_result<T: Precision, E: Precision, Er>(r: Result<Tensor<E>, Er>) -> Result<Tensor<T>, Er> {
-    r.map(conform)
+pub fn conform_result<T: Precision, X: IntoTensor, Er>(r: Result<X, Er>) -> Result<Tensor<T, X::Dev>, Er> {
+    r.map(conform::<T, X>)
 }
 
 /// [`conform`] on each element of a `Vec`.
-pub fn conform_vec<T: Precision, E: Precision>(v: Vec<Tensor<E>>) -> Vec<Tensor<T>> {
-    v.into_iter().map(conform).collect()
+pub fn conform_vec<T: Precision, X: IntoTensor>(v: Vec<X>) -> Vec<Tensor<T, X::Dev>> {
+    v.into_iter().map(conform::<T, X>).collect()
 }
 
 /// [`conform`] inside an `Option`.
-pub fn conform_option<T: Precision, E: Precision>(o: Option<Tensor<E>>) -> Option<Tensor<T>> {
-    o.map(conform)
+pub fn conform_option<T: Precision, X: IntoTensor>(o: Option<X>) -> Option<Tensor<T, X::Dev>> {
+    o.map(conform::<T, X>)
 }
 
 // ---- region, cache and counters ------------------------------------------------------------
@@ -735,19 +803,37 @@ enum Extent {
     View { shape: Vec<usize>, strides: Vec<usize>, offset: usize },
 }
 
+/// A source storage, by its device type and [`Device::storage_id`] (unique among the live
+/// storages of that type, and the entry keeps its source alive), with what it was cast to.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct CacheKey {
+    device: TypeId,
     storage: usize,
     to: DType,
     extent: Extent,
 }
 
-struct CacheEntry {
-    /// Keeps the source storage alive (and shared), so its address cannot be reused and an
-    /// in-place update copies on write instead of changing what this entry was cast from.
-    source: Arc<crate::cpu_memory::PooledVec<f32>>,
+/// One cached conversion on device `D`.
+struct CacheEntry<D: Device> {
+    /// Keeps the source storage alive (and shared), so its id cannot be reused and an in-place
+    /// update copies on write instead of changing what this entry was cast from.
+    source: D::Storage<f32>,
     /// The converted values (no autograd node): the whole storage, or the view made contiguous.
-    cast: AnyTensor,
+    cast: AnyTensor<D>,
+}
+
+/// A cache entry of any device, so one map holds them all (the key's device type says which
+/// `CacheEntry<D>` is behind it).
+trait AnyEntry: Any {
+    /// Whether nothing but this entry holds its source storage any more: it can never be hit
+    /// again (see the notes at the top).
+    fn is_stale(&self) -> bool;
+}
+
+impl<D: Device> AnyEntry for CacheEntry<D> {
+    fn is_stale(&self) -> bool {
+        D::is_exclusive(&self.source)
+    }
 }
 
 /// One open region: its cache switch and low type.
@@ -768,7 +854,7 @@ struct State {
     /// `#[autocast(off)]`, `passthrough`, a user's own categorised function, the backward
     /// pass), where the reach check does not apply.
     off: u32,
-    cache: HashMap<CacheKey, CacheEntry>,
+    cache: HashMap<CacheKey, Box<dyn AnyEntry>>,
     casts: u64,
     hits: u64,
 }
@@ -776,9 +862,8 @@ struct State {
 impl State {
     /// Takes out the entries nothing but the cache holds the source of (see the notes at the
     /// top); the caller drops them outside the borrow.
-    fn take_stale(&mut self) -> Vec<CacheEntry> {
-        let stale: Vec<CacheKey> =
-            self.cache.iter().filter(|(_, e)| Arc::strong_count(&e.source) == 1).map(|(k, _)| k.clone()).collect();
+    fn take_stale(&mut self) -> Vec<Box<dyn AnyEntry>> {
+        let stale: Vec<CacheKey> = self.cache.iter().filter(|(_, e)| e.is_stale()).map(|(k, _)| k.clone()).collect();
         stale.into_iter().filter_map(|k| self.cache.remove(&k)).collect()
     }
 }
@@ -953,7 +1038,7 @@ fn count_cast() {
 const VIEW_OPS: &[&str] = &["permute", "reshape", "narrow", "broadcast_to"];
 
 /// Whether `node` is a leaf, or views of a leaf all the way down.
-fn is_leaf_view(node: &Arc<Node>) -> bool {
+fn is_leaf_view<D: Device>(node: &Arc<Node<D>>) -> bool {
     let mut n = node;
     loop {
         if n.backward.is_none() {
@@ -969,15 +1054,15 @@ fn is_leaf_view(node: &Arc<Node>) -> bool {
     }
 }
 
-/// The cast autocast inserts: a no-op for the same precision, served from the weight cast
-/// cache for f32 parameters (and views of them) going to a 16-bit type, a counted conversion
-/// otherwise.
+/// The cast autocast inserts, on the tensor's own device: a no-op for the same precision,
+/// served from the weight cast cache for f32 parameters (and views of them) going to a 16-bit
+/// type, a counted conversion otherwise.
 ///
 /// A cached cast shares the converted values but records its own `cast` node on the tensor it
 /// was asked for, so each use's gradient is cast back to f32 and summed in f32 at the
 /// parameter, exactly as if `.cast()` had been written at each use; only the conversion is
 /// done once.
-pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
+pub fn cast<E: Precision, T: Precision, D: Device>(t: &Tensor<E, D>) -> Tensor<T, D> {
     if E::DTYPE == T::DTYPE {
         return T::from_any(E::into_any(t.clone())).unwrap_or_else(|_| unreachable!("same precision"));
     }
@@ -985,25 +1070,28 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
         && matches!(T::DTYPE, DType::F16 | DType::BF16)
         && t.node.as_ref().is_some_and(is_leaf_view)
         && STATE.with(|s| s.borrow().regions.last().is_some_and(|r| r.cache));
-    // `t` as a Tensor<f32> (E is f32 when cacheable).
+    // `t` as a Tensor<f32, D> (E is f32 when cacheable).
     let Some(source) = cacheable.then(|| f32::from_any(E::into_any(t.clone())).ok()).flatten() else {
         count_cast();
         return t.cast::<T>();
     };
     // Convert the whole parameter when the view covers most of it (every other view of it is
     // then free); a small slice of a large parameter is converted on its own.
-    let whole = source.numel() * 2 >= source.storage.len();
+    let len = D::len(&source.storage);
+    let whole = source.numel() * 2 >= len;
     let layout = &source.layout;
     let extent = if whole {
         Extent::Whole
     } else {
         Extent::View { shape: layout.shape.clone(), strides: layout.strides.clone(), offset: layout.offset }
     };
-    let key = CacheKey { storage: Arc::as_ptr(&source.storage) as *const () as usize, to: T::DTYPE, extent };
+    let id = D::storage_id(&source.storage);
+    let key = CacheKey { device: TypeId::of::<D>(), storage: id, to: T::DTYPE, extent };
     let cached = STATE.with(|s| {
         let mut s = s.borrow_mut();
         let found = s.cache.get(&key).and_then(|e| {
-            let same_storage = Arc::ptr_eq(&e.source, &source.storage);
+            let e = (&**e as &dyn Any).downcast_ref::<CacheEntry<D>>()?;
+            let same_storage = D::storage_id(&e.source) == id;
             same_storage.then(|| T::any_ref(&e.cast).cloned()).flatten()
         });
         if found.is_some() {
@@ -1015,13 +1103,14 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
         count_cast();
         let converted = if whole {
             // The storage as it lies, whatever view of it `t` is.
-            let all = crate::layout::Layout::contiguous(&[source.storage.len()]);
-            let cast = crate::backend::Device::cast::<f32, T>(&crate::Cpu, &source.storage, &all);
-            Tensor::<T>::from_storage(&crate::Cpu, cast, &[source.storage.len()])
+            let all = crate::layout::Layout::contiguous(&[len]);
+            let cast = source.device.cast::<f32, T>(&source.storage, &all);
+            Tensor::<T, D>::from_storage(&source.device, cast, &[len])
         } else {
             source.detach().cast::<T>()
         };
-        let entry = CacheEntry { source: source.storage.clone(), cast: T::into_any(converted.clone()) };
+        let entry: Box<dyn AnyEntry> =
+            Box::new(CacheEntry::<D> { source: source.storage.clone(), cast: T::into_any(converted.clone()) });
         let stale = STATE.with(|s| {
             let mut s = s.borrow_mut();
             let stale = s.take_stale();
@@ -1032,7 +1121,7 @@ pub fn cast<E: Precision, T: Precision>(t: &Tensor<E>) -> Tensor<T> {
         converted
     });
     let layout = if whole { source.layout.clone() } else { values.layout.clone() };
-    let out = Tensor { storage: values.storage, layout, node: None, device: crate::Cpu };
+    let out = Tensor { storage: values.storage, layout, node: None, device: source.device.clone() };
     out.record("cast", vec![t.node.clone()], |g| vec![Some(g.cast::<E>().into())])
 }
 

@@ -2,19 +2,22 @@
 //! keeps its own storage type and runs each kernel by handing its buffers to the CPU backend,
 //! counting every call. The same forward and backward on `Mirror` and on `Cpu` must agree bit
 //! for bit, and every op must have reached the device through the trait (a kernel that
-//! bypassed it would not see `Mirror`'s storage at all).
+//! bypassed it would not see `Mirror`'s storage at all). `#[autocast]` code (a model of the
+//! user's own, amp's modules dispatched inside it, the weight cast cache) runs there too.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use amp_core::__private::{CastStats, Region, cache_entries, cast, cast_stats, reset_cast_stats};
 use amp_core::backend::{
     AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Pool2dSpec,
     ReduceOp, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
-use amp_core::nn::{Gpt, GptConfig};
+use amp_core::nn::{Block, Gpt, GptConfig, LayerNorm, Linear};
 use amp_core::param::ToDevice;
 use amp_core::{
-    BatchNormOptions, Conv2dOptions, Cpu, Device, Indices, Mask, Params, Precision, Rng, Tensor, bf16, f16,
+    BatchNormOptions, Conv2dOptions, Cpu, DType, Device, Indices, Mask, Param, Params, Precision, Rng, Tensor,
+    autocast, bf16, f16,
 };
 
 /// Kernel calls made on `Mirror`.
@@ -68,6 +71,9 @@ impl Device for Mirror {
     }
     fn is_exclusive<E: Precision>(s: &Buf<E>) -> bool {
         Cpu::is_exclusive(&s.0)
+    }
+    fn storage_id<E: Precision>(s: &Buf<E>) -> usize {
+        Cpu::storage_id(&s.0)
     }
     fn write_into<E: Precision>(&self, dst: &mut Buf<E>, dl: &Layout, src: &Buf<E>, sl: &Layout, add: bool) {
         hit();
@@ -673,4 +679,161 @@ fn weights_are_saved_from_and_loaded_into_a_model_on_the_second_device() {
         assert_eq!(a.to_vec(), b.to_vec(), "{n} loaded onto the second device");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+// ---- `#[autocast]` on the second device ------------------------------------------------------
+
+/// A submodule of the user's own whose compute precision is left to the caller: inside a
+/// region, the call's value fixes it to the region's type.
+#[derive(Params)]
+struct Proj<D: Device = Cpu> {
+    w: Param<f32, D>,
+}
+
+impl<D: Device> Proj<D> {
+    #[autocast(P)]
+    fn forward<P: Precision>(&self, x: &Tensor<f32, D>) -> Tensor<P, D> {
+        // The weight twice, transposed: one conversion of its storage, then a cache hit.
+        x.matmul(&self.w.t()).add(&x.matmul(&self.w.t()))
+    }
+}
+
+/// A model of the user's own on any device: amp's `Linear`, `LayerNorm` and `Block` (their
+/// methods dispatched by the macro, no turbofish), a submodule of its own and a raw parameter.
+#[derive(Params)]
+struct Net<D: Device = Cpu> {
+    fc1: Linear<f32, D>,
+    ln: LayerNorm<f32, D>,
+    block: Block<f32, D>,
+    proj: Proj<D>,
+    gamma: Param<f32, D>,
+}
+
+impl Net {
+    fn new(rng: &mut Rng) -> Self {
+        Net {
+            fc1: Linear::new(8, 8, true, rng),
+            ln: LayerNorm::new(8),
+            block: Block::new(8, 2, 0.0, rng),
+            proj: Proj { w: Param::new(Tensor::<f32>::randn(&[8, 8], rng).mul_scalar(0.3)) },
+            gamma: Param::new(Tensor::<f32>::randn(&[8], rng).add_scalar(1.0)),
+        }
+    }
+}
+
+impl<D: Device> Net<D> {
+    #[autocast(f16)]
+    fn forward(&self, x: &Tensor<f32, D>, rng: &mut Rng) -> Tensor<f32, D> {
+        let h = self.fc1.forward(x);
+        assert_eq!(h.dtype(), DType::F16, "Linear runs in the region's type");
+        let h = self.ln.forward(&h.gelu());
+        assert_eq!(h.dtype(), DType::F32, "LayerNorm gives f32");
+        let h = self.block.forward(&h.reshape(&[1, 4, 8]), rng).reshape(&[4, 8]);
+        let p = self.proj.forward(&h);
+        assert_eq!(p.dtype(), DType::F16, "the submodule's open precision became the region's");
+        let n = h.matmul(&self.proj.w).layer_norm(Some(&self.gamma), None, 1e-5);
+        assert_eq!(n.dtype(), DType::F32, "layer_norm runs in f32");
+        let c = Tensor::cat(&[&p, &n], 1);
+        assert_eq!(c.dtype(), DType::F32, "cat promotes");
+        let k = Tensor::<f64>::from_f64s(&[0.5, 2.0], &[1, 2]).to_device(x.device());
+        let k = k.matmul(&k.t());
+        assert_eq!(k.dtype(), DType::F64, "f64 is untouched");
+        c.mul(&c).mean_all().mul_scalar(k.to_f64_vec()[0])
+    }
+}
+
+/// A GPT's loss in bf16 with the model's own method dispatched (no turbofish), plus two
+/// products of its weights, each weight used twice: one conversion each, then cache hits.
+#[autocast(bf16)]
+fn gpt_loss<D: Device>(gpt: &Gpt<f32, D>, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Tensor<f32, D> {
+    let a = gpt.tok_emb.weight.matmul(&gpt.head.weight.t());
+    let b = gpt.head.weight.matmul(&gpt.tok_emb.weight.t());
+    assert_eq!(a.dtype(), DType::BF16);
+    gpt.loss(ids, targets, rng).add(&a.add(&b).mean_all().mul_scalar(0.01))
+}
+
+/// The value of a device-generic `#[autocast]` function whose tail builds a tensor on the
+/// device from the declared type.
+#[autocast(f16)]
+fn filled<D: Device>(like: &Tensor<f32, D>) -> Tensor<f32, D> {
+    Tensor::full_on(like.device(), like.shape(), 0.5)
+}
+
+/// Loss bits, every parameter's gradient bits by name, and the casts done, of the f16 model
+/// and the bf16 GPT on their device.
+type AutocastRun = (Vec<u32>, Vec<(String, Vec<u32>)>, CastStats);
+
+fn autocast_run<D: Device>(net: &Net<D>, gpt: &Gpt<f32, D>) -> AutocastRun {
+    let dev = gpt.head.weight.device().clone();
+    let x = Tensor::<f32>::randn(&[4, 8], &mut Rng::seed(9)).to_device(&dev);
+    let ids = Indices::from_vec((0..12).map(|i| (i * 7) % 17).collect(), &[2, 6]);
+    let targets = Indices::from_vec((0..12).map(|i| (i * 3 + 1) % 17).collect(), &[2, 6]);
+    reset_cast_stats();
+    let a = net.forward(&x, &mut Rng::seed(4));
+    let b = gpt_loss(gpt, &ids, &targets, &mut Rng::seed(5));
+    let stats = cast_stats();
+    assert_eq!(cache_entries(), 0, "the cache is emptied when the outermost region exits");
+    assert_eq!(filled(&x).to_vec(), vec![0.5; 32]);
+    let loss = a.add(&b);
+    let grads = loss.backward();
+    let bits = |t: &Tensor<f32, D>| t.to_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let mut per_param = Vec::new();
+    for (name, p) in net.named_params().into_iter().chain(gpt.named_params()) {
+        per_param.push((name, bits(grads.get(p).expect("every parameter has a gradient"))));
+    }
+    (bits(&loss), per_param, stats)
+}
+
+#[test]
+fn autocast_code_runs_on_the_second_device_bit_for_bit_with_the_weight_cast_cache() {
+    let mut rng = Rng::seed(12);
+    let net = Net::new(&mut rng);
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.1 };
+    let gpt = Gpt::new(config, &mut rng);
+    let (net_m, gpt_m): (Net<Mirror>, Gpt<f32, Mirror>) = (net.to_device(&Mirror), gpt.to_device(&Mirror));
+    let before = CALLS.load(Ordering::Relaxed);
+    let on_mirror = autocast_run(&net_m, &gpt_m);
+    let calls = CALLS.load(Ordering::Relaxed) - before;
+    let on_cpu = autocast_run(&net, &gpt);
+    assert_eq!(on_mirror.0, on_cpu.0, "loss");
+    for ((n1, g1), (n2, g2)) in on_mirror.1.iter().zip(&on_cpu.1) {
+        assert_eq!(n1, n2);
+        assert_eq!(g1, g2, "{n1}'s gradient");
+    }
+    assert_eq!(on_mirror.1.len(), net.named_params().len() + gpt.named_params().len());
+    assert!(on_cpu.1.iter().any(|(_, g)| g.iter().any(|b| f32::from_bits(*b) != 0.0)), "non-trivial gradients");
+    // The same casts on both devices, with the weight cast cache hit: proj.w converted once
+    // to f16 and served twice more (its second use in `Proj::forward`, then in `Net::forward`),
+    // the GPT's two weights converted once each to bf16 and served once each.
+    assert_eq!(on_mirror.2, on_cpu.2, "casts and cache hits");
+    assert_eq!(on_cpu.2.cache_hits, 4, "{:?}", on_cpu.2);
+    assert!(calls > 100, "only {calls} kernel calls reached the device");
+}
+
+#[test]
+fn the_weight_cast_cache_keeps_its_invariants_on_the_second_device() {
+    reset_cast_stats();
+    let cpu_w = Param::new(Tensor::<f32>::from_f32s(&[1.0, 2.0, 3.0, 4.0], &[2, 2]));
+    let mut w: Param<f32, Mirror> = cpu_w.to_device(&Mirror);
+    let v: Param<f32, Mirror> = Param::new(Tensor::<f32>::ones(&[2]).to_device(&Mirror));
+    let outer = Region::enter::<f16>(true, true, "test");
+    let a: Tensor<f16, Mirror> = cast(w.tensor());
+    let b: Tensor<f16, Mirror> = cast(&w.t());
+    assert_eq!(cast_stats(), CastStats { casts: 1, cache_hits: 1 }, "a view of it is served from its conversion");
+    assert_eq!((a.to_vec(), b.to_vec()), (w.cast::<f16>().to_vec(), w.t().cast::<f16>().to_vec()));
+    // The CPU parameter with the same values is another entry: entries are per device.
+    let _: Tensor<f16> = cast(cpu_w.tensor());
+    assert_eq!((cast_stats().casts, cache_entries()), (2, 2));
+    for step in 0..5 {
+        {
+            let _inner = Region::enter::<f16>(true, false, "test");
+            let c: Tensor<f16, Mirror> = cast(w.tensor());
+            assert_eq!(c.to_f32_vec()[0], 1.0 + step as f32, "an update inside the region is seen");
+            let _: Tensor<f16, Mirror> = cast(v.tensor());
+        }
+        assert_eq!(cache_entries(), 3, "step {step}: one entry per live storage");
+        // In place on Mirror: copies on write while the cache holds the old storage, whose
+        // entry is stale from here on and goes at the next insert or region exit.
+        w.set(&Tensor::<f32>::from_f32s(&[2.0 + step as f32, 2.0, 3.0, 4.0], &[2, 2]).to_device(&Mirror));
+    }
+    drop(outer);
+    assert_eq!(cache_entries(), 0);
 }

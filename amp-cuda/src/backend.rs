@@ -478,6 +478,10 @@ impl Device for Cuda {
     fn is_exclusive<E: Precision>(s: &CudaStorage<E>) -> bool {
         Arc::strong_count(&s.buf) == 1 && Arc::weak_count(&s.buf) == 0
     }
+    fn storage_id<E: Precision>(s: &CudaStorage<E>) -> usize {
+        // The shared handle's address: the same for every clone, unique while one lives.
+        Arc::as_ptr(&s.buf) as *const () as usize
+    }
     fn write_into<E: Precision>(
         &self,
         dst: &mut CudaStorage<E>,

@@ -6,9 +6,11 @@
 //!   tensors is left to the compiler. Each is wrapped in a hidden helper,
 //!   `(&W::new(x)).__amp_to::<T>()`, resolved by autoref specialisation (three levels, see
 //!   `amp_core::__private`): an f64 tensor comes back untouched, another tensor-like value
-//!   (`Tensor<E>`, `Param<E>`, references to them) is cast, and anything else (an iterator,
-//!   an `f32`, a user type) comes back untouched. Generic forward functions work the same way,
-//!   the bound `E: Precision` being enough for `Tensor<E>` to find the casting impl.
+//!   (`Tensor<E, D>`, `Param<E, D>`, references to them, on any device) is cast on its own
+//!   device, and anything else (an iterator, an `f32`, a user type) comes back untouched.
+//!   Generic forward functions work the same way, the bounds `E: Precision` and `D: Device`
+//!   being enough for `Tensor<E, D>` to find the casting impl. The generated code never names
+//!   a device: it comes with each operand's type.
 //! - The autocast type `T` of lower-precision ops is `f16`, `bf16`, `f32` or the function's
 //!   own type parameter (`#[autocast(P)]`); with `P`, promotions of `P` need bounds the
 //!   compiler cannot derive from `P: Precision`, so they are added to the signature when the
@@ -38,8 +40,10 @@
 //! - Nothing inside macro calls, nested items, const contexts, types or patterns is touched,
 //!   so `vec![..]`, `println!(..)`, array lengths and `autocast_off! { .. }` keep their meaning.
 //! - The declared return type is honoured by walking the tail (and each `return`) along the
-//!   declared type: a `Tensor<X>` position gets a final cast to `X`, each element of a
-//!   `Vec<Tensor<X>>` too, and a tuple that is not written out is taken apart and rebuilt.
+//!   declared type: a `Tensor<X>` (or `Tensor<X, D>`) position gets a final cast to `X`, each
+//!   element of a `Vec<Tensor<X>>` too, and a tuple that is not written out is taken apart and
+//!   rebuilt. Tensor constructors whose precision comes from that type (`Tensor::zeros(..)`,
+//!   `Tensor::full_on(dev, ..)`) are left as they are.
 
 use std::collections::{HashMap, HashSet};
 
@@ -348,14 +352,17 @@ fn pat_idents(pat: &Pat, out: &mut HashSet<String>) {
 
 /// `Tensor::zeros`, `Tensor::from_vec`, ... without a turbofish on `Tensor`: the precision of
 /// what they build comes from the context, so a conversion around them would leave it unknown.
+/// The `_on` forms build on a given device (`Tensor::full_on(x.device(), ..)`), whatever it is.
 fn is_tensor_constructor(func: &Expr) -> bool {
     const CTORS: &[&str] = &[
         "zeros",
         "ones",
         "full",
+        "full_on",
         "scalar",
         "from_vec",
         "try_from_vec",
+        "try_from_vec_on",
         "from_f64s",
         "from_f32s",
         "rand",

@@ -317,8 +317,8 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     fn name(&self) -> String;
 
     // ---- allocation and copies ---------------------------------------------------------------
-    // Host data in and out, fills, contiguous copies of views, and the ownership test that
-    // in-place writes rely on.
+    // Host data in and out, fills, contiguous copies of views, the ownership test that
+    // in-place writes rely on, and the storage identity the weight cast cache keys by.
 
     /// A storage holding `data` (moved to the device).
     // The device itself makes the storage (a CUDA device copies onto its own GPU), so the
@@ -336,6 +336,12 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     /// Whether nothing else holds this storage, so writing into it changes nothing anyone
     /// else can see.
     fn is_exclusive<E: Precision>(s: &Self::Storage<E>) -> bool;
+    /// The identity of the storage `s` is a handle to: the same for every clone of the handle,
+    /// and different from that of every other storage of this device type (on any instance of
+    /// it) alive at the same time, so a live handle keeps its id from being reused (on the CPU,
+    /// the address of the shared buffer). The weight cast cache of `#[autocast]` keys its
+    /// entries by it, each entry holding a clone of the handle.
+    fn storage_id<E: Precision>(s: &Self::Storage<E>) -> usize;
     /// Writes the view `src` (`sl`) into the view `dl` of `dst` (same shape), adding to what
     /// is there when `add` (in `E::Acc`, one rounding per element) or copying otherwise.
     /// `dst` is owned alone.

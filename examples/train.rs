@@ -105,8 +105,9 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if matches!(args.device, DeviceArg::Cuda) {
         eprintln!(
-            "error: --device cuda: this build has no CUDA training backend yet (amp-cuda holds only its \
-             skeleton); train on --device cpu"
+            "error: --device cuda: the trainer does not run on the GPU yet (the CUDA backend, amp::cuda with \
+             --features cuda, implements ops, autograd and the optimizers, not yet run on a GPU, but the \
+             trainer is CPU-only); train on --device cpu"
         );
         return ExitCode::from(2);
     }

@@ -679,6 +679,8 @@ fn weights_are_saved_from_and_loaded_into_a_model_on_the_second_device() {
         assert_eq!(a.to_vec(), b.to_vec(), "{n} loaded onto the second device");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---- `#[autocast]` on the second device ------------------------------------------------------
 
 /// A submodule of the user's own whose compute precision is left to the caller: inside a

@@ -23,7 +23,7 @@ nvidia-smi >> "$logs/env.txt" 2>&1 || echo "nvidia-smi: not found" >> "$logs/env
 summary=()
 for t in "$here"/bin/test-*; do
     name=$(basename "$t")
-    "$t" --test-threads=1 > "$logs/$name.log" 2>&1
+    "$t" --test-threads=1 --nocapture > "$logs/$name.log" 2>&1
     rc=$?
     passed=$(grep -oE '[0-9]+ passed' "$logs/$name.log" | awk '{s+=$1} END {print s+0}')
     failed=$(grep -oE '[0-9]+ failed' "$logs/$name.log" | awk '{s+=$1} END {print s+0}')

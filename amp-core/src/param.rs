@@ -63,10 +63,7 @@ impl<E: Precision, D: Device> Param<E, D> {
             value.shape(),
             self.tensor.shape()
         );
-        self.tensor.make_exclusive();
-        let dst = self.tensor.layout.clone();
-        let dev = self.tensor.device().clone();
-        dev.write_into(&mut self.tensor.storage, &dst, &value.storage, &value.layout, false);
+        self.tensor.set_values(value);
     }
     /// A new parameter (with its own id) holding these values rounded once to precision `P`
     /// (round to nearest even; exact when widening). For pure-bf16 training,

@@ -594,8 +594,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// (copying only if the storage is shared or the view is not the whole of it), so an
     /// in-place write changes nothing anyone else sees.
     pub(crate) fn make_exclusive(&mut self) {
-        let whole = self.layout.is_contiguous() && self.layout.offset == 0 && D::len(&self.storage) == self.numel();
-        if !whole || !D::is_exclusive(&self.storage) {
+        if !self.is_whole_storage() || !D::is_exclusive(&self.storage) {
             self.storage = self.device.contiguous(&self.storage, &self.layout);
             self.layout = Layout::contiguous(&self.layout.shape.clone());
         }
@@ -611,8 +610,11 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// A storage holding exactly this view, contiguous: the tensor's own (shared, not copied)
     /// when the view is the whole of it, else a contiguous copy.
     pub(crate) fn contiguous_storage(&self) -> D::Storage<E> {
-        let whole = self.layout.is_contiguous() && self.layout.offset == 0 && D::len(&self.storage) == self.numel();
-        if whole { self.storage.clone() } else { self.device.contiguous(&self.storage, &self.layout) }
+        if self.is_whole_storage() { self.storage.clone() } else { self.device.contiguous(&self.storage, &self.layout) }
+    }
+    /// Whether the view is the whole of its storage, contiguous from its start.
+    fn is_whole_storage(&self) -> bool {
+        self.layout.is_contiguous() && self.layout.offset == 0 && D::len(&self.storage) == self.numel()
     }
 }
 

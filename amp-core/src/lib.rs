@@ -44,6 +44,7 @@ pub mod policy;
 pub mod precision;
 pub mod rng;
 pub mod scaler;
+pub mod simd;
 pub mod tensor;
 
 /// `#[derive(Params)]` (the derive macro shares the trait's name, as serde's derives do).

@@ -324,19 +324,21 @@ impl Precision for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
-    #[inline]
+    #[inline(always)]
     fn load(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst)
+        f16_to_f32_slice(src, dst)
     }
-    #[inline]
+    #[inline(always)]
     fn store(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src)
+        f32_to_f16_slice(src, dst)
     }
+    #[inline(always)]
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst)
+        f16_to_f32_slice(src, dst)
     }
+    #[inline(always)]
     fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src)
+        f32_to_f16_slice(src, dst)
     }
 }
 
@@ -362,17 +364,19 @@ impl Precision for bf16 {
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
     }
-    #[inline]
+    #[inline(always)]
     fn load(src: &[Self], dst: &mut [f32]) {
         bf16_to_f32_slice(src, dst)
     }
-    #[inline]
+    #[inline(always)]
     fn store(src: &[f32], dst: &mut [Self]) {
         f32_to_bf16_slice(src, dst)
     }
+    #[inline(always)]
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
         bf16_to_f32_slice(src, dst)
     }
+    #[inline(always)]
     fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
         f32_to_bf16_slice(src, dst)
     }
@@ -392,21 +396,72 @@ fn bf16_bits_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-// Plain loops over bits: the compiler vectorises both (half has no SIMD path for bf16).
+// Plain loops over bits, vectorised by the compiler for the dispatched level (half has no SIMD
+// path for bf16). The instruction `vcvtneps2bf16` is not used: it flushes subnormals to zero.
+#[inline(always)]
 fn f32_to_bf16_slice(src: &[f32], dst: &mut [bf16]) {
     assert_eq!(src.len(), dst.len(), "bf16 store: length mismatch");
-    let dst = dst.reinterpret_cast_mut();
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = f32_to_bf16_bits(*s);
-    }
+    let dst: &mut [u16] = dst.reinterpret_cast_mut();
+    crate::simd::dispatch(
+        #[inline(always)]
+        || {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = f32_to_bf16_bits(*s);
+            }
+        },
+    )
 }
 
+#[inline(always)]
 fn bf16_to_f32_slice(src: &[bf16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "bf16 load: length mismatch");
-    let src = src.reinterpret_cast();
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = bf16_bits_to_f32(*s);
+    let src: &[u16] = src.reinterpret_cast();
+    crate::simd::dispatch(
+        #[inline(always)]
+        || {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = bf16_bits_to_f32(*s);
+            }
+        },
+    )
+}
+
+// f16 through the conversion instructions of the dispatched level (`half` detects F16C per
+// call, 8 values per call, and falls back to software without it).
+#[inline(always)]
+fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "f16 load: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::simd::{Isa, level, x86};
+        let bits: &[u16] = src.reinterpret_cast();
+        match level() {
+            // SAFETY: the level's features include AVX-512F and F16C; lengths are equal.
+            Isa::Avx512 => return unsafe { x86::f16_to_f32_avx512(bits, dst) },
+            // SAFETY: the level's features include AVX and F16C; lengths are equal.
+            Isa::Avx2 => return unsafe { x86::f16_to_f32_f16c(bits, dst) },
+            Isa::Baseline => {}
+        }
     }
+    src.convert_to_f32_slice(dst)
+}
+
+#[inline(always)]
+fn f32_to_f16_slice(src: &[f32], dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len(), "f16 store: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::simd::{Isa, level, x86};
+        let bits: &mut [u16] = dst.reinterpret_cast_mut();
+        match level() {
+            // SAFETY: the level's features include AVX-512F and F16C; lengths are equal.
+            Isa::Avx512 => return unsafe { x86::f32_to_f16_avx512(src, bits) },
+            // SAFETY: the level's features include AVX and F16C; lengths are equal.
+            Isa::Avx2 => return unsafe { x86::f32_to_f16_f16c(src, bits) },
+            Isa::Baseline => {}
+        }
+    }
+    dst.convert_from_f32_slice(src)
 }
 
 /// Converts a slice between any two precisions with one rounding.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the GPU bundle: everything that needs an NVIDIA GPU, compiled here (no GPU needed) for
 # a portable CPU, into one folder with a run.sh for a bare GPU machine (no Rust toolchain, no
-# network). The repository builds with `target-cpu=native` (.cargo/config.toml); the GPU
-# machine's CPU is another one, so the bundle is built for x86-64-v3 in its own target folder.
+# network). Built for the target's baseline CPU in its own target folder: the CPU kernels pick
+# their SIMD level at run time (amp_core::simd), so the binaries run at speed on the GPU host.
 #
 # Usage: tests/cuda/bundle.sh [OUT]      (default OUT: target/gpu-bundle, git-ignored)
 # Then, on the GPU machine:  OUT/run.sh LOGDIR
@@ -14,7 +14,7 @@ out=${1:-target/gpu-bundle}
 rm -rf "$out"
 mkdir -p "$out/bin"
 
-export RUSTFLAGS="-C target-cpu=x86-64-v3 -C strip=symbols"
+export RUSTFLAGS="-C strip=symbols"
 export CARGO_TARGET_DIR=target/gpu-build
 # Test executables of amp-cuda (release, so the parity suite and benchmarks run at speed).
 cargo test --release -p amp-cuda --no-run --message-format=json 2>/dev/null |

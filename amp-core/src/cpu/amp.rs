@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use super::{BUF, CHUNK, PAR_MIN};
 use crate::precision::{Accum, Precision, as_same, as_same_mut};
+use crate::simd::dispatch;
 
 /// f32 exponent bits: a value is inf or NaN exactly when all of them are set.
 const EXP_MASK: u32 = 0x7f80_0000;
@@ -58,20 +59,29 @@ pub fn unscale_all(slices: &mut [&mut [f32]], inv: f32) -> Vec<bool> {
 /// are all set). Written as a plain loop over the slice with one scalar accumulator: LLVM
 /// vectorises that reduction (`vpmaxud` next to `vmulps`), whereas an explicit array of lane
 /// accumulators was turned into gathers and scatters and ran ten times slower.
-#[inline]
+/// Runs through [`dispatch`], like every serial pass here.
+/// The closures here are `move`: a scalar read through a captured reference in a loop that
+/// stores through `data` is reloaded every iteration (see `cpu::optim::for_chunks`).
 fn unscale_serial(data: &mut [f32], inv: f32) -> bool {
-    let mut exp = 0u32;
-    for v in data.iter_mut() {
-        exp = exp.max(v.to_bits() & EXP_MASK);
-        *v *= inv;
-    }
-    exp == EXP_MASK
+    dispatch(
+        #[inline(always)]
+        move || {
+            let mut exp = 0u32;
+            for v in data.iter_mut() {
+                exp = exp.max(v.to_bits() & EXP_MASK);
+                *v *= inv;
+            }
+            exp == EXP_MASK
+        },
+    )
 }
 
 /// The check alone, same reduction.
-#[inline]
 fn check_serial(data: &[f32]) -> bool {
-    data.iter().fold(0u32, |exp, v| exp.max(v.to_bits() & EXP_MASK)) == EXP_MASK
+    dispatch(
+        #[inline(always)]
+        || data.iter().fold(0u32, |exp, v| exp.max(v.to_bits() & EXP_MASK)) == EXP_MASK,
+    )
 }
 
 /// Whether any value of `data` is inf or NaN (the check alone, for scalers that do not scale).
@@ -100,8 +110,15 @@ pub fn sum_of_squares(data: &[f32]) -> f32 {
     partial.iter().sum()
 }
 
-#[inline]
 fn sum_sq_serial(data: &[f32]) -> f32 {
+    dispatch(
+        #[inline(always)]
+        || sum_sq_lanes(data),
+    )
+}
+
+#[inline(always)]
+fn sum_sq_lanes(data: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let mut blocks = data.chunks_exact(LANES);
     for block in &mut blocks {
@@ -138,13 +155,23 @@ pub(crate) fn sum_squares_of<E: Precision>(data: &[E]) -> f64 {
 
 /// Multiplies every value by `c` in place (parallel for large slices).
 pub fn scale_in_place(data: &mut [f32], c: f32) {
-    let f = |chunk: &mut [f32]| chunk.iter_mut().for_each(|v| *v *= c);
+    let f = |chunk: &mut [f32]| {
+        dispatch(
+            #[inline(always)]
+            || chunk.iter_mut().for_each(|v| *v *= c),
+        )
+    };
     if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
 }
 
 /// Clamps every value to `[-clip, clip]` in place; NaN stays NaN, as with `torch.clamp`.
 pub fn clamp_in_place(data: &mut [f32], clip: f32) {
-    let f = |chunk: &mut [f32]| chunk.iter_mut().for_each(|v| *v = clamp(*v, clip));
+    let f = |chunk: &mut [f32]| {
+        dispatch(
+            #[inline(always)]
+            || chunk.iter_mut().for_each(|v| *v = clamp(*v, clip)),
+        )
+    };
     if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
 }
 

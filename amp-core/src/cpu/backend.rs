@@ -73,20 +73,18 @@ fn exclusive<E: Precision>(s: &mut Storage<E>) -> &mut [E] {
 
 impl Cpu {
     /// Which CPU kernels this process runs, for benchmark reports: the GEMM kernel per
-    /// precision (chosen at run time from the CPU's features) and the instruction set the
-    /// elementwise, row and optimizer loops were compiled for (fixed at build time).
+    /// precision and the SIMD level of the elementwise, row, conversion, optimizer and scaler
+    /// loops, all chosen at run time from the CPU's features ([`crate::simd`]).
     pub fn kernel_report(&self) -> String {
         let gemm = |native: bool| if native { "native" } else { "widened to f32" };
-        let simd = if cfg!(target_feature = "avx512f") {
-            "AVX-512F"
-        } else if cfg!(target_feature = "avx2") {
-            "AVX2"
-        } else {
-            "baseline x86-64 (SSE2)"
+        let simd = match crate::simd::level() {
+            crate::simd::Isa::Avx512 => "AVX-512 (x86-64-v4)",
+            crate::simd::Isa::Avx2 => "AVX2 + FMA + F16C (x86-64-v3)",
+            crate::simd::Isa::Baseline => "the target's baseline (x86-64: SSE2)",
         };
         format!(
             "GEMM f32: gemm crate (run-time dispatch); bf16: {} (AVX-512 BF16 vdpbf16ps, f32 accumulation); f16: {} \
-             (f16 widened in the pack, f32 FMA); elementwise/rows/optimizer loops compiled for {simd}",
+             (f16 widened in the pack, f32 FMA); elementwise/rows/optimizer loops: run-time dispatch, running {simd}",
             gemm(super::gemm_half::available::<bf16>()),
             gemm(super::gemm_half::available::<half::f16>())
         )

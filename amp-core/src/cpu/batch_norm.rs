@@ -36,23 +36,28 @@ pub(crate) struct BatchStats<A> {
 /// deviations from it, so a large offset does not cancel).
 pub(crate) fn batch_stats<E: Precision>(x: &[E], s: DimSplit) -> BatchStats<E::Acc> {
     let m = s.outer * s.inner;
-    let per = par_row_ranges(s.dim, m, |cs| {
-        cs.map(|c| {
-            let mut sum = E::Acc::zero();
-            for_each_buf(x, s, c, |b| sum += sum_buf(b));
-            let mean = sum / E::Acc::c(m as f64);
-            let mut ss = E::Acc::zero();
-            for_each_buf(x, s, c, |b| {
-                let mut lanes = E::Acc::zero();
-                for v in b {
-                    lanes += (*v - mean) * (*v - mean);
-                }
-                ss += lanes;
-            });
-            (mean, ss / E::Acc::c(m as f64), ss / E::Acc::c(m.saturating_sub(1) as f64))
-        })
-        .collect::<Vec<_>>()
-    });
+    let per = par_row_ranges(
+        s.dim,
+        m,
+        #[inline(always)]
+        |cs| {
+            cs.map(|c| {
+                let mut sum = E::Acc::zero();
+                for_each_buf(x, s, c, |b| sum += sum_buf(b));
+                let mean = sum / E::Acc::c(m as f64);
+                let mut ss = E::Acc::zero();
+                for_each_buf(x, s, c, |b| {
+                    let mut lanes = E::Acc::zero();
+                    for v in b {
+                        lanes += (*v - mean) * (*v - mean);
+                    }
+                    ss += lanes;
+                });
+                (mean, ss / E::Acc::c(m as f64), ss / E::Acc::c(m.saturating_sub(1) as f64))
+            })
+            .collect::<Vec<_>>()
+        },
+    );
     let mut st = BatchStats { mean: Vec::new(), var: Vec::new(), unbiased: Vec::new() };
     for (mean, var, unbiased) in per.into_iter().flatten() {
         st.mean.push(mean);
@@ -98,22 +103,28 @@ pub(crate) fn forward<E: Precision>(
     let inner = s.inner;
     // Every run is stored.
     let mut out = super::alloc::take::<E>(x.len());
-    par_rows(&mut out, inner, inner, |r0, chunk| {
-        let mut buf = [E::Acc::default(); BUF];
-        for (k, y) in chunk.chunks_mut(inner).enumerate() {
-            let (r, c) = (r0 + k, (r0 + k) % s.dim);
-            let scale = st.rstd[c] * wa.as_ref().map_or(E::Acc::one(), |w| w[c]);
-            let (mean, shift) = (st.mean[c], ba.as_ref().map_or(E::Acc::zero(), |b| b[c]));
-            for (xs, ys) in x[r * inner..(r + 1) * inner].chunks(BUF).zip(y.chunks_mut(BUF)) {
-                let bb = &mut buf[..xs.len()];
-                E::load(xs, bb);
-                for v in bb.iter_mut() {
-                    *v = (*v - mean) * scale + shift;
+    par_rows(
+        &mut out,
+        inner,
+        inner,
+        #[inline(always)]
+        |r0, chunk| {
+            let mut buf = [E::Acc::default(); BUF];
+            for (k, y) in chunk.chunks_mut(inner).enumerate() {
+                let (r, c) = (r0 + k, (r0 + k) % s.dim);
+                let scale = st.rstd[c] * wa.as_ref().map_or(E::Acc::one(), |w| w[c]);
+                let (mean, shift) = (st.mean[c], ba.as_ref().map_or(E::Acc::zero(), |b| b[c]));
+                for (xs, ys) in x[r * inner..(r + 1) * inner].chunks(BUF).zip(y.chunks_mut(BUF)) {
+                    let bb = &mut buf[..xs.len()];
+                    E::load(xs, bb);
+                    for v in bb.iter_mut() {
+                        *v = (*v - mean) * scale + shift;
+                    }
+                    E::store(bb, ys);
                 }
-                E::store(bb, ys);
             }
-        }
-    });
+        },
+    );
     out
 }
 
@@ -134,28 +145,33 @@ pub(crate) fn backward<E: Precision>(
     let m = s.outer * s.inner;
     // Σg and Σ(g·x̂) per channel, needed by training's dx and by the parameter gradients.
     let sums: Vec<(E::Acc, E::Acc)> = if training || need_w || need_b {
-        par_row_ranges(s.dim, 2 * m, |cs| {
-            cs.map(|c| {
-                let (mean, rstd) = (st.mean[c], st.rstd[c]);
-                let (mut sg, mut sgx) = (E::Acc::zero(), E::Acc::zero());
-                let (mut bx, mut bg) = ([E::Acc::default(); BUF], [E::Acc::default(); BUF]);
-                for n in 0..s.outer {
-                    let at = (n * s.dim + c) * s.inner;
-                    for (xs, gs) in x[at..at + s.inner].chunks(BUF).zip(g[at..at + s.inner].chunks(BUF)) {
-                        let (bx, bg) = (&mut bx[..xs.len()], &mut bg[..xs.len()]);
-                        E::load(xs, bx);
-                        E::load(gs, bg);
-                        sg += sum_buf(bg);
-                        for (xv, gv) in bx.iter_mut().zip(bg.iter()) {
-                            *xv = (*xv - mean) * rstd * *gv;
+        par_row_ranges(
+            s.dim,
+            2 * m,
+            #[inline(always)]
+            |cs| {
+                cs.map(|c| {
+                    let (mean, rstd) = (st.mean[c], st.rstd[c]);
+                    let (mut sg, mut sgx) = (E::Acc::zero(), E::Acc::zero());
+                    let (mut bx, mut bg) = ([E::Acc::default(); BUF], [E::Acc::default(); BUF]);
+                    for n in 0..s.outer {
+                        let at = (n * s.dim + c) * s.inner;
+                        for (xs, gs) in x[at..at + s.inner].chunks(BUF).zip(g[at..at + s.inner].chunks(BUF)) {
+                            let (bx, bg) = (&mut bx[..xs.len()], &mut bg[..xs.len()]);
+                            E::load(xs, bx);
+                            E::load(gs, bg);
+                            sg += sum_buf(bg);
+                            for (xv, gv) in bx.iter_mut().zip(bg.iter()) {
+                                *xv = (*xv - mean) * rstd * *gv;
+                            }
+                            sgx += sum_buf(bx);
                         }
-                        sgx += sum_buf(bx);
                     }
-                }
-                (sg, sgx)
-            })
-            .collect::<Vec<_>>()
-        })
+                    (sg, sgx)
+                })
+                .collect::<Vec<_>>()
+            },
+        )
         .into_iter()
         .flatten()
         .collect()
@@ -165,32 +181,38 @@ pub(crate) fn backward<E: Precision>(
     let inv_m = E::Acc::c(1.0 / m as f64);
     let inner = s.inner;
     let mut gx = super::alloc::take::<E>(x.len()); // every run is stored
-    par_rows(&mut gx, inner, inner, |r0, chunk| {
-        let mut bx = [E::Acc::default(); BUF];
-        let mut bg = [E::Acc::default(); BUF];
-        for (k, out) in chunk.chunks_mut(inner).enumerate() {
-            let (r, c) = (r0 + k, (r0 + k) % s.dim);
-            let (mean, rstd) = (st.mean[c], st.rstd[c]);
-            let scale = rstd * wa.as_ref().map_or(E::Acc::one(), |w| w[c]);
-            let span = r * inner..(r + 1) * inner;
-            for ((xs, gs), os) in x[span.clone()].chunks(BUF).zip(g[span].chunks(BUF)).zip(out.chunks_mut(BUF)) {
-                let (bx, bg) = (&mut bx[..xs.len()], &mut bg[..xs.len()]);
-                E::load(gs, bg);
-                if training {
-                    let (mg, mgx) = (sums[c].0 * inv_m, sums[c].1 * inv_m);
-                    E::load(xs, bx);
-                    for (xv, gv) in bx.iter_mut().zip(bg.iter()) {
-                        *xv = scale * (*gv - mg - (*xv - mean) * rstd * mgx);
+    par_rows(
+        &mut gx,
+        inner,
+        inner,
+        #[inline(always)]
+        |r0, chunk| {
+            let mut bx = [E::Acc::default(); BUF];
+            let mut bg = [E::Acc::default(); BUF];
+            for (k, out) in chunk.chunks_mut(inner).enumerate() {
+                let (r, c) = (r0 + k, (r0 + k) % s.dim);
+                let (mean, rstd) = (st.mean[c], st.rstd[c]);
+                let scale = rstd * wa.as_ref().map_or(E::Acc::one(), |w| w[c]);
+                let span = r * inner..(r + 1) * inner;
+                for ((xs, gs), os) in x[span.clone()].chunks(BUF).zip(g[span].chunks(BUF)).zip(out.chunks_mut(BUF)) {
+                    let (bx, bg) = (&mut bx[..xs.len()], &mut bg[..xs.len()]);
+                    E::load(gs, bg);
+                    if training {
+                        let (mg, mgx) = (sums[c].0 * inv_m, sums[c].1 * inv_m);
+                        E::load(xs, bx);
+                        for (xv, gv) in bx.iter_mut().zip(bg.iter()) {
+                            *xv = scale * (*gv - mg - (*xv - mean) * rstd * mgx);
+                        }
+                    } else {
+                        for (xv, gv) in bx.iter_mut().zip(bg.iter()) {
+                            *xv = scale * *gv;
+                        }
                     }
-                } else {
-                    for (xv, gv) in bx.iter_mut().zip(bg.iter()) {
-                        *xv = scale * *gv;
-                    }
+                    E::store(bx, os);
                 }
-                E::store(bx, os);
             }
-        }
-    });
+        },
+    );
     let finish = |need: bool, pick: fn(&(E::Acc, E::Acc)) -> E::Acc| {
         need.then(|| {
             let acc: Vec<E::Acc> = sums.iter().map(pick).collect();

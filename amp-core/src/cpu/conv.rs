@@ -149,7 +149,13 @@ fn im2col<E: Precision>(x: &[E], s: &Conv2dSpec, ones: bool, cols: &mut [E], par
         }
     };
     if parallel {
-        par_rows(cols, l, l, |r0, chunk| fill(r0, chunk));
+        par_rows(
+            cols,
+            l,
+            l,
+            #[inline(always)]
+            |r0, chunk| fill(r0, chunk),
+        );
     } else {
         fill(0, cols);
     }
@@ -199,7 +205,13 @@ fn col2im<E: Precision, A: Precision>(cols: &[A], s: &Conv2dSpec, dx: &mut [E], 
         }
     };
     if parallel {
-        par_rows(dx, hw, d.kh * d.kw * l, |c0, chunk| planes(c0, chunk));
+        par_rows(
+            dx,
+            hw,
+            d.kh * d.kw * l,
+            #[inline(always)]
+            |c0, chunk| planes(c0, chunk),
+        );
     } else {
         planes(0, dx);
     }
@@ -330,21 +342,26 @@ fn weight_grad<E: Precision, A: Precision>(x: &[E], g: &[E], s: &Conv2dSpec) -> 
 fn bias_grad<E: Precision>(g: &[E], s: &Conv2dSpec) -> Vec<E> {
     let d = Dims::of(s);
     let l = d.l();
-    let sums: Vec<E::Acc> = par_row_ranges(d.c_out, d.n * l, |cs| {
-        let mut buf = [E::Acc::default(); BUF];
-        cs.map(|c| {
-            let mut acc = E::Acc::zero();
-            for n in 0..d.n {
-                for part in g[(n * d.c_out + c) * l..][..l].chunks(BUF) {
-                    let b = &mut buf[..part.len()];
-                    E::load(part, b);
-                    acc += sum_buf(b);
+    let sums: Vec<E::Acc> = par_row_ranges(
+        d.c_out,
+        d.n * l,
+        #[inline(always)]
+        |cs| {
+            let mut buf = [E::Acc::default(); BUF];
+            cs.map(|c| {
+                let mut acc = E::Acc::zero();
+                for n in 0..d.n {
+                    for part in g[(n * d.c_out + c) * l..][..l].chunks(BUF) {
+                        let b = &mut buf[..part.len()];
+                        E::load(part, b);
+                        acc += sum_buf(b);
+                    }
                 }
-            }
-            acc
-        })
-        .collect::<Vec<_>>()
-    })
+                acc
+            })
+            .collect::<Vec<_>>()
+        },
+    )
     .into_iter()
     .flatten()
     .collect();

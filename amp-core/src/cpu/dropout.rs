@@ -23,29 +23,33 @@ pub(crate) fn apply<E: Precision>(x: &[E], p: f64, seed: u64) -> Vec<E> {
     let scale = E::Acc::c(1.0 / (1.0 - p));
     let zero = E::Acc::c(0.0);
     let mut out = super::alloc::take::<E>(x.len()); // every element is stored
-    par_chunks_mut(&mut out, |ci, chunk| {
-        let start = ci * CHUNK;
-        let mut rng = Rng::seed(seed ^ (ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut buf = [E::Acc::default(); BUF];
-        let mut bits = [0u32; BUF];
-        // BUF is even, so every buffer but the last starts on a fresh 64-bit draw.
-        for (j, o) in chunk.chunks_mut(BUF).enumerate() {
-            let s = start + j * BUF;
-            let n = o.len();
-            // Draw first, then apply in a branch-free loop the compiler vectorises.
-            for pair in bits[..n.next_multiple_of(2)].chunks_exact_mut(2) {
-                let r = rng.next_u64();
-                pair[0] = r as u32;
-                pair[1] = (r >> 32) as u32;
+    par_chunks_mut(
+        &mut out,
+        #[inline(always)]
+        |ci, chunk| {
+            let start = ci * CHUNK;
+            let mut rng = Rng::seed(seed ^ (ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut buf = [E::Acc::default(); BUF];
+            let mut bits = [0u32; BUF];
+            // BUF is even, so every buffer but the last starts on a fresh 64-bit draw.
+            for (j, o) in chunk.chunks_mut(BUF).enumerate() {
+                let s = start + j * BUF;
+                let n = o.len();
+                // Draw first, then apply in a branch-free loop the compiler vectorises.
+                for pair in bits[..n.next_multiple_of(2)].chunks_exact_mut(2) {
+                    let r = rng.next_u64();
+                    pair[0] = r as u32;
+                    pair[1] = (r >> 32) as u32;
+                }
+                let b = &mut buf[..n];
+                E::load(&x[s..s + n], b);
+                for (v, &r) in b.iter_mut().zip(&bits[..n]) {
+                    // Multiply rather than select so NaN inputs stay NaN, as in PyTorch.
+                    *v *= if r >= thr { scale } else { zero };
+                }
+                E::store(b, o);
             }
-            let b = &mut buf[..n];
-            E::load(&x[s..s + n], b);
-            for (v, &r) in b.iter_mut().zip(&bits[..n]) {
-                // Multiply rather than select so NaN inputs stay NaN, as in PyTorch.
-                *v *= if r >= thr { scale } else { zero };
-            }
-            E::store(b, o);
-        }
-    });
+        },
+    );
     out
 }

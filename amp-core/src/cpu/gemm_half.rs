@@ -27,7 +27,6 @@
 use std::cell::RefCell;
 use std::thread::LocalKey;
 
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::precision::{DType, Precision};
@@ -257,7 +256,7 @@ impl Kernel for F16Widened {
     }
     #[inline(always)]
     fn pack_run(lo: &[f16], _hi: Option<&[f16]>, dst: &mut [f32]) {
-        lo.convert_to_f32_slice(dst);
+        <f16 as Precision>::to_f32_slice(lo, dst);
     }
     fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<f32>; 2]>> {
         thread_local!(static BUFFERS: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) });
@@ -270,7 +269,7 @@ impl Kernel for F16Widened {
         let mut wide = [0f32; 64];
         for chunk in row.chunks(64) {
             let wide = &mut wide[..chunk.len()];
-            chunk.convert_to_f32_slice(wide);
+            <f16 as Precision>::to_f32_slice(chunk, wide);
             // Data first in the zip: one that ends on the data side takes no slot.
             for (&v, d) in wide.iter().zip(slots.by_ref()) {
                 *d = v;
@@ -431,36 +430,42 @@ fn pack<K: Kernel, const W: usize>(
     }
     let last = x.offset + (rows - 1) * x.rs + (k - 1) * x.cs;
     assert!(last < x.data.len(), "native GEMM operand out of bounds");
+    // The packing loops are compiled for the dispatched SIMD level.
     let fill = |i: usize, panel: &mut [K::Packed]| {
-        let live = W.min(rows - i * W);
-        let first = x.offset + i * W * x.rs;
-        if live < W {
-            for dst in panel.chunks_exact_mut(W) {
-                dst[live..].fill(K::ZERO);
-            }
-        }
-        if x.rs == 1 && live == W {
-            // The panel's rows are adjacent: each k is one contiguous run of W elements.
-            let run = |j: usize| &x.data[first + j * x.cs..][..W];
-            for (s, dst) in panel.chunks_exact_mut(W).enumerate() {
-                let j = s * K::K_STEP;
-                let hi = (K::K_STEP == 2 && j + 1 < k).then(|| run(j + 1));
-                K::pack_run(run(j), hi, dst);
-            }
-        } else if x.cs == 1 {
-            // Each row's k values are contiguous: pack row by row.
-            for r in 0..live {
-                let row = &x.data[first + r * x.rs..][..k];
-                K::pack_row(row, &mut panel[r..], W);
-            }
-        } else {
-            let firsts: [usize; W] = std::array::from_fn(|r| first + r.min(live - 1) * x.rs);
-            for (s, dst) in panel.chunks_exact_mut(W).enumerate() {
-                for (d, &f) in dst[..live].iter_mut().zip(&firsts) {
-                    *d = K::pack_one(x.data, f, x.cs, s, k);
+        crate::simd::dispatch(
+            #[inline(always)]
+            || {
+                let live = W.min(rows - i * W);
+                let first = x.offset + i * W * x.rs;
+                if live < W {
+                    for dst in panel.chunks_exact_mut(W) {
+                        dst[live..].fill(K::ZERO);
+                    }
                 }
-            }
-        }
+                if x.rs == 1 && live == W {
+                    // The panel's rows are adjacent: each k is one contiguous run of W elements.
+                    let run = |j: usize| &x.data[first + j * x.cs..][..W];
+                    for (s, dst) in panel.chunks_exact_mut(W).enumerate() {
+                        let j = s * K::K_STEP;
+                        let hi = (K::K_STEP == 2 && j + 1 < k).then(|| run(j + 1));
+                        K::pack_run(run(j), hi, dst);
+                    }
+                } else if x.cs == 1 {
+                    // Each row's k values are contiguous: pack row by row.
+                    for r in 0..live {
+                        let row = &x.data[first + r * x.rs..][..k];
+                        K::pack_row(row, &mut panel[r..], W);
+                    }
+                } else {
+                    let firsts: [usize; W] = std::array::from_fn(|r| first + r.min(live - 1) * x.rs);
+                    for (s, dst) in panel.chunks_exact_mut(W).enumerate() {
+                        for (d, &f) in dst[..live].iter_mut().zip(&firsts) {
+                            *d = K::pack_one(x.data, f, x.cs, s, k);
+                        }
+                    }
+                }
+            },
+        )
     };
     if parallel {
         out.par_chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));

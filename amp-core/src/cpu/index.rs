@@ -23,40 +23,44 @@ pub(crate) fn select<E: Precision>(
     let (lm, la, lb) = (lm.broadcast_to(out_shape), la.broadcast_to(out_shape), lb.broadcast_to(out_shape));
     let (shape, strides) = collapse(out_shape, [&lm.strides, &la.strides, &lb.strides]);
     let mut out = super::alloc::take::<E>(n); // every position of the walk is written
-    par_chunks_mut(&mut out, |ci, chunk| {
-        let start = ci * CHUNK;
-        for_each_run(
-            &shape,
-            &strides,
-            [lm.offset, la.offset, lb.offset],
-            start,
-            start + chunk.len(),
-            |pos, [om, oa, ob], [sm, sa, sb], len| {
-                let dst = &mut chunk[pos - start..pos - start + len];
-                // The common shapes get loops the compiler can vectorise: contiguous mask and
-                // value with a scalar fill (masked_fill), or everything contiguous.
-                match (sm, sa, sb) {
-                    (1, 0, 1) => {
-                        let (m, fa, vb) = (&mask[om..om + len], a[oa], &b[ob..ob + len]);
-                        for ((d, &m), &v) in dst.iter_mut().zip(m).zip(vb) {
-                            *d = if m { fa } else { v };
+    par_chunks_mut(
+        &mut out,
+        #[inline(always)]
+        |ci, chunk| {
+            let start = ci * CHUNK;
+            for_each_run(
+                &shape,
+                &strides,
+                [lm.offset, la.offset, lb.offset],
+                start,
+                start + chunk.len(),
+                |pos, [om, oa, ob], [sm, sa, sb], len| {
+                    let dst = &mut chunk[pos - start..pos - start + len];
+                    // The common shapes get loops the compiler can vectorise: contiguous mask and
+                    // value with a scalar fill (masked_fill), or everything contiguous.
+                    match (sm, sa, sb) {
+                        (1, 0, 1) => {
+                            let (m, fa, vb) = (&mask[om..om + len], a[oa], &b[ob..ob + len]);
+                            for ((d, &m), &v) in dst.iter_mut().zip(m).zip(vb) {
+                                *d = if m { fa } else { v };
+                            }
+                        }
+                        (1, 1, 1) => {
+                            let (m, va, vb) = (&mask[om..om + len], &a[oa..oa + len], &b[ob..ob + len]);
+                            for (((d, &m), &x), &y) in dst.iter_mut().zip(m).zip(va).zip(vb) {
+                                *d = if m { x } else { y };
+                            }
+                        }
+                        _ => {
+                            for (i, d) in dst.iter_mut().enumerate() {
+                                *d = if mask[om + i * sm] { a[oa + i * sa] } else { b[ob + i * sb] };
+                            }
                         }
                     }
-                    (1, 1, 1) => {
-                        let (m, va, vb) = (&mask[om..om + len], &a[oa..oa + len], &b[ob..ob + len]);
-                        for (((d, &m), &x), &y) in dst.iter_mut().zip(m).zip(va).zip(vb) {
-                            *d = if m { x } else { y };
-                        }
-                    }
-                    _ => {
-                        for (i, d) in dst.iter_mut().enumerate() {
-                            *d = if mask[om + i * sm] { a[oa + i * sa] } else { b[ob + i * sb] };
-                        }
-                    }
-                }
-            },
-        );
-    });
+                },
+            );
+        },
+    );
     out
 }
 
@@ -65,29 +69,41 @@ pub(crate) fn cat<E: Precision>(parts: &[(&[E], usize)], outer: usize, inner: us
     let total: usize = parts.iter().map(|p| p.1).sum();
     let row = total * inner;
     let mut out = super::alloc::take::<E>(outer * row); // every row is filled by its parts
-    par_rows(&mut out, row, row, |o0, chunk| {
-        for (k, dst) in chunk.chunks_mut(row).enumerate() {
-            let o = o0 + k;
-            let mut at = 0;
-            for &(src, d) in parts {
-                let len = d * inner;
-                dst[at..at + len].copy_from_slice(&src[o * len..(o + 1) * len]);
-                at += len;
+    par_rows(
+        &mut out,
+        row,
+        row,
+        #[inline(always)]
+        |o0, chunk| {
+            for (k, dst) in chunk.chunks_mut(row).enumerate() {
+                let o = o0 + k;
+                let mut at = 0;
+                for &(src, d) in parts {
+                    let len = d * inner;
+                    dst[at..at + len].copy_from_slice(&src[o * len..(o + 1) * len]);
+                    at += len;
+                }
             }
-        }
-    });
+        },
+    );
     out
 }
 
 /// `out[r] = w[ids[r]]` for rows of `d` elements (ids already bounds-checked).
 pub(crate) fn gather_rows<E: Precision>(w: &[E], ids: &[i64], d: usize) -> Vec<E> {
     let mut out = super::alloc::take::<E>(ids.len() * d); // every row is copied
-    par_rows(&mut out, d, d, |r0, chunk| {
-        for (k, dst) in chunk.chunks_mut(d).enumerate() {
-            let id = ids[r0 + k] as usize;
-            dst.copy_from_slice(&w[id * d..(id + 1) * d]);
-        }
-    });
+    par_rows(
+        &mut out,
+        d,
+        d,
+        #[inline(always)]
+        |r0, chunk| {
+            for (k, dst) in chunk.chunks_mut(d).enumerate() {
+                let id = ids[r0 + k] as usize;
+                dst.copy_from_slice(&w[id * d..(id + 1) * d]);
+            }
+        },
+    );
     out
 }
 
@@ -98,24 +114,30 @@ pub(crate) fn scatter_add_rows<E: Precision>(g: &[E], ids: &[i64], vocab: usize,
     let mut order: Vec<usize> = (0..ids.len()).collect();
     order.sort_by_key(|&r| ids[r]);
     let mut out = super::alloc::take::<E>(vocab * d); // every block is stored or zeroed
-    par_rows(&mut out, d, d, |v0, chunk| {
-        let v1 = v0 + chunk.len() / d;
-        let lo = order.partition_point(|&r| (ids[r] as usize) < v0);
-        let hi = order.partition_point(|&r| (ids[r] as usize) < v1);
-        if lo == hi {
-            chunk.fill(E::default()); // no id in this block: zero gradient rows
-            return;
-        }
-        let mut acc = vec![E::Acc::zero(); chunk.len()];
-        let mut buf = vec![E::Acc::default(); d];
-        for &r in &order[lo..hi] {
-            let v = ids[r] as usize - v0;
-            E::load(&g[r * d..(r + 1) * d], &mut buf);
-            for (a, x) in acc[v * d..(v + 1) * d].iter_mut().zip(&buf) {
-                *a += *x;
+    par_rows(
+        &mut out,
+        d,
+        d,
+        #[inline(always)]
+        |v0, chunk| {
+            let v1 = v0 + chunk.len() / d;
+            let lo = order.partition_point(|&r| (ids[r] as usize) < v0);
+            let hi = order.partition_point(|&r| (ids[r] as usize) < v1);
+            if lo == hi {
+                chunk.fill(E::default()); // no id in this block: zero gradient rows
+                return;
             }
-        }
-        E::store(&acc, chunk);
-    });
+            let mut acc = vec![E::Acc::zero(); chunk.len()];
+            let mut buf = vec![E::Acc::default(); d];
+            for &r in &order[lo..hi] {
+                let v = ids[r] as usize - v0;
+                E::load(&g[r * d..(r + 1) * d], &mut buf);
+                for (a, x) in acc[v * d..(v + 1) * d].iter_mut().zip(&buf) {
+                    *a += *x;
+                }
+            }
+            E::store(&acc, chunk);
+        },
+    );
     out
 }

@@ -35,6 +35,7 @@ use rayon::prelude::*;
 
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
+use crate::simd::dispatch;
 
 /// Output elements per parallel work item.
 pub(crate) const CHUNK: usize = 16 * 1024;
@@ -44,11 +45,18 @@ pub(crate) const PAR_MIN: usize = 64 * 1024;
 pub(crate) const BUF: usize = 512;
 
 /// Runs `f(chunk_index, chunk)` over `out` in chunks, in parallel when it is large.
+/// Each chunk runs through [`dispatch`], so pass `f` as `#[inline(always)] |i, chunk| ...`.
 pub(crate) fn par_chunks_mut<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    let task = |(i, c): (usize, &mut [T])| {
+        dispatch(
+            #[inline(always)]
+            || f(i, c),
+        )
+    };
     if out.len() >= PAR_MIN {
-        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| f(i, c));
+        out.par_chunks_mut(CHUNK).enumerate().for_each(task);
     } else {
-        out.chunks_mut(CHUNK).enumerate().for_each(|(i, c)| f(i, c));
+        out.chunks_mut(CHUNK).enumerate().for_each(task);
     }
 }
 
@@ -63,10 +71,14 @@ pub(crate) fn convert_par<A: Precision, B: Precision>(src: &[A]) -> Vec<B> {
 /// Rounds `src` into `dst` (same length) in parallel chunks.
 pub(crate) fn convert_par_into<A: Precision, B: Precision>(src: &[A], dst: &mut [B]) {
     assert_eq!(src.len(), dst.len(), "convert_par_into: length mismatch");
-    par_chunks_mut(dst, |ci, chunk| {
-        let s = ci * CHUNK;
-        crate::precision::convert_slice(&src[s..s + chunk.len()], chunk);
-    });
+    par_chunks_mut(
+        dst,
+        #[inline(always)]
+        |ci, chunk| {
+            let s = ci * CHUNK;
+            crate::precision::convert_slice(&src[s..s + chunk.len()], chunk);
+        },
+    );
 }
 
 /// Merges adjacent dims that every layout walks contiguously, so runs get as long as possible.
@@ -100,6 +112,7 @@ pub(crate) fn collapse<const K: usize>(shape: &[usize], strides: [&[usize]; K]) 
 /// Calls `f(out_pos, input_offsets, last_strides, len)` for each run of the row-major walk over
 /// flat output positions `start..end`. Inputs are described by strides over `shape` and base
 /// offsets; `last_strides[k]` is input k's stride along the run.
+#[inline(always)]
 pub(crate) fn for_each_run<const K: usize>(
     shape: &[usize],
     strides: &[Vec<usize>; K],
@@ -157,7 +170,7 @@ pub(crate) fn for_each_run<const K: usize>(
 }
 
 /// Loads `dst.len()` elements of `src` starting at `off` with `stride` into the buffer.
-#[inline]
+#[inline(always)]
 pub(crate) fn load_strided<E: Precision>(src: &[E], off: usize, stride: usize, dst: &mut [E::Acc]) {
     let len = dst.len();
     match stride {
@@ -181,40 +194,48 @@ pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
     let strides = [strides];
     // Every position of the walk is written.
     let mut out = alloc::take::<E>(n);
-    par_chunks_mut(&mut out, |ci, chunk| {
-        let start = ci * CHUNK;
-        for_each_run(&shape, &strides, [layout.offset], start, start + chunk.len(), |pos, [o], [s], len| {
-            let dst = &mut chunk[pos - start..pos - start + len];
-            match s {
-                1 => dst.copy_from_slice(&src[o..o + len]),
-                0 => dst.fill(src[o]),
-                s => {
-                    for (i, d) in dst.iter_mut().enumerate() {
-                        *d = src[o + i * s];
+    par_chunks_mut(
+        &mut out,
+        #[inline(always)]
+        |ci, chunk| {
+            let start = ci * CHUNK;
+            for_each_run(&shape, &strides, [layout.offset], start, start + chunk.len(), |pos, [o], [s], len| {
+                let dst = &mut chunk[pos - start..pos - start + len];
+                match s {
+                    1 => dst.copy_from_slice(&src[o..o + len]),
+                    0 => dst.fill(src[o]),
+                    s => {
+                        for (i, d) in dst.iter_mut().enumerate() {
+                            *d = src[o + i * s];
+                        }
                     }
                 }
-            }
-        });
-    });
+            });
+        },
+    );
     out
 }
 
 /// `out[i] = f(x[i])` over contiguous data, computed in the accumulation type.
 pub(crate) fn map_unary<E: Precision>(x: &[E], f: impl Fn(E::Acc) -> E::Acc + Sync + Send) -> Vec<E> {
     let mut out = alloc::take::<E>(x.len());
-    par_chunks_mut(&mut out, |ci, chunk| {
-        let start = ci * CHUNK;
-        let mut bx = [E::Acc::default(); BUF];
-        for (j, o) in chunk.chunks_mut(BUF).enumerate() {
-            let s = start + j * BUF;
-            let bx = &mut bx[..o.len()];
-            E::load(&x[s..s + o.len()], bx);
-            for v in bx.iter_mut() {
-                *v = f(*v);
+    par_chunks_mut(
+        &mut out,
+        #[inline(always)]
+        |ci, chunk| {
+            let start = ci * CHUNK;
+            let mut bx = [E::Acc::default(); BUF];
+            for (j, o) in chunk.chunks_mut(BUF).enumerate() {
+                let s = start + j * BUF;
+                let bx = &mut bx[..o.len()];
+                E::load(&x[s..s + o.len()], bx);
+                for v in bx.iter_mut() {
+                    *v = f(*v);
+                }
+                E::store(bx, o);
             }
-            E::store(bx, o);
-        }
-    });
+        },
+    );
     out
 }
 
@@ -226,23 +247,27 @@ pub(crate) fn map_ternary<E: Precision>(
     f: impl Fn(E::Acc, E::Acc, E::Acc) -> E::Acc + Sync + Send,
 ) -> Vec<E> {
     let mut out = alloc::take::<E>(a.len());
-    par_chunks_mut(&mut out, |ci, chunk| {
-        let start = ci * CHUNK;
-        let mut ba = [E::Acc::default(); BUF];
-        let mut bb = [E::Acc::default(); BUF];
-        let mut bc = [E::Acc::default(); BUF];
-        for (j, o) in chunk.chunks_mut(BUF).enumerate() {
-            let s = start + j * BUF;
-            let n = o.len();
-            E::load(&a[s..s + n], &mut ba[..n]);
-            E::load(&b[s..s + n], &mut bb[..n]);
-            E::load(&c[s..s + n], &mut bc[..n]);
-            for i in 0..n {
-                ba[i] = f(ba[i], bb[i], bc[i]);
+    par_chunks_mut(
+        &mut out,
+        #[inline(always)]
+        |ci, chunk| {
+            let start = ci * CHUNK;
+            let mut ba = [E::Acc::default(); BUF];
+            let mut bb = [E::Acc::default(); BUF];
+            let mut bc = [E::Acc::default(); BUF];
+            for (j, o) in chunk.chunks_mut(BUF).enumerate() {
+                let s = start + j * BUF;
+                let n = o.len();
+                E::load(&a[s..s + n], &mut ba[..n]);
+                E::load(&b[s..s + n], &mut bb[..n]);
+                E::load(&c[s..s + n], &mut bc[..n]);
+                for i in 0..n {
+                    ba[i] = f(ba[i], bb[i], bc[i]);
+                }
+                E::store(&ba[..n], o);
             }
-            E::store(&ba[..n], o);
-        }
-    });
+        },
+    );
     out
 }
 
@@ -260,38 +285,42 @@ pub(crate) fn map_binary<E: Precision>(
     let lb = lb.broadcast_to(out_shape);
     let (shape, strides) = collapse(out_shape, [&la.strides, &lb.strides]);
     let mut out = alloc::take::<E>(n);
-    par_chunks_mut(&mut out, |ci, chunk| {
-        let start = ci * CHUNK;
-        let mut ba = [E::Acc::default(); BUF];
-        let mut bb = [E::Acc::default(); BUF];
-        for_each_run(
-            &shape,
-            &strides,
-            [la.offset, lb.offset],
-            start,
-            start + chunk.len(),
-            |pos, [oa, ob], [sa, sb], len| {
-                let mut done = 0;
-                while done < len {
-                    let m = (len - done).min(BUF);
-                    let (xa, xb) = (&mut ba[..m], &mut bb[..m]);
-                    load_strided(a, oa + done * sa, sa, xa);
-                    load_strided(b, ob + done * sb, sb, xb);
-                    for i in 0..m {
-                        xa[i] = f(xa[i], xb[i]);
+    par_chunks_mut(
+        &mut out,
+        #[inline(always)]
+        |ci, chunk| {
+            let start = ci * CHUNK;
+            let mut ba = [E::Acc::default(); BUF];
+            let mut bb = [E::Acc::default(); BUF];
+            for_each_run(
+                &shape,
+                &strides,
+                [la.offset, lb.offset],
+                start,
+                start + chunk.len(),
+                |pos, [oa, ob], [sa, sb], len| {
+                    let mut done = 0;
+                    while done < len {
+                        let m = (len - done).min(BUF);
+                        let (xa, xb) = (&mut ba[..m], &mut bb[..m]);
+                        load_strided(a, oa + done * sa, sa, xa);
+                        load_strided(b, ob + done * sb, sb, xb);
+                        for i in 0..m {
+                            xa[i] = f(xa[i], xb[i]);
+                        }
+                        let p = pos - start + done;
+                        E::store(xa, &mut chunk[p..p + m]);
+                        done += m;
                     }
-                    let p = pos - start + done;
-                    E::store(xa, &mut chunk[p..p + m]);
-                    done += m;
-                }
-            },
-        );
-    });
+                },
+            );
+        },
+    );
     out
 }
 
 /// Sum of a buffer with eight independent lanes, so the compiler can vectorise it.
-#[inline]
+#[inline(always)]
 pub(crate) fn sum_buf<A: Accum>(x: &[A]) -> A {
     let mut lanes = [A::zero(); 8];
     let mut it = x.chunks_exact(8);
@@ -333,19 +362,23 @@ pub(crate) fn write_into<E: Precision>(dst: &mut [E], dl: &Layout, src: &[E], ad
 /// `dst += src` element-wise in `E::Acc`, rounded once per element, in parallel chunks.
 fn add_assign<E: Precision>(dst: &mut [E], src: &[E]) {
     assert_eq!(dst.len(), src.len(), "add_assign: length mismatch");
-    par_chunks_mut(dst, |ci, chunk| {
-        let start = ci * CHUNK;
-        let src = &src[start..start + chunk.len()];
-        let mut ba = [E::Acc::default(); BUF];
-        let mut bb = [E::Acc::default(); BUF];
-        for (d, s) in chunk.chunks_mut(BUF).zip(src.chunks(BUF)) {
-            let (xa, xb) = (&mut ba[..d.len()], &mut bb[..d.len()]);
-            E::load(d, xa);
-            E::load(s, xb);
-            for (x, y) in xa.iter_mut().zip(xb.iter()) {
-                *x += *y;
+    par_chunks_mut(
+        dst,
+        #[inline(always)]
+        |ci, chunk| {
+            let start = ci * CHUNK;
+            let src = &src[start..start + chunk.len()];
+            let mut ba = [E::Acc::default(); BUF];
+            let mut bb = [E::Acc::default(); BUF];
+            for (d, s) in chunk.chunks_mut(BUF).zip(src.chunks(BUF)) {
+                let (xa, xb) = (&mut ba[..d.len()], &mut bb[..d.len()]);
+                E::load(d, xa);
+                E::load(s, xb);
+                for (x, y) in xa.iter_mut().zip(xb.iter()) {
+                    *x += *y;
+                }
+                E::store(xa, d);
             }
-            E::store(xa, d);
-        }
-    });
+        },
+    );
 }

@@ -39,42 +39,48 @@ pub(crate) fn forward<E: Precision, const RMS: bool>(
     let eps = E::Acc::c(eps);
     let inv_d = E::Acc::c(1.0 / d as f64);
     let mut out = super::alloc::take::<E>(x.len()); // every row is stored
-    let stats = par_rows(&mut out, d, d, |r0, chunk| {
-        let mut buf = vec![E::Acc::default(); d];
-        let mut st = Vec::with_capacity(chunk.len() / d);
-        for (k, y) in chunk.chunks_mut(d).enumerate() {
-            let r = r0 + k;
-            E::load(&x[r * d..(r + 1) * d], &mut buf);
-            let mean = if RMS { E::Acc::zero() } else { sum_map(&buf, |v| v) * inv_d };
-            let var = sum_map(&buf, |v| (v - mean) * (v - mean)) * inv_d;
-            let rstd = E::Acc::one() / (var + eps).sqrt();
-            match (&wa, &ba) {
-                (Some(w), Some(b)) => {
-                    for ((v, w), b) in buf.iter_mut().zip(w).zip(b) {
-                        *v = (*v - mean) * rstd * *w + *b;
+    let stats = par_rows(
+        &mut out,
+        d,
+        d,
+        #[inline(always)]
+        |r0, chunk| {
+            let mut buf = vec![E::Acc::default(); d];
+            let mut st = Vec::with_capacity(chunk.len() / d);
+            for (k, y) in chunk.chunks_mut(d).enumerate() {
+                let r = r0 + k;
+                E::load(&x[r * d..(r + 1) * d], &mut buf);
+                let mean = if RMS { E::Acc::zero() } else { sum_map(&buf, |v| v) * inv_d };
+                let var = sum_map(&buf, |v| (v - mean) * (v - mean)) * inv_d;
+                let rstd = E::Acc::one() / (var + eps).sqrt();
+                match (&wa, &ba) {
+                    (Some(w), Some(b)) => {
+                        for ((v, w), b) in buf.iter_mut().zip(w).zip(b) {
+                            *v = (*v - mean) * rstd * *w + *b;
+                        }
+                    }
+                    (Some(w), None) => {
+                        for (v, w) in buf.iter_mut().zip(w) {
+                            *v = (*v - mean) * rstd * *w;
+                        }
+                    }
+                    (None, Some(b)) => {
+                        for (v, b) in buf.iter_mut().zip(b) {
+                            *v = (*v - mean) * rstd + *b;
+                        }
+                    }
+                    (None, None) => {
+                        for v in buf.iter_mut() {
+                            *v = (*v - mean) * rstd;
+                        }
                     }
                 }
-                (Some(w), None) => {
-                    for (v, w) in buf.iter_mut().zip(w) {
-                        *v = (*v - mean) * rstd * *w;
-                    }
-                }
-                (None, Some(b)) => {
-                    for (v, b) in buf.iter_mut().zip(b) {
-                        *v = (*v - mean) * rstd + *b;
-                    }
-                }
-                (None, None) => {
-                    for v in buf.iter_mut() {
-                        *v = (*v - mean) * rstd;
-                    }
-                }
+                E::store(&buf, y);
+                st.push((mean, rstd));
             }
-            E::store(&buf, y);
-            st.push((mean, rstd));
-        }
-        st
-    });
+            st
+        },
+    );
     let (mean, rstd) = stats.into_iter().flatten().unzip();
     (out, NormStats { mean, rstd })
 }
@@ -94,47 +100,53 @@ pub(crate) fn backward<E: Precision, const RMS: bool>(
     let wa = load_opt(w);
     let inv_d = E::Acc::c(1.0 / d as f64);
     let mut gx = super::alloc::take::<E>(x.len()); // every row is stored
-    let partials = par_rows(&mut gx, d, d, |r0, chunk| {
-        let mut bx = vec![E::Acc::default(); d];
-        let mut bg = vec![E::Acc::default(); d];
-        let mut bh = vec![E::Acc::default(); d];
-        let mut pw = if need_w { vec![E::Acc::zero(); d] } else { Vec::new() };
-        let mut pb = if need_b { vec![E::Acc::zero(); d] } else { Vec::new() };
-        for (k, out) in chunk.chunks_mut(d).enumerate() {
-            let r = r0 + k;
-            let (mean, rstd) = (stats.mean[r], stats.rstd[r]);
-            E::load(&x[r * d..(r + 1) * d], &mut bx);
-            E::load(&g[r * d..(r + 1) * d], &mut bg);
-            for v in bx.iter_mut() {
-                *v = (*v - mean) * rstd; // x̂
-            }
-            if need_w {
-                for ((p, gv), h) in pw.iter_mut().zip(&bg).zip(&bx) {
-                    *p += *gv * *h;
+    let partials = par_rows(
+        &mut gx,
+        d,
+        d,
+        #[inline(always)]
+        |r0, chunk| {
+            let mut bx = vec![E::Acc::default(); d];
+            let mut bg = vec![E::Acc::default(); d];
+            let mut bh = vec![E::Acc::default(); d];
+            let mut pw = if need_w { vec![E::Acc::zero(); d] } else { Vec::new() };
+            let mut pb = if need_b { vec![E::Acc::zero(); d] } else { Vec::new() };
+            for (k, out) in chunk.chunks_mut(d).enumerate() {
+                let r = r0 + k;
+                let (mean, rstd) = (stats.mean[r], stats.rstd[r]);
+                E::load(&x[r * d..(r + 1) * d], &mut bx);
+                E::load(&g[r * d..(r + 1) * d], &mut bg);
+                for v in bx.iter_mut() {
+                    *v = (*v - mean) * rstd; // x̂
                 }
-            }
-            if need_b {
-                for (p, gv) in pb.iter_mut().zip(&bg) {
-                    *p += *gv;
-                }
-            }
-            match &wa {
-                Some(w) => {
-                    for ((h, gv), w) in bh.iter_mut().zip(&bg).zip(w) {
-                        *h = *gv * *w;
+                if need_w {
+                    for ((p, gv), h) in pw.iter_mut().zip(&bg).zip(&bx) {
+                        *p += *gv * *h;
                     }
                 }
-                None => bh.copy_from_slice(&bg),
+                if need_b {
+                    for (p, gv) in pb.iter_mut().zip(&bg) {
+                        *p += *gv;
+                    }
+                }
+                match &wa {
+                    Some(w) => {
+                        for ((h, gv), w) in bh.iter_mut().zip(&bg).zip(w) {
+                            *h = *gv * *w;
+                        }
+                    }
+                    None => bh.copy_from_slice(&bg),
+                }
+                let mean_gh = if RMS { E::Acc::zero() } else { sum_map(&bh, |v| v) * inv_d };
+                let mean_ghx = dot(&bh, &bx) * inv_d;
+                for (h, xh) in bh.iter_mut().zip(&bx) {
+                    *h = rstd * (*h - mean_gh - *xh * mean_ghx);
+                }
+                E::store(&bh, out);
             }
-            let mean_gh = if RMS { E::Acc::zero() } else { sum_map(&bh, |v| v) * inv_d };
-            let mean_ghx = dot(&bh, &bx) * inv_d;
-            for (h, xh) in bh.iter_mut().zip(&bx) {
-                *h = rstd * (*h - mean_gh - *xh * mean_ghx);
-            }
-            E::store(&bh, out);
-        }
-        (pw, pb)
-    });
+            (pw, pb)
+        },
+    );
     // Sum the per-task partials in task order, then round once.
     let (pw, pb): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
     let finish = |need: bool, parts: &[Vec<E::Acc>]| {

@@ -55,12 +55,18 @@ pub(crate) fn max_forward<E: Precision>(x: &[E], s: &Pool2dSpec) -> Vec<E> {
     let (hw, ohw) = (s.input.0 * s.input.1, s.output.0 * s.output.1);
     // Every output is one window's max.
     let mut out = alloc::take::<E>(s.planes * ohw);
-    par_rows(&mut out, ohw, work(s), |p0, chunk| {
-        for (pp, dst) in chunk.chunks_mut(ohw).enumerate() {
-            let plane = &x[(p0 + pp) * hw..][..hw];
-            for_each_window(s, |o, rows, cols, _| dst[o] = plane[argmax(plane, s.input.1, rows, cols)]);
-        }
-    });
+    par_rows(
+        &mut out,
+        ohw,
+        work(s),
+        #[inline(always)]
+        |p0, chunk| {
+            for (pp, dst) in chunk.chunks_mut(ohw).enumerate() {
+                let plane = &x[(p0 + pp) * hw..][..hw];
+                for_each_window(s, |o, rows, cols, _| dst[o] = plane[argmax(plane, s.input.1, rows, cols)]);
+            }
+        },
+    );
     out
 }
 
@@ -70,16 +76,22 @@ pub(crate) fn max_backward<E: Precision>(x: &[E], g: &[E], s: &Pool2dSpec) -> Ve
     let (hw, ohw) = (s.input.0 * s.input.1, s.output.0 * s.output.1);
     // Every plane is stored whole.
     let mut out = alloc::take::<E>(s.planes * hw);
-    par_rows(&mut out, hw, work(s), |p0, chunk| {
-        let mut acc = vec![E::Acc::default(); hw];
-        for (pp, dst) in chunk.chunks_mut(hw).enumerate() {
-            let p = p0 + pp;
-            let (plane, gp) = (&x[p * hw..][..hw], &g[p * ohw..][..ohw]);
-            acc.fill(E::Acc::default());
-            for_each_window(s, |o, rows, cols, _| acc[argmax(plane, s.input.1, rows, cols)] += gp[o].to_acc());
-            E::store(&acc, dst);
-        }
-    });
+    par_rows(
+        &mut out,
+        hw,
+        work(s),
+        #[inline(always)]
+        |p0, chunk| {
+            let mut acc = vec![E::Acc::default(); hw];
+            for (pp, dst) in chunk.chunks_mut(hw).enumerate() {
+                let p = p0 + pp;
+                let (plane, gp) = (&x[p * hw..][..hw], &g[p * ohw..][..ohw]);
+                acc.fill(E::Acc::default());
+                for_each_window(s, |o, rows, cols, _| acc[argmax(plane, s.input.1, rows, cols)] += gp[o].to_acc());
+                E::store(&acc, dst);
+            }
+        },
+    );
     out
 }
 
@@ -87,22 +99,28 @@ pub(crate) fn max_backward<E: Precision>(x: &[E], g: &[E], s: &Pool2dSpec) -> Ve
 pub(crate) fn avg_forward<E: Precision>(x: &[E], s: &Pool2dSpec) -> Vec<E> {
     let (hw, ohw, w) = (s.input.0 * s.input.1, s.output.0 * s.output.1, s.input.1);
     let mut out = alloc::take::<E>(s.planes * ohw);
-    par_rows(&mut out, ohw, work(s), |p0, chunk| {
-        let mut acc = vec![E::Acc::default(); ohw];
-        for (pp, dst) in chunk.chunks_mut(ohw).enumerate() {
-            let plane = &x[(p0 + pp) * hw..][..hw];
-            for_each_window(s, |o, (h0, h1), (w0, w1), div| {
-                let mut sum = E::Acc::zero();
-                for h in h0..h1 {
-                    for v in &plane[h * w + w0..h * w + w1] {
-                        sum += v.to_acc();
+    par_rows(
+        &mut out,
+        ohw,
+        work(s),
+        #[inline(always)]
+        |p0, chunk| {
+            let mut acc = vec![E::Acc::default(); ohw];
+            for (pp, dst) in chunk.chunks_mut(ohw).enumerate() {
+                let plane = &x[(p0 + pp) * hw..][..hw];
+                for_each_window(s, |o, (h0, h1), (w0, w1), div| {
+                    let mut sum = E::Acc::zero();
+                    for h in h0..h1 {
+                        for v in &plane[h * w + w0..h * w + w1] {
+                            sum += v.to_acc();
+                        }
                     }
-                }
-                acc[o] = sum / E::Acc::c(div as f64);
-            });
-            E::store(&acc, dst);
-        }
-    });
+                    acc[o] = sum / E::Acc::c(div as f64);
+                });
+                E::store(&acc, dst);
+            }
+        },
+    );
     out
 }
 
@@ -111,21 +129,27 @@ pub(crate) fn avg_forward<E: Precision>(x: &[E], s: &Pool2dSpec) -> Vec<E> {
 pub(crate) fn avg_backward<E: Precision>(g: &[E], s: &Pool2dSpec) -> Vec<E> {
     let (hw, ohw, w) = (s.input.0 * s.input.1, s.output.0 * s.output.1, s.input.1);
     let mut out = alloc::take::<E>(s.planes * hw);
-    par_rows(&mut out, hw, work(s), |p0, chunk| {
-        let mut acc = vec![E::Acc::default(); hw];
-        for (pp, dst) in chunk.chunks_mut(hw).enumerate() {
-            let gp = &g[(p0 + pp) * ohw..][..ohw];
-            acc.fill(E::Acc::default());
-            for_each_window(s, |o, (h0, h1), (w0, w1), div| {
-                let v = gp[o].to_acc() / E::Acc::c(div as f64);
-                for h in h0..h1 {
-                    for a in &mut acc[h * w + w0..h * w + w1] {
-                        *a += v;
+    par_rows(
+        &mut out,
+        hw,
+        work(s),
+        #[inline(always)]
+        |p0, chunk| {
+            let mut acc = vec![E::Acc::default(); hw];
+            for (pp, dst) in chunk.chunks_mut(hw).enumerate() {
+                let gp = &g[(p0 + pp) * ohw..][..ohw];
+                acc.fill(E::Acc::default());
+                for_each_window(s, |o, (h0, h1), (w0, w1), div| {
+                    let v = gp[o].to_acc() / E::Acc::c(div as f64);
+                    for h in h0..h1 {
+                        for a in &mut acc[h * w + w0..h * w + w1] {
+                            *a += v;
+                        }
                     }
-                }
-            });
-            E::store(&acc, dst);
-        }
-    });
+                });
+                E::store(&acc, dst);
+            }
+        },
+    );
     out
 }

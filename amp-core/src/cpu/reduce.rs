@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use super::{BUF, PAR_MIN, sum_buf};
 use crate::precision::{Accum, Precision};
+use crate::simd::dispatch;
 use num_traits::Float;
 
 /// What a reduction combines with.
@@ -51,17 +52,22 @@ pub(crate) fn reduce_dim<E: Precision>(
     let big = x.len() >= PAR_MIN;
     if inner == 1 {
         let row = |(o, y): (usize, &mut E)| {
-            let mut buf = [E::Acc::default(); BUF];
-            let mut acc = identity::<E::Acc>(kind);
-            for c in x[o * d..(o + 1) * d].chunks(BUF) {
-                let b = &mut buf[..c.len()];
-                E::load(c, b);
-                acc = match kind {
-                    Reduce::Sum => acc + sum_buf(b),
-                    _ => b.iter().fold(acc, |a, v| combine(kind, a, *v)),
-                };
-            }
-            *y = E::from_acc(acc * scale);
+            dispatch(
+                #[inline(always)]
+                || {
+                    let mut buf = [E::Acc::default(); BUF];
+                    let mut acc = identity::<E::Acc>(kind);
+                    for c in x[o * d..(o + 1) * d].chunks(BUF) {
+                        let b = &mut buf[..c.len()];
+                        E::load(c, b);
+                        acc = match kind {
+                            Reduce::Sum => acc + sum_buf(b),
+                            _ => b.iter().fold(acc, |a, v| combine(kind, a, *v)),
+                        };
+                    }
+                    *y = E::from_acc(acc * scale);
+                },
+            )
         };
         if big {
             out.par_iter_mut().enumerate().with_min_len(1).for_each(row);
@@ -73,22 +79,27 @@ pub(crate) fn reduce_dim<E: Precision>(
     // inner > 1: accumulate whole rows of `inner` in blocks of BUF.
     let blocks = inner.div_ceil(BUF);
     let block = |(ob, y): (usize, &mut [E])| {
-        let (o, bi) = (ob / blocks, ob % blocks);
-        let i0 = bi * BUF;
-        let n = y.len();
-        let mut acc = [identity::<E::Acc>(kind); BUF];
-        let mut buf = [E::Acc::default(); BUF];
-        for j in 0..d {
-            let s = o * d * inner + j * inner + i0;
-            E::load(&x[s..s + n], &mut buf[..n]);
-            for i in 0..n {
-                acc[i] = combine(kind, acc[i], buf[i]);
-            }
-        }
-        for a in acc[..n].iter_mut() {
-            *a *= scale;
-        }
-        E::store(&acc[..n], y);
+        dispatch(
+            #[inline(always)]
+            || {
+                let (o, bi) = (ob / blocks, ob % blocks);
+                let i0 = bi * BUF;
+                let n = y.len();
+                let mut acc = [identity::<E::Acc>(kind); BUF];
+                let mut buf = [E::Acc::default(); BUF];
+                for j in 0..d {
+                    let s = o * d * inner + j * inner + i0;
+                    E::load(&x[s..s + n], &mut buf[..n]);
+                    for i in 0..n {
+                        acc[i] = combine(kind, acc[i], buf[i]);
+                    }
+                }
+                for a in acc[..n].iter_mut() {
+                    *a *= scale;
+                }
+                E::store(&acc[..n], y);
+            },
+        )
     };
     // Split `out` into (outer, block) pieces.
     let pieces = out.chunks_mut(inner).flat_map(|r| r.chunks_mut(BUF)).enumerate();

@@ -16,6 +16,7 @@ use rayon::prelude::*;
 use super::CHUNK;
 use super::reduce::{Reduce, combine};
 use crate::precision::Accum;
+use crate::simd::dispatch;
 
 /// Below this much work (elements touched) a row kernel runs on the calling thread: row kernels
 /// do several passes and transcendental calls, so they pay for threads sooner than copies do.
@@ -40,7 +41,12 @@ pub(crate) fn par_rows<T: Send, R: Send>(
     }
     let rows = out.len() / out_row;
     let per = rows_per_task(work_row);
-    let task = |(i, chunk): (usize, &mut [T])| f(i * per, chunk);
+    let task = |(i, chunk): (usize, &mut [T])| {
+        dispatch(
+            #[inline(always)]
+            || f(i * per, chunk),
+        )
+    };
     if rows * work_row >= ROW_PAR_MIN && rows > per {
         out.par_chunks_mut(per * out_row).enumerate().map(task).collect()
     } else {
@@ -58,7 +64,12 @@ pub(crate) fn par_row_ranges<R: Send>(
 ) -> Vec<R> {
     let per = rows_per_task(work_row);
     let tasks = n_rows.div_ceil(per);
-    let task = |t: usize| f(t * per..((t + 1) * per).min(n_rows));
+    let task = |t: usize| {
+        dispatch(
+            #[inline(always)]
+            || f(t * per..((t + 1) * per).min(n_rows)),
+        )
+    };
     if n_rows * work_row >= ROW_PAR_MIN && tasks > 1 {
         (0..tasks).into_par_iter().map(task).collect()
     } else {
@@ -67,7 +78,7 @@ pub(crate) fn par_row_ranges<R: Send>(
 }
 
 /// Sum of `f(x[i])` with eight independent lanes (vectorisable).
-#[inline]
+#[inline(always)]
 pub(crate) fn sum_map<A: Accum>(x: &[A], f: impl Fn(A) -> A) -> A {
     let mut lanes = [A::zero(); 8];
     let mut it = x.chunks_exact(8);
@@ -84,7 +95,7 @@ pub(crate) fn sum_map<A: Accum>(x: &[A], f: impl Fn(A) -> A) -> A {
 }
 
 /// `sum(a[i] * b[i])` with eight independent lanes (vectorisable).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot<A: Accum>(a: &[A], b: &[A]) -> A {
     debug_assert_eq!(a.len(), b.len());
     let mut lanes = [A::zero(); 8];
@@ -102,7 +113,7 @@ pub(crate) fn dot<A: Accum>(a: &[A], b: &[A]) -> A {
 }
 
 /// Max of a buffer (NaN wins, as in PyTorch), with eight lanes; `-inf` for an empty buffer.
-#[inline]
+#[inline(always)]
 pub(crate) fn max_buf<A: Accum>(x: &[A]) -> A {
     let mut lanes = [A::neg_infinity(); 8];
     let mut it = x.chunks_exact(8);
@@ -116,7 +127,7 @@ pub(crate) fn max_buf<A: Accum>(x: &[A]) -> A {
 }
 
 /// `x[i] = exp(x[i])` over a buffer, through [`Accum::vexp`] (vectorised for f32).
-#[inline]
+#[inline(always)]
 pub(crate) fn exp_in_place<A: Accum>(x: &mut [A]) {
     for v in x.iter_mut() {
         *v = v.vexp();

@@ -28,30 +28,36 @@ pub(crate) fn log_sum_exp<A: Accum>(row: &[A]) -> (A, A) {
 /// Softmax (or, with `LOG`, log-softmax) of each row of `x` (`rows * d` elements).
 pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E> {
     let mut out = super::alloc::take::<E>(x.len()); // every row is stored
-    par_rows(&mut out, d, d, |r0, chunk| {
-        let mut buf = vec![E::Acc::default(); d];
-        for (k, y) in chunk.chunks_mut(d).enumerate() {
-            let r = r0 + k;
-            E::load(&x[r * d..(r + 1) * d], &mut buf);
-            if LOG {
-                let (_, lse) = log_sum_exp(&buf);
-                for v in buf.iter_mut() {
-                    *v = *v - lse;
+    par_rows(
+        &mut out,
+        d,
+        d,
+        #[inline(always)]
+        |r0, chunk| {
+            let mut buf = vec![E::Acc::default(); d];
+            for (k, y) in chunk.chunks_mut(d).enumerate() {
+                let r = r0 + k;
+                E::load(&x[r * d..(r + 1) * d], &mut buf);
+                if LOG {
+                    let (_, lse) = log_sum_exp(&buf);
+                    for v in buf.iter_mut() {
+                        *v = *v - lse;
+                    }
+                } else {
+                    let m = max_buf(&buf);
+                    for v in buf.iter_mut() {
+                        *v = *v - m;
+                    }
+                    exp_in_place(&mut buf);
+                    let inv = E::Acc::one() / sum_map(&buf, |v| v);
+                    for v in buf.iter_mut() {
+                        *v *= inv;
+                    }
                 }
-            } else {
-                let m = max_buf(&buf);
-                for v in buf.iter_mut() {
-                    *v = *v - m;
-                }
-                exp_in_place(&mut buf);
-                let inv = E::Acc::one() / sum_map(&buf, |v| v);
-                for v in buf.iter_mut() {
-                    *v *= inv;
-                }
+                E::store(&buf, y);
             }
-            E::store(&buf, y);
-        }
-    });
+        },
+    );
     out
 }
 
@@ -59,27 +65,33 @@ pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E
 /// softmax `y * (g - sum(g * y))`, log-softmax `g - exp(y) * sum(g)`.
 pub(crate) fn backward<E: Precision, const LOG: bool>(y: &[E], g: &[E], d: usize) -> Vec<E> {
     let mut out = super::alloc::take::<E>(y.len()); // every row is stored
-    par_rows(&mut out, d, d, |r0, chunk| {
-        let mut by = vec![E::Acc::default(); d];
-        let mut bg = vec![E::Acc::default(); d];
-        for (k, gx) in chunk.chunks_mut(d).enumerate() {
-            let r = r0 + k;
-            E::load(&y[r * d..(r + 1) * d], &mut by);
-            E::load(&g[r * d..(r + 1) * d], &mut bg);
-            if LOG {
-                let sg = sum_map(&bg, |v| v);
-                exp_in_place(&mut by);
-                for (gv, p) in bg.iter_mut().zip(&by) {
-                    *gv = *gv - *p * sg;
+    par_rows(
+        &mut out,
+        d,
+        d,
+        #[inline(always)]
+        |r0, chunk| {
+            let mut by = vec![E::Acc::default(); d];
+            let mut bg = vec![E::Acc::default(); d];
+            for (k, gx) in chunk.chunks_mut(d).enumerate() {
+                let r = r0 + k;
+                E::load(&y[r * d..(r + 1) * d], &mut by);
+                E::load(&g[r * d..(r + 1) * d], &mut bg);
+                if LOG {
+                    let sg = sum_map(&bg, |v| v);
+                    exp_in_place(&mut by);
+                    for (gv, p) in bg.iter_mut().zip(&by) {
+                        *gv = *gv - *p * sg;
+                    }
+                } else {
+                    let s = dot(&bg, &by);
+                    for (gv, p) in bg.iter_mut().zip(&by) {
+                        *gv = *p * (*gv - s);
+                    }
                 }
-            } else {
-                let s = dot(&bg, &by);
-                for (gv, p) in bg.iter_mut().zip(&by) {
-                    *gv = *p * (*gv - s);
-                }
+                E::store(&bg, gx);
             }
-            E::store(&bg, gx);
-        }
-    });
+        },
+    );
     out
 }

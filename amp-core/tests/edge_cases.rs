@@ -143,6 +143,33 @@ fn zero_dim_tensors() {
     assert_eq!(loss.backward().get(&x).unwrap().shape(), &[2, 2]);
 }
 
+/// 1-D operands of matmul, as in `torch.matmul`: vector @ vector is a 0-dim dot product,
+/// vector @ matrix and matrix @ vector drop the vector's dim; gradients flow to both sides.
+#[test]
+fn matmul_of_vectors_follows_torch() {
+    let a = Tensor::<f64>::from_vec(vec![1.0, 2.0, 3.0], &[3]).requires_grad_();
+    let b = Tensor::<f64>::from_vec(vec![4.0, 5.0, 6.0], &[3]).requires_grad_();
+    let dot = a.matmul(&b);
+    assert_eq!(dot.shape(), &[] as &[usize]);
+    assert_eq!(dot.item(), 32.0);
+    let g = dot.backward();
+    assert_eq!(g.get(&a).unwrap().to_vec(), vec![4.0, 5.0, 6.0]);
+    assert_eq!(g.get(&b).unwrap().to_vec(), vec![1.0, 2.0, 3.0]);
+    // In the low precisions too (f32 accumulation, one rounding).
+    let h = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0], &[3]).cast::<f16>();
+    assert_eq!(h.matmul(&h).item().to_f32(), 14.0);
+    let m = Tensor::<f64>::from_vec((0..6).map(f64::from).collect(), &[3, 2]);
+    assert_eq!(a.matmul(&m).shape(), &[2]);
+    assert_eq!(a.matmul(&m).to_vec(), vec![16.0, 22.0]);
+    assert_eq!(m.t().matmul(&a).to_vec(), vec![16.0, 22.0]);
+    // Batched matrix @ vector: [2, 2, 3] @ [3] -> [2, 2].
+    let bm = Tensor::<f64>::ones(&[2, 2, 3]);
+    assert_eq!(bm.matmul(&a).shape(), &[2, 2]);
+    // A length mismatch is an error naming both shapes, not a panic.
+    let err = a.try_matmul(&Tensor::ones(&[4])).unwrap_err().to_string();
+    assert!(err.contains("[3]") && err.contains("[4]"), "{err}");
+}
+
 // ---- known values ----------------------------------------------------------------------------
 
 /// PyTorch's cross-entropy (mean reduction) computed directly in f64 from its definition:

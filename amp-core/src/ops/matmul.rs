@@ -51,17 +51,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 shapes: vec![self.shape().to_vec(), rhs.shape().to_vec()],
             });
         }
-        if self.rank() == 1 {
-            let out = self.unsqueeze(0).try_matmul(rhs)?;
-            return Ok(out.squeeze(out.rank() - 2));
-        }
-        if rhs.rank() == 1 {
-            let out = self.try_matmul(&rhs.unsqueeze(1))?;
-            return Ok(out.squeeze(out.rank() - 1));
-        }
-        let (ra, rb) = (self.rank(), rhs.rank());
-        let (m, k) = (self.shape()[ra - 2], self.shape()[ra - 1]);
-        let (k2, n) = (rhs.shape()[rb - 2], rhs.shape()[rb - 1]);
+        // Checked on the shapes as given, before vectors are viewed as rows or columns.
+        let k = self.shape()[self.rank() - 1];
+        let k2 = if rhs.rank() == 1 { rhs.shape()[0] } else { rhs.shape()[rhs.rank() - 2] };
         if k != k2 {
             return Err(Error::Shape {
                 op: "matmul",
@@ -69,6 +61,19 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 shapes: vec![self.shape().to_vec(), rhs.shape().to_vec()],
             });
         }
+        if self.rank() == 1 {
+            // [k] @ [.., k, n] -> [.., 1, n] -> [.., n]; [k] @ [k] -> [1] -> [] (a dot product,
+            // 0-dim as in PyTorch).
+            let out = self.unsqueeze(0).try_matmul(rhs)?;
+            let row = if rhs.rank() == 1 { out.rank() - 1 } else { out.rank() - 2 };
+            return Ok(out.squeeze(row));
+        }
+        if rhs.rank() == 1 {
+            let out = self.try_matmul(&rhs.unsqueeze(1))?;
+            return Ok(out.squeeze(out.rank() - 1));
+        }
+        let (ra, rb) = (self.rank(), rhs.rank());
+        let (m, n) = (self.shape()[ra - 2], rhs.shape()[rb - 1]);
         let batch = broadcast_shapes("matmul", &self.shape()[..ra - 2], &rhs.shape()[..rb - 2])?;
         let data = self.device.matmul(self.raw(), rhs.raw(), &batch);
         let mut shape = batch;

@@ -312,3 +312,31 @@ fn user_functions_in_categories() {
     let (s, q) = net.forward(&data(&[2, 4], 2));
     assert_eq!((s.dtype(), q.dtype()), (DType::F16, DType::F32));
 }
+
+// ---- the user's parentheses ----------------------------------------------------------------
+
+/// Parenthesised receivers of every kind of rewritten call (lower precision, f32, promote, an
+/// nn module's method): the rewrite hands them on without the user's parentheses, so the
+/// user's crate sees no `unused_parens` warning (denied here).
+#[deny(unused_parens)]
+mod parenthesised {
+    use super::*;
+    use amp::nn::Linear;
+
+    #[autocast(f16)]
+    pub fn receivers(x: &Tensor<f32>, w: &Param, b: &Param, lin: &Linear) -> (DType, DType, DType, DType) {
+        let low = (x.add(x)).matmul(w); // lower precision
+        let sum = (&low * &low).sum_all(); // f32
+        let promoted = (low.relu()).add(b); // promote
+        let moved = ({ lin }).forward(&low); // a module: a block keeps its parentheses
+        let via = (lin).forward(&low);
+        (low.dtype(), sum.dtype(), promoted.dtype(), moved.add(&via).dtype())
+    }
+}
+
+#[test]
+fn parenthesised_receivers_are_rewritten_without_lint() {
+    let (x, w, b) = (data(&[2, 3], 40), param(&[3, 4], 41), param(&[4], 42));
+    let lin = amp::nn::Linear::new(4, 4, true, &mut Rng::seed(43));
+    assert_eq!(parenthesised::receivers(&x, &w, &b, &lin), (DType::F16, DType::F32, DType::F32, DType::F16));
+}

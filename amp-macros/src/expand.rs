@@ -314,6 +314,16 @@ pub(crate) fn strip_off_attrs(item: TokenStream) -> TokenStream {
 }
 
 /// A place expression: borrowing it does not move anything.
+/// `e` without the parentheses around it: the rewrites hand a receiver to a helper as a
+/// function argument, where the user's `(a + b).relu()` parentheses would trip
+/// `unused_parens` in the user's crate.
+fn unparen(e: &Expr) -> &Expr {
+    match e {
+        Expr::Paren(p) => unparen(&p.expr),
+        _ => e,
+    }
+}
+
 fn is_place(e: &Expr) -> bool {
     match e {
         Expr::Path(_) | Expr::Field(_) | Expr::Index(_) => true,
@@ -451,7 +461,8 @@ impl Rewriter<'_> {
     fn cast_receiver(&mut self, recv: &Expr, target: &Target) -> TokenStream {
         self.rewrote = true;
         let (p, t, span) = (self.p, self.target(target), recv.span());
-        let form = if is_place(recv) { quote_spanned!(span=> &#recv) } else { quote!(#recv) };
+        let bare = unparen(recv);
+        let form = if is_place(recv) { quote_spanned!(span=> &#bare) } else { quote!(#bare) };
         quote_spanned!(span=> (&#p::W::new(#form)).__amp_to::<#t>())
     }
 
@@ -571,8 +582,11 @@ impl Rewriter<'_> {
     /// evaluated), else `place.__amp_place()` (a `&mut T` reborrowed, anything else borrowed).
     fn module_receiver(&self, recv: &Expr, args: &syn::punctuated::Punctuated<Expr, syn::Token![,]>) -> TokenStream {
         if !is_place(recv) {
-            // In parentheses: `{ v }.forward(..)` (moving a variable) keeps its braces lint-free.
-            return quote!((#recv));
+            // A block in parentheses: `{ v }.forward(..)` (moving a variable) keeps its braces
+            // lint-free; anything else bare, so the user's own parentheses do not trip
+            // `unused_parens`.
+            let bare = unparen(recv);
+            return if matches!(bare, Expr::Block(_)) { quote!((#bare)) } else { quote!(#bare) };
         }
         let span = recv.span();
         let mutable = place_root(recv).is_some_and(|(root, bare)| {
@@ -595,7 +609,8 @@ impl Rewriter<'_> {
         let p = self.p;
         let recv = &mc.receiver;
         let span = mc.span();
-        let recv_form = if is_place(recv) { quote_spanned!(recv.span()=> &#recv) } else { quote!(#recv) };
+        let bare = unparen(recv);
+        let recv_form = if is_place(recv) { quote_spanned!(recv.span()=> &#bare) } else { quote!(#bare) };
         // Hygienic names located at the user's operands, so type errors point at them.
         let r = syn::Ident::new("__amp_r", Span::mixed_site().located_at(recv.span()));
         let a = syn::Ident::new("__amp_a", Span::mixed_site().located_at(operand.span()));
@@ -1173,6 +1188,8 @@ mod tests {
                     let d = s.inner.forward(x);
                     let e = local.forward(x);
                     let g = Consumed(vec![1.0]).forward(3.0);
+                    let g2 = { local }.forward(3.0);
+                    let g3 = (Consumed(vec![2.0])).forward(3.0);
                     let shadow = 3;
                     let mut shadow = shadow;
                     let h = shadow.forward(x);
@@ -1198,14 +1215,18 @@ mod tests {
         recv("&muts.inner", "forward(x)");
         // A `mut` binding: `&mut`; a temporary: moved (its own `forward(self)` still works).
         recv("&mutlocal", "forward(x)");
-        recv("(Consumed(vec![1.0]))", "forward(3.0)");
+        recv("Consumed(vec![1.0])", "forward(3.0)");
+        // A block stays in parentheses (no `unused_braces`); the user's parentheses go (no
+        // `unused_parens`).
+        recv("({local})", "forward(3.0)");
+        recv("Consumed(vec![2.0])", "forward(3.0)");
         // Bound two ways (shadowed): shared.
         recv("shadow.__amp_place()", "forward(x)");
         // `let r = &mut ..`: places under it borrowed mutably; a name from elsewhere: shared.
         recv("&mutr.cell", "loss(x,x,rng)");
         recv("gpt.__amp_place()", "loss(&ids,&ids,rng)");
         // Each value goes through `Hint`; a turbofish is as written, under an `OffGuard`.
-        assert_eq!(flat.matches("Hint::<::amp_core::__private::bf16,_,>::new(").count(), 9, "{got}");
+        assert_eq!(flat.matches("Hint::<::amp_core::__private::bf16,_,>::new(").count(), 11, "{got}");
         assert!(flat.contains("OffGuard::new();self.fc.forward::<f32,_>(x)"), "{got}");
     }
 }

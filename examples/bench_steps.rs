@@ -1,7 +1,7 @@
 //! Step time of the fixed workloads W1 (MLP) and W2 (GPT) from
 //! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table.
 //!
-//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON]`.
+//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor]`.
 //! Cells left out by `--only` or `--precision` print as `-`. With `--torch PYTHON` (a Python
 //! with PyTorch), PyTorch's step times are measured in the same run by
 //! `tests/python/bench_steps.py` (the same workloads and step, on the same threads) and
@@ -319,7 +319,8 @@ fn main() {
         };
         println!("| {name} | {} | {} | {} |", cell(&ours[0]), cell(&ours[1]), cell(&ours[2]));
     }
-    if run("w2") {
+    // `--no-floor` leaves out the GEMM-only section (for profiling the steps alone).
+    if run("w2") && !std::env::args().any(|a| a == "--no-floor") {
         println!();
         println!("W2's GEMMs alone (forward and backward, no other op): a floor under the step");
         for (name, p, gemms) in [

@@ -324,19 +324,17 @@ impl Precision for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
-    #[inline(always)]
+    #[inline]
     fn load(src: &[Self], dst: &mut [f32]) {
         f16_to_f32_slice(src, dst)
     }
-    #[inline(always)]
+    #[inline]
     fn store(src: &[f32], dst: &mut [Self]) {
         f32_to_f16_slice(src, dst)
     }
-    #[inline(always)]
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
         f16_to_f32_slice(src, dst)
     }
-    #[inline(always)]
     fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
         f32_to_f16_slice(src, dst)
     }
@@ -364,19 +362,17 @@ impl Precision for bf16 {
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
     }
-    #[inline(always)]
+    #[inline]
     fn load(src: &[Self], dst: &mut [f32]) {
         bf16_to_f32_slice(src, dst)
     }
-    #[inline(always)]
+    #[inline]
     fn store(src: &[f32], dst: &mut [Self]) {
         f32_to_bf16_slice(src, dst)
     }
-    #[inline(always)]
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
         bf16_to_f32_slice(src, dst)
     }
-    #[inline(always)]
     fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
         f32_to_bf16_slice(src, dst)
     }
@@ -398,7 +394,9 @@ fn bf16_bits_to_f32(b: u16) -> f32 {
 
 // Plain loops over bits, vectorised by the compiler for the dispatched level (half has no SIMD
 // path for bf16). The instruction `vcvtneps2bf16` is not used: it flushes subnormals to zero.
-#[inline(always)]
+// One copy, called per slice: inlined into every dispatched kernel it would be copied three
+// times into each of their three copies.
+#[inline(never)]
 fn f32_to_bf16_slice(src: &[f32], dst: &mut [bf16]) {
     assert_eq!(src.len(), dst.len(), "bf16 store: length mismatch");
     let dst: &mut [u16] = dst.reinterpret_cast_mut();
@@ -412,7 +410,9 @@ fn f32_to_bf16_slice(src: &[f32], dst: &mut [bf16]) {
     )
 }
 
-#[inline(always)]
+// One copy, called per slice: inlined into every dispatched kernel it would be copied three
+// times into each of their three copies.
+#[inline(never)]
 fn bf16_to_f32_slice(src: &[bf16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "bf16 load: length mismatch");
     let src: &[u16] = src.reinterpret_cast();
@@ -428,7 +428,9 @@ fn bf16_to_f32_slice(src: &[bf16], dst: &mut [f32]) {
 
 // f16 through the conversion instructions of the dispatched level (`half` detects F16C per
 // call, 8 values per call, and falls back to software without it).
-#[inline(always)]
+// One copy, called per slice: inlined into every dispatched kernel it would be copied three
+// times into each of their three copies.
+#[inline(never)]
 fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "f16 load: length mismatch");
     #[cfg(target_arch = "x86_64")]
@@ -446,7 +448,9 @@ fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
     src.convert_to_f32_slice(dst)
 }
 
-#[inline(always)]
+// One copy, called per slice: inlined into every dispatched kernel it would be copied three
+// times into each of their three copies.
+#[inline(never)]
 fn f32_to_f16_slice(src: &[f32], dst: &mut [f16]) {
     assert_eq!(src.len(), dst.len(), "f16 store: length mismatch");
     #[cfg(target_arch = "x86_64")]

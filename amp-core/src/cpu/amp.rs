@@ -59,9 +59,10 @@ pub fn unscale_all(slices: &mut [&mut [f32]], inv: f32) -> Vec<bool> {
 /// are all set). Written as a plain loop over the slice with one scalar accumulator: LLVM
 /// vectorises that reduction (`vpmaxud` next to `vmulps`), whereas an explicit array of lane
 /// accumulators was turned into gathers and scatters and ran ten times slower.
-/// Runs through [`dispatch`], like every serial pass here.
-/// The closures here are `move`: a scalar read through a captured reference in a loop that
-/// stores through `data` is reloaded every iteration (see `cpu::optim::for_chunks`).
+///
+/// Every pass here runs through [`dispatch`], with a `move` closure where it reads a scalar:
+/// read through a captured reference in a loop that stores through `data`, it would be
+/// reloaded every iteration (see `cpu::optim::for_chunks`).
 fn unscale_serial(data: &mut [f32], inv: f32) -> bool {
     dispatch(
         #[inline(always)]
@@ -158,7 +159,7 @@ pub fn scale_in_place(data: &mut [f32], c: f32) {
     let f = |chunk: &mut [f32]| {
         dispatch(
             #[inline(always)]
-            || chunk.iter_mut().for_each(|v| *v *= c),
+            move || chunk.iter_mut().for_each(|v| *v *= c),
         )
     };
     if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }
@@ -169,7 +170,7 @@ pub fn clamp_in_place(data: &mut [f32], clip: f32) {
     let f = |chunk: &mut [f32]| {
         dispatch(
             #[inline(always)]
-            || chunk.iter_mut().for_each(|v| *v = clamp(*v, clip)),
+            move || chunk.iter_mut().for_each(|v| *v = clamp(*v, clip)),
         )
     };
     if data.len() < PAR_MIN { f(data) } else { data.par_chunks_mut(CHUNK).for_each(f) }

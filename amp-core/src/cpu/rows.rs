@@ -29,7 +29,8 @@ fn rows_per_task(work_row: usize) -> usize {
 
 /// Runs `f(first_row, rows_chunk)` over `out` split into whole rows of `out_row` elements,
 /// grouped into tasks of about [`CHUNK`] elements of work (`work_row` per row), in parallel when
-/// there is enough work. Returns each task's result in row order.
+/// there is enough work. Returns each task's result in row order. Each task runs through
+/// [`dispatch`], so pass `f` as `#[inline(always)] |r0, chunk| ...`.
 pub(crate) fn par_rows<T: Send, R: Send>(
     out: &mut [T],
     out_row: usize,
@@ -56,7 +57,8 @@ pub(crate) fn par_rows<T: Send, R: Send>(
 
 /// Runs `f(rows)` over `0..n_rows` in tasks of about [`CHUNK`] elements of work, in parallel
 /// when there is enough work; returns each task's result in row order (for kernels whose
-/// output is not one slice per row, such as a loss).
+/// output is not one slice per row, such as a loss). Tasks run through [`dispatch`], as in
+/// [`par_rows`].
 pub(crate) fn par_row_ranges<R: Send>(
     n_rows: usize,
     work_row: usize,

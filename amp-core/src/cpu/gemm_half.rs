@@ -31,7 +31,6 @@ use rayon::prelude::*;
 
 use crate::precision::{DType, Precision};
 use crate::{bf16, f16};
-use half::slice::HalfFloatSliceExt;
 
 /// Rows of the register tile.
 const MR: usize = 8;
@@ -291,7 +290,7 @@ impl Kernel for F16Widened {
         // SAFETY: packing runs only where `available()` saw avx512f (which implies avx) and
         // f16c; the lengths are equal (asserted above); f16 is a plain wrapper of u16.
         unsafe {
-            crate::simd::x86::f16_to_f32_f16c(lo.reinterpret_cast(), dst)
+            crate::simd::x86::f16_to_f32_f16c(half::slice::HalfFloatSliceExt::reinterpret_cast(lo), dst)
         }
         #[cfg(not(target_arch = "x86_64"))]
         <f16 as Precision>::to_f32_slice(lo, dst);

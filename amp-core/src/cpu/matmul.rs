@@ -13,6 +13,7 @@
 
 use rayon::prelude::*;
 
+use super::alloc::PooledVec;
 use super::gather;
 use super::gemm_half::{self, Operand};
 use crate::layout::Layout;
@@ -74,7 +75,7 @@ fn matmul_into_with<E: Precision>(
     if matches!(E::DTYPE, DType::BF16 | DType::F16) && !native {
         let (a32, la32) = to_f32(a, la);
         let (b32, lb32) = to_f32(b, lb);
-        let mut out32 = super::alloc::take::<f32>(out.len());
+        let mut out32 = PooledVec::from(super::alloc::take::<f32>(out.len()));
         matmul_into(&a32, &la32, &b32, &lb32, batch, &mut out32, parallel);
         return super::convert_par_into(&out32, out);
     }
@@ -224,15 +225,18 @@ pub(crate) fn matmul_acc_into<E: Precision, A: Precision>(
 /// contiguous tensor, or a transpose or permutation of one) is converted as one linear pass
 /// and keeps its strides, so `wᵀ` and `aᵀ` in backward are never transposed element by
 /// element; other views (narrowed, broadcast) are gathered first.
-fn to_f32<E: Precision>(x: &[E], l: &Layout) -> (Vec<f32>, Layout) {
+/// The copy is a pooled buffer, so a temporary widening returns to the cache when dropped.
+fn to_f32<E: Precision>(x: &[E], l: &Layout) -> (PooledVec<f32>, Layout) {
     let numel = l.numel();
     let span = 1 + l.shape.iter().zip(&l.strides).map(|(&d, &s)| d.saturating_sub(1) * s).sum::<usize>();
-    let (src, layout) = if numel > 0 && span == numel {
-        (std::borrow::Cow::Borrowed(&x[l.offset..l.offset + span]), Layout { offset: 0, ..l.clone() })
+    let gathered;
+    let (src, layout): (&[E], Layout) = if numel > 0 && span == numel {
+        (&x[l.offset..l.offset + span], Layout { offset: 0, ..l.clone() })
     } else {
-        (std::borrow::Cow::Owned(gather(x, l)), Layout::contiguous(&l.shape))
+        gathered = PooledVec::from(gather(x, l));
+        (&gathered, Layout::contiguous(&l.shape))
     };
-    (super::convert_par(&src), layout)
+    (PooledVec::from(super::convert_par(src)), layout)
 }
 
 /// `x wᵀ + bias` for `x: [rows, in]`, `w: [out, in]` (any strides), `bias: [out]`, rounded
@@ -268,7 +272,7 @@ pub(crate) fn linear_with<E: Precision>(
         let (w32, lw32) = to_f32(w, lw);
         let mut b32 = vec![0f32; bias.len()];
         E::to_f32_slice(bias, &mut b32);
-        return super::convert_par(&linear(&x32, &lx32, &w32, &lw32, Some(&b32)));
+        return super::convert_par(&PooledVec::from(linear(&x32, &lx32, &w32, &lw32, Some(&b32))));
     }
     let mut out = super::alloc::take::<E>(rows * out_f);
     for row in out.chunks_exact_mut(out_f.max(1)) {

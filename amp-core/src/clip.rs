@@ -13,12 +13,18 @@
 //!   PyTorch evaluates as a reciprocal times `max_norm`) clamped to 1, and every gradient is
 //!   multiplied by it, even when it is 1. A NaN norm gives NaN gradients, as in PyTorch (the
 //!   scaler has already marked such a step as skipped).
+//! - Every number stays on the gradients' device: the per-gradient norms
+//!   ([`Device::norm_into`]), the total and the coefficient ([`Device::clip_coefficient`]) are
+//!   device memory, and each gradient is scaled by the coefficient read there
+//!   ([`Device::scale_in_place`]). So clipping on a GPU waits for nothing; the norm it returns
+//!   is a [`crate::Device::Value`], read when (and if) the caller asks.
 
 use crate::autograd::{AnyTensor, Grads};
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 
+pub use crate::backend::clip_coefficient;
 pub use crate::cpu::amp::{clamp_in_place, scale_in_place, sum_of_squares};
 
 /// The L2 norm of several gradients together, as PyTorch computes it: the norm of the
@@ -30,24 +36,17 @@ pub use crate::cpu::amp::{clamp_in_place, scale_in_place, sum_of_squares};
 /// ```
 pub fn global_norm(slices: &[&[f32]]) -> f32 {
     let norms: Vec<f32> = slices.iter().map(|s| sum_of_squares(s).sqrt()).collect();
-    norms.iter().map(|n| n * n).sum::<f32>().sqrt()
-}
-
-/// PyTorch's clip coefficient: `max_norm / (total_norm + 1e-6)`, clamped to at most 1.
-///
-/// PyTorch evaluates the division as `reciprocal(total + 1e-6) * max_norm` (a Python scalar
-/// divided by a tensor), all in f32; so does this. NaN propagates.
-pub fn clip_coefficient(total_norm: f32, max_norm: f32) -> f32 {
-    let coef = (1.0 / (total_norm + 1e-6f32)) * max_norm;
-    // torch.clamp(max=1.0): NaN stays NaN (f32::min would drop it).
-    if coef > 1.0 { 1.0 } else { coef }
+    crate::backend::total_norm(&norms)
 }
 
 /// The global L2 norm of every gradient in `grads` (the norm of the per-gradient norms, in
-/// f32), as [`try_clip_grad_norm`] measures it.
-pub fn grad_norm<D: Device>(grads: &Grads<D>) -> f32 {
-    let norms: Vec<f32> = grads.iter().map(|(_, g)| crate::with_any!(g, t => tensor_norm(t))).collect();
-    norms.iter().map(|n| n * n).sum::<f32>().sqrt()
+/// f32), as [`try_clip_grad_norm`] measures it. Computed on the gradients' device; on the CPU
+/// the value itself, on another device a value read when asked ([`crate::Device::Value`]).
+pub fn grad_norm<D: Device>(grads: &Grads<D>) -> D::Value<f32> {
+    match clip_scalars(grads, 1.0) {
+        Some((dev, scalars)) => read_f32(&dev, scalars, 0),
+        None => D::default().value(|| 0.0),
+    }
 }
 
 /// Scales all gradients so that their global L2 norm is at most `max_norm` (PyTorch's
@@ -55,8 +54,10 @@ pub fn grad_norm<D: Device>(grads: &Grads<D>) -> f32 {
 ///
 /// Every gradient in `grads` takes part (in a training step those are the gradients of the
 /// model's parameters and of any other leaf marked with `requires_grad_()`). Gradients that
-/// are not f32 are measured and scaled in their own accumulation type.
-pub fn try_clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Result<f32> {
+/// are not f32 are measured and scaled in their own accumulation type. The norm and the
+/// coefficient are computed on the gradients' device and never leave it: the norm comes back
+/// as a [`crate::Device::Value`] (an `f32` on the CPU), read on another device only when asked.
+pub fn try_clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Result<D::Value<f32>> {
     if max_norm.is_nan() || max_norm <= 0.0 {
         return Err(Error::InvalidArgument {
             op: "clip_grad_norm",
@@ -64,17 +65,21 @@ pub fn try_clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Res
             detail: format!("must be positive, got {max_norm}"),
         });
     }
-    let total = grad_norm(grads);
-    let coef = clip_coefficient(total, max_norm);
+    let Some((dev, scalars)) = clip_scalars(grads, max_norm) else {
+        return Ok(D::default().value(|| 0.0));
+    };
     for (_, g) in grads.iter_mut() {
-        Pass::Scale(coef).run(g);
+        crate::with_any!(g, t => {
+            t.make_exclusive();
+            dev.scale_in_place(&mut t.storage, &scalars, 1);
+        });
     }
-    Ok(total)
+    Ok(read_f32(&dev, scalars, 0))
 }
 
 /// Like [`try_clip_grad_norm`]; panics on an invalid `max_norm`.
 #[track_caller]
-pub fn clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> f32 {
+pub fn clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> D::Value<f32> {
     crate::error::or_panic(try_clip_grad_norm(grads, max_norm))
 }
 
@@ -88,7 +93,12 @@ pub fn try_clip_grad_value<D: Device>(grads: &mut Grads<D>, clip_value: f32) -> 
         });
     }
     for (_, g) in grads.iter_mut() {
-        Pass::Clamp(clip_value).run(g);
+        fn typed<E: Precision, D: Device>(t: &mut crate::Tensor<E, D>, c: f32) {
+            t.make_exclusive();
+            let dev = t.device().clone();
+            dev.clamp_in_place(&mut t.storage, c);
+        }
+        crate::with_any!(g, t => typed(t, clip_value));
     }
     Ok(())
 }
@@ -99,34 +109,25 @@ pub fn clip_grad_value<D: Device>(grads: &mut Grads<D>, clip_value: f32) {
     crate::error::or_panic(try_clip_grad_value(grads, clip_value))
 }
 
-/// The L2 norm of one gradient, in f32 (f64 gradients are summed in f64, then rounded).
-fn tensor_norm<E: Precision, D: Device>(t: &crate::Tensor<E, D>) -> f32 {
-    let sum = t.device().sum_squares(&t.storage, &t.layout);
-    if E::DTYPE == crate::DType::F64 { sum.sqrt() as f32 } else { (sum as f32).sqrt() }
-}
-
-/// An in-place elementwise change to every gradient.
-#[derive(Clone, Copy)]
-enum Pass {
-    /// Multiply by a coefficient.
-    Scale(f32),
-    /// Clamp to `[-c, c]`, NaN kept.
-    Clamp(f32),
-}
-
-impl Pass {
-    /// Runs the pass over one gradient on its device (one rounding per element).
-    fn run<D: Device>(self, g: &mut AnyTensor<D>) {
-        fn typed<E: Precision, D: Device>(t: &mut crate::Tensor<E, D>, pass: Pass) {
-            t.make_exclusive();
-            let dev = t.device().clone();
-            match pass {
-                Pass::Scale(c) => dev.scale_in_place(&mut t.storage, c),
-                Pass::Clamp(c) => dev.clamp_in_place(&mut t.storage, c),
-            }
-        }
-        crate::with_any!(g, t => typed(t, self))
+/// The clip scalars of `grads` on their device: each gradient's norm, then `[total norm,
+/// coefficient]` ([`Device::clip_coefficient`]). `None` when there are no gradients.
+fn clip_scalars<D: Device>(grads: &Grads<D>, max_norm: f32) -> Option<(D, D::Storage<f32>)> {
+    fn device_of<D: Device>(g: &AnyTensor<D>) -> D {
+        crate::with_any!(g, t => t.device().clone())
     }
+    let (_, first) = grads.iter().next()?;
+    let dev = device_of(first);
+    let mut norms = dev.full(grads.len(), 0f32);
+    for (i, (_, g)) in grads.iter().enumerate() {
+        crate::with_any!(g, t => dev.norm_into(&t.storage, &t.layout, &mut norms, i));
+    }
+    let mut scalars = dev.full(2, 0f32);
+    dev.clip_coefficient(&norms, max_norm, &mut scalars);
+    Some((dev, scalars))
+}
+
+fn read_f32<D: Device>(dev: &D, s: D::Storage<f32>, at: usize) -> D::Value<f32> {
+    crate::backend::read_back(dev, s, at, |v| v)
 }
 
 #[cfg(test)]

@@ -293,12 +293,12 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Gradients of this scalar with respect to every leaf it depends on, each in its leaf's
     /// precision. Errors if the tensor has more than one element or does not require grad.
     pub fn try_backward(&self) -> Result<Grads<D>> {
-        self.try_backward_with_seed(1.0)
+        self.try_backward_with_seed(self.filled_like::<E>(self.shape(), 1.0))
     }
     /// Like [`Tensor::try_backward`], with the seed gradient `seed` instead of 1 (this is how a
     /// scaled loss's backward multiplies every gradient by the scale). Crate-private: scaled
     /// gradients exist only inside a training step, never as a [`Grads`].
-    pub(crate) fn try_backward_with_seed(&self, seed: f64) -> Result<Grads<D>> {
+    pub(crate) fn try_backward_with_seed(&self, seed: Tensor<E, D>) -> Result<Grads<D>> {
         if self.numel() != 1 {
             return Err(Error::Backward {
                 detail: format!("needs a one-element (scalar) tensor, got shape {:?}", self.shape()),
@@ -309,7 +309,6 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 detail: "the tensor does not require grad: nothing it depends on is a parameter or a leaf marked with requires_grad_()".into(),
             });
         };
-        let seed = self.filled_like::<E>(self.shape(), seed);
         Ok(run_backward(node, seed.into()))
     }
     /// Gradients of this scalar with respect to every leaf it depends on.

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use amp_core::__private::{CastStats, Region, cache_entries, cast, cast_stats, reset_cast_stats};
 use amp_core::backend::{
-    AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Pool2dSpec,
-    ReduceOp, SgdArgs, UnaryOp,
+    AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, HostValue, Lazy,
+    Pool2dSpec, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
 use amp_core::nn::{Block, Gpt, GptConfig, LayerNorm, Linear};
@@ -22,6 +22,21 @@ use amp_core::{
 
 /// Kernel calls made on `Mirror`.
 static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Reads of `Mirror`'s memory by the host (`to_host`, `state_to_host`) on this thread: on
+    /// a GPU each of them waits for every kernel queued before it. Per thread, so tests running
+    /// in parallel do not count each other's reads.
+    static HOST_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn host_read() {
+    HOST_READS.with(|n| n.set(n.get() + 1));
+}
+
+fn host_reads() -> usize {
+    HOST_READS.with(|n| n.get())
+}
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Mirror;
@@ -60,6 +75,7 @@ impl Device for Mirror {
     }
     fn to_host<E: Precision>(&self, s: &Buf<E>, l: &Layout) -> Vec<E> {
         hit();
+        host_read();
         Cpu.to_host(&s.0, l)
     }
     fn contiguous<E: Precision>(&self, s: &Buf<E>, l: &Layout) -> Buf<E> {
@@ -204,14 +220,24 @@ impl Device for Mirror {
         c: usize,
         spec: CrossEntropySpec<'_>,
         stats: &Self::RowStats<E>,
-        scale: f64,
+        g: (&Buf<E>, &Layout),
+        counted: usize,
     ) -> Buf<E> {
         hit();
-        Buf(Cpu.cross_entropy_backward(v(x), c, spec, stats, scale))
+        Buf(Cpu.cross_entropy_backward(v(x), c, spec, stats, v(g), counted))
     }
     fn mse<E: Precision>(&self, a: (&Buf<E>, &Layout), b: (&Buf<E>, &Layout)) -> Buf<E> {
         hit();
         Buf(Cpu.mse(v(a), v(b)))
+    }
+    fn mse_backward<E: Precision>(
+        &self,
+        a: (&Buf<E>, &Layout),
+        b: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+    ) -> Buf<E> {
+        hit();
+        Buf(Cpu.mse_backward(v(a), v(b), v(g)))
     }
     fn conv2d<E: Precision>(
         &self,
@@ -312,22 +338,36 @@ impl Device for Mirror {
         hit();
         Buf(Cpu.dropout(&x.0, l, p, seed))
     }
-    fn unscale_check(&self, grads: &mut [&mut Buf<f32>], inv: f32, found_inf: &mut Buf<f32>) {
+    fn unscale_check<E: Precision>(
+        &self,
+        grads: &mut [&mut Buf<E>],
+        scale: Option<&Buf<f64>>,
+        found_inf: &mut Buf<f32>,
+        first_flag: usize,
+    ) {
         hit();
         let mut inner: Vec<_> = grads.iter_mut().map(|g| &mut g.0).collect();
-        Cpu.unscale_check(&mut inner, inv, &mut found_inf.0)
+        Cpu.unscale_check(&mut inner, scale.map(|s| &s.0), &mut found_inf.0, first_flag)
     }
-    fn any_non_finite<E: Precision>(&self, x: &Buf<E>, l: &Layout) -> bool {
+    fn update_scale(&self, state: &mut Buf<f64>, found_inf: &Buf<f32>, rule: &ScaleRule) {
         hit();
-        Cpu.any_non_finite(&x.0, l)
+        Cpu.update_scale(&mut state.0, &found_inf.0, rule)
     }
-    fn sum_squares<E: Precision>(&self, x: &Buf<E>, l: &Layout) -> f64 {
+    fn norm_into<E: Precision>(&self, x: &Buf<E>, l: &Layout, out: &mut Buf<f32>, at: usize) {
         hit();
-        Cpu.sum_squares(&x.0, l)
+        Cpu.norm_into(&x.0, l, &mut out.0, at)
     }
-    fn scale_in_place<E: Precision>(&self, x: &mut Buf<E>, k: f32) {
+    fn clip_coefficient(&self, norms: &Buf<f32>, max_norm: f32, out: &mut Buf<f32>) {
         hit();
-        Cpu.scale_in_place(&mut x.0, k)
+        Cpu.clip_coefficient(&norms.0, max_norm, &mut out.0)
+    }
+    fn scale_in_place<E: Precision>(&self, x: &mut Buf<E>, k: &Buf<f32>, at: usize) {
+        hit();
+        Cpu.scale_in_place(&mut x.0, &k.0, at)
+    }
+    type Value<T: Scalar> = Lazy<T>;
+    fn value<T: Scalar>(&self, read: impl FnOnce() -> T + Send + 'static) -> Lazy<T> {
+        Lazy::new(read)
     }
     fn clamp_in_place<E: Precision>(&self, x: &mut Buf<E>, c: f32) {
         hit();
@@ -341,6 +381,7 @@ impl Device for Mirror {
         StateBuf(v)
     }
     fn state_to_host(&self, v: &StateBuf) -> Vec<f32> {
+        host_read();
         v.0.clone()
     }
     fn state_len(&self, v: &StateBuf) -> usize {
@@ -534,7 +575,7 @@ fn gradient_clipping_runs_on_the_gradients_device() {
     assert!(CALLS.load(Ordering::Relaxed) > before, "clipping ran Mirror kernels");
     let n_cpu = amp_core::clip::clip_grad_norm(&mut g_cpu, 0.05);
     amp_core::clip::clip_grad_value(&mut g_cpu, 0.001);
-    assert_eq!(n_mir.to_bits(), n_cpu.to_bits());
+    assert_eq!(n_mir.get().to_bits(), n_cpu.to_bits());
     assert!(n_cpu > 0.05, "the norm was clipped: {n_cpu}");
     for ((_, pc), (_, pm)) in cpu.named_params().into_iter().zip(moved.named_params()) {
         let (a, b) = (g_cpu.get(pc).unwrap().to_vec(), g_mir.get(pm).unwrap().to_vec());
@@ -566,7 +607,7 @@ fn train_steps<L: Precision, K: amp_core::scaler::LossScaler, D: Device>(
         let mut grads = scaler.scale(loss).backward().unscale();
         grads.clip_grad_norm(1.0);
         let report = grads.step(&mut opt, model).update().unwrap();
-        log.push((value, report.skipped, report.scale.to_bits()));
+        log.push((value, report.skipped.get(), report.scale.get().to_bits()));
     }
     let params = model.named_params().iter().map(|(_, p)| p.to_vec().iter().map(|v| v.to_bits()).collect()).collect();
     (log, params, opt.state_dict())
@@ -838,4 +879,81 @@ fn the_weight_cast_cache_keeps_its_invariants_on_the_second_device() {
     }
     drop(outer);
     assert_eq!(cache_entries(), 0);
+}
+
+/// Host reads of device memory made by `steps` training steps of the small GPT on `Mirror`
+/// (f16 + GradScaler with clipping, or bf16 + NoScale), the reports and norms never read.
+fn host_reads_per_step<L: Precision, K: amp_core::scaler::LossScaler>(scaler: &mut K, steps: usize) -> f64 {
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 2, n_heads: 2, dropout: 0.1 };
+    let mut model: Gpt<f32, Mirror> = Gpt::new(config, &mut Rng::seed(3)).to_device(&Mirror);
+    let mut opt = amp_core::optim::AdamW::new(3e-3).weight_decay(0.1).build().unwrap();
+    let mut reports = Vec::new();
+    let mut reads = Vec::new();
+    for i in 0..=steps {
+        let ids = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 7) % 17).collect(), &[2, 6]);
+        let targets = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 3 + 1) % 17).collect(), &[2, 6]);
+        let before = host_reads();
+        let loss = model.loss::<L>(&ids, &targets, &mut Rng::seed(i as u64));
+        let mut grads = scaler.scale(loss).backward().unscale();
+        let norm = grads.clip_grad_norm(1.0);
+        let report = grads.step(&mut opt, &mut model).update().unwrap();
+        reads.push(host_reads() - before);
+        reports.push((norm, report));
+    }
+    // Reading a value is the synchronisation the caller asks for, and it reads once.
+    let before = host_reads();
+    let (norm, report) = &reports[steps];
+    assert!(!norm.is_read() && norm.get().is_finite() && norm.get() == report.grad_norm.as_ref().unwrap().get());
+    assert_eq!(host_reads() - before, 1, "one read per value, then kept");
+    // The first step moves the scaler's state to the device; count the others.
+    reads[1..].iter().sum::<usize>() as f64 / steps as f64
+}
+
+#[test]
+fn an_amp_step_reads_device_memory_once_to_decide_the_skip() {
+    let mut scaler = amp_core::scaler::GradScaler::new();
+    let f16_reads = host_reads_per_step::<f16, _>(&mut scaler, 10);
+    let bf16_reads = host_reads_per_step::<bf16, _>(&mut amp_core::scaler::NoScale::new(), 10);
+    // The unscale flags, the clip norm and coefficient, the loss scale and its update stay on
+    // the device; the one read left is the flags, which the host reads to decide which
+    // optimizers step (the optimizer's step counts and learning rate live on the host).
+    assert_eq!((f16_reads, bf16_reads), (1.0, 1.0));
+}
+
+#[test]
+fn on_a_device_a_collapsed_scale_is_caught_at_the_next_state_read() {
+    use amp_core::scaler::{COLLAPSE_CHECK_EVERY, GradScaler, GradScalerOptions};
+    let opts = GradScalerOptions {
+        init_scale: 4.0,
+        min_scale: Some(1.0),
+        error_at_min_scale: true,
+        collapse_after: 1,
+        ..Default::default()
+    };
+    let mut scaler = GradScaler::with_options(opts).unwrap();
+    let mut model = Proj { w: Param::new(Tensor::<f32>::ones(&[2, 2]).to_device(&Mirror)) };
+    let mut opt = amp_core::optim::Sgd::new(0.1).build().unwrap();
+    // Every step overflows: the scale reaches its floor at the second, and from the third on
+    // the run has collapsed. On the CPU the third update errs; on a device the state is read
+    // back every COLLAPSE_CHECK_EVERY updates, so the error comes at that read, with the counts
+    // it reads.
+    let mut first_error = None;
+    for i in 1..=2 * COLLAPSE_CHECK_EVERY {
+        let loss = model.w.tensor().mul_scalar(f64::INFINITY).sum_all();
+        let reads = host_reads();
+        match scaler.scale(loss).backward().unscale().step(&mut opt, &mut model).update() {
+            Ok(report) => assert!(report.skipped.get()),
+            Err(e) => {
+                first_error = Some((i, e.to_string()));
+                break;
+            }
+        }
+        assert!(host_reads() - reads <= 2, "step {i}: the flags and the skipped flag, no state read");
+    }
+    let (at, msg) = first_error.expect("the collapse is reported");
+    assert_eq!(at, COLLAPSE_CHECK_EVERY);
+    let overflows = format!("{COLLAPSE_CHECK_EVERY} overflowing steps");
+    assert!(msg.contains("collapsed") && msg.contains("min_scale = 1") && msg.contains(&overflows), "{msg}");
+    assert_eq!(scaler.get_scale(), 1.0);
+    assert_eq!(opt.steps(), 0, "no step was taken");
 }

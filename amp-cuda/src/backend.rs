@@ -17,8 +17,8 @@ use std::any::TypeId;
 use std::sync::Arc;
 
 use amp_core::backend::{
-    AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit,
-    Pool2dSpec, PoolWindow, ReduceOp, SgdArgs, UnaryOp,
+    AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Lazy,
+    Pool2dSpec, PoolWindow, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
 use amp_core::{DType, Precision};
@@ -880,7 +880,8 @@ impl Device for Cuda {
         c: usize,
         spec: CrossEntropySpec<'_>,
         stats: &CudaRowStats<E>,
-        scale: f64,
+        g: (&CudaStorage<E>, &Layout),
+        counted: usize,
     ) -> CudaStorage<E> {
         assert_eq!(stats.kind, StatsKind::LogSumExp, "cross-entropy backward with other statistics");
         let st = self.st();
@@ -895,7 +896,8 @@ impl Device for Cuda {
         let (has_ignore, ignore) = (spec.ignore.is_some() as i32, spec.ignore.unwrap_or(0));
         let f = st.family_fn(Family::Loss, E::DTYPE, "cross_entropy_bwd");
         launch!(st, f, rows_grid(rows, c, 0);
-            out.ptr(), px, targets.ptr(), stats.a.ptr(), rows as i64, c as i64, has_ignore, ignore, spec.smoothing, scale);
+            out.ptr(), px, targets.ptr(), stats.a.ptr(), rows as i64, c as i64, has_ignore, ignore, spec.smoothing,
+            g.0.ptr_at(g.1.offset()), counted as f64);
         out
     }
     fn mse<E: Precision>(&self, a: (&CudaStorage<E>, &Layout), b: (&CudaStorage<E>, &Layout)) -> CudaStorage<E> {
@@ -917,6 +919,27 @@ impl Device for Cuda {
         let out = self.uninit::<E>(1);
         let f = st.family_fn(Family::Loss, E::DTYPE, "mean_f64_fwd");
         launch!(st, f, rows_grid(1, blocks.max(32), 0); out.ptr(), parts.ptr(), blocks as i64, n as f64);
+        out
+    }
+    fn mse_backward<E: Precision>(
+        &self,
+        a: (&CudaStorage<E>, &Layout),
+        b: (&CudaStorage<E>, &Layout),
+        g: (&CudaStorage<E>, &Layout),
+    ) -> CudaStorage<E> {
+        let st = self.st();
+        let shape = a.1.shape();
+        let n = a.1.numel();
+        let out = self.uninit::<E>(n);
+        if n > 0 {
+            let (sh, vs) = views(
+                "mse_backward",
+                shape,
+                &[(a.1.offset(), broadcast_strides(a.1, shape)), (b.1.offset(), broadcast_strides(b.1, shape))],
+            );
+            let f = st.family_fn(Family::Loss, E::DTYPE, "mse_bwd");
+            launch!(st, f, grid(n); out.ptr(), a.0.ptr(), b.0.ptr(), g.0.ptr_at(g.1.offset()), sh, vs[0], vs[1], n as i64);
+        }
         out
     }
 
@@ -1330,7 +1353,13 @@ impl Device for Cuda {
 
     // ---- the AMP passes
 
-    fn unscale_check(&self, grads: &mut [&mut CudaStorage<f32>], inv: f32, found_inf: &mut CudaStorage<f32>) {
+    fn unscale_check<E: Precision>(
+        &self,
+        grads: &mut [&mut CudaStorage<E>],
+        scale: Option<&CudaStorage<f64>>,
+        found_inf: &mut CudaStorage<f32>,
+        first_flag: usize,
+    ) {
         let st = self.st();
         assert!(Self::is_exclusive(found_inf), "backend invariant: found_inf is shared");
         let mut table = Vec::new();
@@ -1339,7 +1368,7 @@ impl Device for Cuda {
             let mut start = 0;
             while start < g.len {
                 let len = UNSCALE_CHUNK.min(g.len - start);
-                table.push(AmpChunk { ptr: g.ptr_at(start), len: len as i64, flag: i as i64 });
+                table.push(AmpChunk { ptr: g.ptr_at(start), len: len as i64, flag: (first_flag + i) as i64 });
                 start += len;
             }
         }
@@ -1352,47 +1381,55 @@ impl Device for Cuda {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = st.family_fn(Family::Unscale, DType::F32, "unscale_check_fwd");
-        launch!(st, f, cfg; dev.ptr(), table.len() as i64, inv, found_inf.ptr());
+        let scale_ptr: u64 = scale.map_or(0, |s| s.ptr());
+        let f = st.family_fn(Family::Amp, E::DTYPE, "unscale_check_fwd");
+        launch!(st, f, cfg; dev.ptr(), table.len() as i64, scale_ptr, found_inf.ptr());
     }
-    fn any_non_finite<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout) -> bool {
+    fn update_scale(&self, state: &mut CudaStorage<f64>, found_inf: &CudaStorage<f32>, rule: &ScaleRule) {
+        assert!(Self::is_exclusive(state), "backend invariant: in-place pass on a shared storage");
+        let st = self.st();
+        let f = st.family_fn(Family::Scaler, DType::F32, "update_scale_fwd");
+        let one = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        launch!(st, f, one;
+            state.ptr(), found_inf.ptr(), found_inf.len as i64,
+            rule.growth_factor, rule.backoff_factor, rule.growth_interval as i64,
+            rule.min_scale.is_some() as i32, rule.min_scale.unwrap_or(0.0),
+            rule.max_scale.is_some() as i32, rule.max_scale.unwrap_or(0.0),
+            rule.hysteresis as i64,
+            rule.set_scale.is_some() as i32, rule.set_scale.unwrap_or(0.0));
+    }
+    fn norm_into<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout, out: &mut CudaStorage<f32>, at: usize) {
+        assert!(Self::is_exclusive(out), "backend invariant: in-place pass on a shared storage");
         let st = self.st();
         let n = l.numel();
         if n == 0 {
-            return false;
-        }
-        let flag = RawVec::new(st, 1, 4);
-        self.memset_zero(flag.ptr(), 4);
-        let (sh, v) = view1("any_non_finite", l);
-        let f = st.family_fn(Family::Amp, E::DTYPE, "non_finite_fwd");
-        launch!(st, f, grid(n); flag.ptr(), x.ptr(), sh, v, n as i64);
-        self.download::<i32>(flag.ptr(), 1)[0] != 0
-    }
-    fn sum_squares<E: Precision>(&self, x: &CudaStorage<E>, l: &Layout) -> f64 {
-        let st = self.st();
-        let n = l.numel();
-        if n == 0 {
-            return 0.0;
+            self.memset_zero(out.ptr_at(at), 4);
+            return;
         }
         let cfg = grid(n);
         let blocks = cfg.grid_dim.0 as usize;
-        let acc = acc_dtype(E::DTYPE);
-        let parts = RawVec::new(st, blocks, acc.size_in_bytes());
-        let (sh, v) = view1("sum_squares", l);
+        let parts = RawVec::new(st, blocks, acc_dtype(E::DTYPE).size_in_bytes());
+        let (sh, v) = view1("norm_into", l);
         let f = st.family_fn(Family::Amp, E::DTYPE, "sum_squares_fwd");
         launch!(st, f, cfg; parts.ptr(), x.ptr(), sh, v, n as i64);
-        if acc == DType::F64 {
-            self.download::<f64>(parts.ptr(), blocks).iter().sum()
-        } else {
-            self.download::<f32>(parts.ptr(), blocks).iter().map(|&p| p as f64).sum()
-        }
+        let one_block =
+            cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let f = st.family_fn(Family::Amp, E::DTYPE, "norm_finish_fwd");
+        launch!(st, f, one_block; out.ptr_at(at), parts.ptr(), blocks as i64);
     }
-    fn scale_in_place<E: Precision>(&self, x: &mut CudaStorage<E>, k: f32) {
+    fn clip_coefficient(&self, norms: &CudaStorage<f32>, max_norm: f32, out: &mut CudaStorage<f32>) {
+        assert!(Self::is_exclusive(out), "backend invariant: in-place pass on a shared storage");
+        let st = self.st();
+        let f = st.family_fn(Family::Scaler, DType::F32, "clip_coefficient_fwd");
+        let one = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        launch!(st, f, one; out.ptr(), norms.ptr(), norms.len as i64, max_norm);
+    }
+    fn scale_in_place<E: Precision>(&self, x: &mut CudaStorage<E>, k: &CudaStorage<f32>, at: usize) {
         assert!(Self::is_exclusive(x), "backend invariant: in-place pass on a shared storage");
         let st = self.st();
         if x.len > 0 {
             let f = st.family_fn(Family::Amp, E::DTYPE, "scale_fwd");
-            launch!(st, f, grid(x.len); x.ptr(), x.len as i64, k);
+            launch!(st, f, grid(x.len); x.ptr(), x.len as i64, k.ptr_at(at));
         }
     }
     fn clamp_in_place<E: Precision>(&self, x: &mut CudaStorage<E>, c: f32) {
@@ -1402,6 +1439,13 @@ impl Device for Cuda {
             let f = st.family_fn(Family::Amp, E::DTYPE, "clamp_fwd");
             launch!(st, f, grid(x.len); x.ptr(), x.len as i64, c);
         }
+    }
+
+    // ---- values for the host
+
+    type Value<T: Scalar> = Lazy<T>;
+    fn value<T: Scalar>(&self, read: impl FnOnce() -> T + Send + 'static) -> Lazy<T> {
+        Lazy::new(read)
     }
 
     // ---- optimizer updates

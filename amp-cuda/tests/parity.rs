@@ -9,7 +9,7 @@
 
 mod common;
 
-use amp_core::backend::{AdamArgs, AdamDecay, Bf16Write, SgdArgs};
+use amp_core::backend::{AdamArgs, AdamDecay, Bf16Write, HostValue, ScaleRule, SgdArgs};
 use amp_core::layout::Layout;
 use amp_core::nn::{Gpt, GptConfig};
 use amp_core::param::ToDevice;
@@ -291,8 +291,9 @@ parity!(embedding_cat_dropout_casts, |dev, E| {
     out
 });
 
-/// The AMP passes through the trait: unscale + non-finite check, the check alone, the sum of
-/// squares, scale and clamp in place.
+/// The AMP passes through the trait: unscale + non-finite check (f32 and bf16, with the
+/// scale on the device), the check alone, the norms and clip scalars, the scale update (an
+/// overflow, a growth, a set scale), scale and clamp in place.
 fn amp_passes<D: Device>(dev: &D) -> Outputs {
     let mut out = Vec::new();
     let vals = |seed: u64, n: usize| Tensor::<f32>::randn(&[n], &mut Rng::seed(seed)).mul_scalar(100.0).to_vec();
@@ -300,29 +301,56 @@ fn amp_passes<D: Device>(dev: &D) -> Outputs {
     b[7] = f32::INFINITY;
     let mut ga = dev.from_host(a.clone());
     let mut gb = dev.from_host(b.clone());
-    let mut found = dev.from_host(vec![0f32; 2]);
-    dev.unscale_check(&mut [&mut ga, &mut gb], 1.0 / 1024.0, &mut found);
+    let mut hb = dev.cast::<f32, bf16>(&dev.from_host(vals(54, 300)), &Layout::contiguous(&[300]));
+    let state = dev.from_host(vec![1024.0f64, 0.0, 1.0, 0.0, 0.0]);
+    let mut found = dev.from_host(vec![0f32; 3]);
+    dev.unscale_check(&mut [&mut ga, &mut gb], Some(&state), &mut found, 0);
+    dev.unscale_check(&mut [&mut hb], Some(&state), &mut found, 2);
     let host = |s: &D::Storage<f32>, n: usize| dev.to_host(s, &Layout::contiguous(&[n]));
-    out.push(("unscaled_a".into(), host(&ga, a.len()).iter().map(|&v| v as f64).collect()));
-    out.push((
-        "unscaled_b".into(),
-        host(&gb, b.len()).iter().map(|&v| if v.is_finite() { v as f64 } else { 1e300 }).collect(),
-    ));
-    out.push(("found_inf".into(), host(&found, 2).iter().map(|&v| v as f64).collect()));
+    let widen = |v: Vec<f32>| v.into_iter().map(|v| if v.is_finite() { v as f64 } else { 1e300 }).collect();
+    out.push(("unscaled_a".into(), widen(host(&ga, a.len()))));
+    out.push(("unscaled_b".into(), widen(host(&gb, b.len()))));
+    let hb32 = dev.cast::<bf16, f32>(&hb, &Layout::contiguous(&[300]));
+    out.push(("unscaled_bf16".into(), widen(host(&hb32, 300))));
+    out.push(("found_inf".into(), widen(host(&found, 3))));
     a[3] = f32::NAN;
-    let sa = dev.from_host(a.clone());
-    let l = Layout::contiguous(&[a.len()]);
-    out.push(("non_finite".into(), vec![dev.any_non_finite(&sa, &l) as u8 as f64]));
-    let sb = dev.from_host(vals(52, 5000));
+    let mut sa = dev.from_host(a.clone());
+    let mut sb = dev.from_host(vals(52, 5000));
     let lb = Layout::contiguous(&[5000]);
-    out.push(("non_finite_clean".into(), vec![dev.any_non_finite(&sb, &lb) as u8 as f64]));
-    out.push(("sum_squares".into(), vec![dev.sum_squares(&sb, &lb)]));
+    let mut checked = dev.from_host(vec![0f32; 2]);
+    dev.unscale_check(&mut [&mut sa, &mut sb], None, &mut checked, 0);
+    out.push(("check_only".into(), widen(host(&checked, 2))));
+    out.push(("check_only_leaves_values".into(), widen(host(&sb, 5000))));
     let h = dev.cast::<f32, bf16>(&sb, &lb);
-    out.push(("sum_squares_bf16".into(), vec![dev.sum_squares(&h, &lb)]));
+    let mut norms = dev.from_host(vec![0f32; 2]);
+    dev.norm_into(&sb, &lb, &mut norms, 0);
+    dev.norm_into(&h, &lb, &mut norms, 1);
+    out.push(("norms".into(), widen(host(&norms, 2))));
+    let mut clip = dev.from_host(vec![0f32; 2]);
+    dev.clip_coefficient(&norms, 1.0, &mut clip);
+    out.push(("clip_scalars".into(), widen(host(&clip, 2))));
+    let rule = ScaleRule {
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+        growth_interval: 2,
+        min_scale: Some(1.0),
+        max_scale: Some(4096.0),
+        hysteresis: 1,
+        set_scale: None,
+    };
+    let mut scale = dev.from_host(vec![1024.0f64, 1.0, 1.0, 0.0, 0.0]);
+    let mut states = Vec::new();
+    for (flag, set) in [(0f32, None), (1.0, None), (0.0, None), (0.0, None), (0.0, Some(3.0)), (1.0, None)] {
+        let flags = dev.from_host(vec![0.0, flag]);
+        dev.update_scale(&mut scale, &flags, &ScaleRule { set_scale: set, ..rule });
+        states.extend(dev.to_host(&scale, &Layout::contiguous(&[5])));
+    }
+    out.push(("update_scale".into(), states));
     let mut s = dev.from_host(vals(53, 1000));
-    dev.scale_in_place(&mut s, 0.37);
+    let k = dev.from_host(vec![9.0f32, 0.37]);
+    dev.scale_in_place(&mut s, &k, 1);
     dev.clamp_in_place(&mut s, 20.0);
-    out.push(("scale_clamp".into(), host(&s, 1000).iter().map(|&v| v as f64).collect()));
+    out.push(("scale_clamp".into(), widen(host(&s, 1000))));
     out
 }
 
@@ -400,10 +428,10 @@ fn gpt_steps<L: Precision, K: amp_core::scaler::LossScaler, D: Device>(
         let loss = model.loss::<L>(&ids, &targets, &mut Rng::seed(i as u64));
         losses.push(loss.item() as f64);
         let mut grads = scaler.scale(loss).backward().unscale();
-        norms.push(grads.clip_grad_norm(1.0) as f64);
+        norms.push(grads.clip_grad_norm(1.0).get() as f64);
         let report = grads.step(&mut opt, model).update().unwrap();
-        skipped.push(report.skipped as u8 as f64);
-        scales.push(report.scale as f64);
+        skipped.push(report.skipped.get() as u8 as f64);
+        scales.push(report.scale.get() as f64);
     }
     // A skipped step's norm is inf or NaN on both devices; compare the finite ones.
     let norms = norms.into_iter().map(|n| if n.is_finite() { n } else { -1.0 }).collect();

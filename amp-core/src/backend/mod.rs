@@ -17,6 +17,10 @@
 
 use std::fmt;
 
+mod step_state;
+
+pub use step_state::{HostValue, Lazy, Scalar, ScaleRule, ScaleSlot, clip_coefficient, inv_scale, total_norm};
+
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
 
@@ -486,18 +490,29 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         c: usize,
         spec: CrossEntropySpec<'_>,
     ) -> (Self::Storage<E>, Self::RowStats<E>, usize);
-    /// Cross-entropy's backward with the upstream gradient divided by the counted rows
-    /// (`scale`).
+    /// Cross-entropy's backward, scaled by the upstream gradient `g` (a 0-dim view, read on
+    /// the device: under a loss scaler it holds the scale) divided by the `counted` rows.
     fn cross_entropy_backward<E: Precision>(
         &self,
         x: (&Self::Storage<E>, &Layout),
         c: usize,
         spec: CrossEntropySpec<'_>,
         stats: &Self::RowStats<E>,
-        scale: f64,
+        g: (&Self::Storage<E>, &Layout),
+        counted: usize,
     ) -> Self::Storage<E>;
     /// `mean((a - b)²)` over two views of one shape, as a 0-dim storage rounded once into `E`.
     fn mse<E: Precision>(&self, a: (&Self::Storage<E>, &Layout), b: (&Self::Storage<E>, &Layout)) -> Self::Storage<E>;
+    /// The mean squared error's backward for `a`: `(a - b) * (2 g / n)` over two views of one
+    /// shape, contiguous, with the upstream gradient `g` (a 0-dim view) read on the device,
+    /// `n` the element count, and one rounding into `E`, so a scaled f16 gradient does not
+    /// underflow on the way.
+    fn mse_backward<E: Precision>(
+        &self,
+        a: (&Self::Storage<E>, &Layout),
+        b: (&Self::Storage<E>, &Layout),
+        g: (&Self::Storage<E>, &Layout),
+    ) -> Self::Storage<E>;
 
     // ---- convolution, pooling and batch norm over [N, C, H, W] (E::Acc inside, one rounding) --
     // Convolution runs as GEMM (the CPU: im2col and the batched strided matmul; a GPU: its
@@ -615,22 +630,51 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     /// index)`, so backward regenerates it and every device draws the same mask.
     fn dropout<E: Precision>(&self, x: &Self::Storage<E>, l: &Layout, p: f64, seed: u64) -> Self::Storage<E>;
 
-    // ---- the AMP passes ---------------------------------------------------------------------
-    // In place on gradients the caller owns alone (contiguous, whole).
+    // ---- the AMP passes ----------------------------------------------------------------------
+    // In place on gradients the caller owns alone (contiguous, whole). Nothing here returns a
+    // value to the host: flags, norms and the scale stay on the device, so a training step
+    // queues its work without waiting for the device (see `ScaleSlot`).
 
-    /// The fused unscale and non-finite check over several f32 gradients: every value is
-    /// multiplied by `inv` (`1/scale` rounded to f32; non-finite values too, as PyTorch does)
-    /// and `found_inf[i]` is set to 1 when gradient `i` had an inf or NaN (left as it was
-    /// otherwise). `found_inf` has one element per gradient.
-    fn unscale_check(&self, grads: &mut [&mut Self::Storage<f32>], inv: f32, found_inf: &mut Self::Storage<f32>);
-    /// Whether the view holds an inf or NaN.
-    fn any_non_finite<E: Precision>(&self, x: &Self::Storage<E>, l: &Layout) -> bool;
-    /// `Σ x²` over the view, in `E::Acc` (f32 for f16/bf16/f32), widened to f64.
-    fn sum_squares<E: Precision>(&self, x: &Self::Storage<E>, l: &Layout) -> f64;
-    /// Multiplies every element by `k` in place (one rounding).
-    fn scale_in_place<E: Precision>(&self, x: &mut Self::Storage<E>, k: f32);
+    /// The fused multi-tensor unscale and non-finite check: with `scale` (a loss scaler's
+    /// state vector, [`ScaleSlot`]), every value is multiplied by `inv = f32(1 / f64(scale))`
+    /// in `E::Acc` with one rounding (non-finite values too, as PyTorch does); without it the
+    /// values are only checked. `found_inf[first_flag + i]` is set to 1 when gradient `i` had
+    /// an inf or NaN (left as it was otherwise).
+    fn unscale_check<E: Precision>(
+        &self,
+        grads: &mut [&mut Self::Storage<E>],
+        scale: Option<&Self::Storage<f64>>,
+        found_inf: &mut Self::Storage<f32>,
+        first_flag: usize,
+    );
+    /// The loss scaler's update in place on its state vector: [`ScaleRule::apply`], the step
+    /// counting as an overflow when any element of `found_inf` is nonzero.
+    fn update_scale(&self, state: &mut Self::Storage<f64>, found_inf: &Self::Storage<f32>, rule: &ScaleRule);
+    /// The L2 norm of the view into `out[at]`, in f32: `sqrt(f32(Σ x²))` with the sum in
+    /// `E::Acc` (for f64, the square root in f64, then rounded).
+    fn norm_into<E: Precision>(&self, x: &Self::Storage<E>, l: &Layout, out: &mut Self::Storage<f32>, at: usize);
+    /// PyTorch's `clip_grad_norm_` scalars from the per-gradient norms (all of `norms`):
+    /// `out[0] = total = sqrt(Σ norms[i]²)` (f32, summed in order) and `out[1] =
+    /// min(1, (1 / (total + 1e-6)) × max_norm)`, NaN kept.
+    fn clip_coefficient(&self, norms: &Self::Storage<f32>, max_norm: f32, out: &mut Self::Storage<f32>);
+    /// Multiplies every element by `k[at]` in place (in `E::Acc`, one rounding).
+    fn scale_in_place<E: Precision>(&self, x: &mut Self::Storage<E>, k: &Self::Storage<f32>, at: usize);
     /// Clamps every element to `[-c, c]` in place (NaN kept).
     fn clamp_in_place<E: Precision>(&self, x: &mut Self::Storage<E>, c: f32);
+
+    // ---- values for the host --------------------------------------------------------------------
+
+    /// A scalar the host may read later (a step's skipped flag, its scale, a gradient norm):
+    /// on the CPU the value itself, elsewhere a [`Lazy`] that reads when asked.
+    type Value<T: Scalar>: Clone + fmt::Debug + Send + Sync + HostValue<T>;
+    /// Wraps `read` (which reads device memory) as a [`Device::Value`]: the CPU calls it now,
+    /// another device on the first [`HostValue::get`].
+    fn value<T: Scalar>(&self, read: impl FnOnce() -> T + Send + 'static) -> Self::Value<T>;
+    /// Whether the device's memory is the host's (the CPU), so reading it back costs nothing
+    /// and checks that elsewhere run every few steps (the loss scale's collapse) run at every
+    /// step.
+    const HOST_MEMORY: bool = false;
+
     // ---- optimizer updates ---------------------------------------------------------------------
     // One fused pass per f32 parameter over its values, gradient and state, PyTorch's
     // single-tensor arithmetic operation for operation (fused multiply-adds where its
@@ -680,4 +724,16 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         exp_avg_sq: &mut Self::StateVec,
         found_inf: Option<&Self::Storage<f32>>,
     );
+}
+
+/// Element `at` of a small storage as a [`Device::Value`], converted by `conv` (read on the
+/// host when asked).
+pub(crate) fn read_back<D: Device, P: Precision, T: Scalar>(
+    dev: &D,
+    s: D::Storage<P>,
+    at: usize,
+    conv: fn(P) -> T,
+) -> D::Value<T> {
+    let reader = dev.clone();
+    dev.value(move || conv(reader.to_host(&s, &Layout::contiguous(&[D::len(&s)]))[at]))
 }

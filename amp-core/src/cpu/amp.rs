@@ -98,6 +98,30 @@ pub(crate) fn any_non_finite_of<E: Precision>(x: &[E]) -> bool {
     }
 }
 
+/// The unscale (`inv` given) or the check alone (`None`) over several gradients of one
+/// precision, per slice whether any value was inf or NaN: the vectorised f32 passes for f32,
+/// otherwise `v × inv` in `E::Acc` with one rounding.
+pub(crate) fn unscale_all_of<E: Precision>(slices: &mut [&mut [E]], inv: Option<f32>) -> Vec<bool> {
+    if E::DTYPE == crate::DType::F32 {
+        let mut f32s: Vec<&mut [f32]> =
+            slices.iter_mut().map(|s| as_same_mut::<E, f32>(s).expect("E is f32")).collect();
+        return match inv {
+            Some(inv) => unscale_all(&mut f32s, inv),
+            None => f32s.iter().map(|s| any_non_finite(s)).collect(),
+        };
+    }
+    slices
+        .iter_mut()
+        .map(|s| {
+            let found = any_non_finite_of(s);
+            if let Some(inv) = inv {
+                scale_of(s, inv);
+            }
+            found
+        })
+        .collect()
+}
+
 /// Lanes of the sum of squares: four AVX-512 registers of independent accumulators, so the
 /// loop is bound by memory rather than by the latency of one add chain.
 const LANES: usize = 64;

@@ -11,7 +11,7 @@ use super::{amp, batch_norm, conv, dropout, index, loss, matmul, norm, optim, po
 use crate::backend::Cpu;
 use crate::backend::{
     AdamArgs, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Pool2dSpec,
-    ReduceOp, SgdArgs, UnaryOp,
+    ReduceOp, Scalar, ScaleRule, ScaleSlot, SgdArgs, UnaryOp,
 };
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
@@ -299,15 +299,26 @@ impl Device for Cpu {
         c: usize,
         spec: CrossEntropySpec<'_>,
         stats: &RowStats<E::Acc>,
-        scale: f64,
+        g: (&Storage<E>, &Layout),
+        counted: usize,
     ) -> Storage<E> {
         let RowStats::LogSumExp(lse) = stats else { unreachable!("cross-entropy backward with norm statistics") };
+        let scale = g.0[g.1.offset].to_f64() / counted as f64;
         store(loss::cross_entropy_backward(&view(x.0, x.1), c, spec, lse, scale))
     }
     fn mse<E: Precision>(&self, a: (&Storage<E>, &Layout), b: (&Storage<E>, &Layout)) -> Storage<E> {
         let n = a.1.numel();
         let sum = loss::squared_error_sum(&view(a.0, a.1), &view(b.0, b.1));
         self.full(1, E::from_f64(sum / n as f64))
+    }
+    fn mse_backward<E: Precision>(
+        &self,
+        a: (&Storage<E>, &Layout),
+        b: (&Storage<E>, &Layout),
+        g: (&Storage<E>, &Layout),
+    ) -> Storage<E> {
+        let k = 2.0 * g.0[g.1.offset].to_f64() / a.1.numel() as f64;
+        self.binary(crate::ops::loss::ScaledDiff(k), a, b, a.1.shape())
     }
 
     // ---- convolution, pooling and batch norm
@@ -430,27 +441,47 @@ impl Device for Cpu {
 
     // ---- the AMP passes
 
-    fn unscale_check(&self, grads: &mut [&mut Storage<f32>], inv: f32, found_inf: &mut Storage<f32>) {
-        let mut slices: Vec<&mut [f32]> = grads.iter_mut().map(|g| exclusive(g)).collect();
-        let flags = amp::unscale_all(&mut slices, inv);
-        for (f, found) in exclusive(found_inf).iter_mut().zip(flags) {
+    fn unscale_check<E: Precision>(
+        &self,
+        grads: &mut [&mut Storage<E>],
+        scale: Option<&Storage<f64>>,
+        found_inf: &mut Storage<f32>,
+        first_flag: usize,
+    ) {
+        let inv = scale.map(|s| crate::backend::inv_scale(s[ScaleSlot::Scale as usize] as f32));
+        let mut slices: Vec<&mut [E]> = grads.iter_mut().map(|g| exclusive(g)).collect();
+        let flags = amp::unscale_all_of(&mut slices, inv);
+        for (f, found) in exclusive(found_inf)[first_flag..].iter_mut().zip(flags) {
             if found {
                 *f = 1.0;
             }
         }
     }
-    fn any_non_finite<E: Precision>(&self, x: &Storage<E>, l: &Layout) -> bool {
-        amp::any_non_finite_of(&view(x, l))
+    fn update_scale(&self, state: &mut Storage<f64>, found_inf: &Storage<f32>, rule: &ScaleRule) {
+        let overflow = found_inf.iter().any(|&f| f != 0.0);
+        rule.apply(exclusive(state), overflow);
     }
-    fn sum_squares<E: Precision>(&self, x: &Storage<E>, l: &Layout) -> f64 {
-        amp::sum_squares_of(&view(x, l))
+    fn norm_into<E: Precision>(&self, x: &Storage<E>, l: &Layout, out: &mut Storage<f32>, at: usize) {
+        let sum = amp::sum_squares_of(&view(x, l));
+        exclusive(out)[at] = if E::DTYPE == crate::DType::F64 { sum.sqrt() as f32 } else { (sum as f32).sqrt() };
     }
-    fn scale_in_place<E: Precision>(&self, x: &mut Storage<E>, k: f32) {
-        amp::scale_of(exclusive(x), k);
+    fn clip_coefficient(&self, norms: &Storage<f32>, max_norm: f32, out: &mut Storage<f32>) {
+        let total = crate::backend::total_norm(norms);
+        let out = exclusive(out);
+        out[0] = total;
+        out[1] = crate::backend::clip_coefficient(total, max_norm);
+    }
+    fn scale_in_place<E: Precision>(&self, x: &mut Storage<E>, k: &Storage<f32>, at: usize) {
+        amp::scale_of(exclusive(x), k[at]);
     }
     fn clamp_in_place<E: Precision>(&self, x: &mut Storage<E>, c: f32) {
         amp::clamp_of(exclusive(x), c);
     }
+    type Value<T: Scalar> = T;
+    fn value<T: Scalar>(&self, read: impl FnOnce() -> T + Send + 'static) -> T {
+        read()
+    }
+    const HOST_MEMORY: bool = true;
     type StateVec = Vec<f32>;
     fn state_zeros(&self, n: usize) -> Vec<f32> {
         vec![0.0; n]

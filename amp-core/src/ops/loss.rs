@@ -8,7 +8,8 @@ use crate::indices::Indices;
 use crate::precision::{Accum, Precision};
 use crate::tensor::Tensor;
 
-/// `(a - b) * k`: the mean squared error's input gradient in one pass (`k = 2 g / n`).
+/// `(a - b) * k`: the mean squared error's input gradient in one pass (`k = 2 g / n`), as the
+/// CPU's `mse_backward` runs it (a device reads `g` in its own kernel instead).
 #[derive(Clone, Copy, Debug)]
 pub struct ScaledDiff(pub f64);
 impl BinaryOp for ScaledDiff {
@@ -104,8 +105,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         let (xs, targets) = (self.detach(), targets.clone());
         Ok(out.record(OP, vec![self.node.clone()], move |g| {
             let spec = CrossEntropySpec { targets: targets.as_slice(), ignore: options.ignore_index, smoothing: s };
-            let scale = g.item().to_f64() / counted as f64;
-            let gx = xs.device.cross_entropy_backward(xs.raw(), c, spec, &stats, scale);
+            let gx = xs.device.cross_entropy_backward(xs.raw(), c, spec, &stats, g.raw(), counted);
             vec![Some(xs.output(gx, xs.shape()).into())]
         }))
     }
@@ -137,7 +137,6 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 shapes: vec![self.shape().to_vec(), target.shape().to_vec()],
             });
         }
-        let n = self.numel();
         let out = self.output(self.device.mse(self.raw(), target.raw()), &[]);
         if !self.requires_grad() && !target.requires_grad() {
             return Ok(out);
@@ -145,9 +144,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         let (xs, ts) = (self.detach(), target.detach());
         let needs = (self.requires_grad(), target.requires_grad());
         Ok(out.record("mse_loss", vec![self.node.clone(), target.node.clone()], move |g| {
-            let k = ScaledDiff(2.0 * g.item().to_f64() / n as f64);
             let shape = xs.shape();
-            let gx = xs.output(xs.device.binary(k, xs.raw(), ts.raw(), shape), shape);
+            let gx = xs.output(xs.device.mse_backward(xs.raw(), ts.raw(), g.raw()), shape);
             let gt = needs.1.then(|| gx.neg().into());
             vec![needs.0.then(|| gx.into()), gt]
         }))

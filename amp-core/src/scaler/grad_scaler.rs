@@ -1,11 +1,15 @@
 //! The scalers: [`GradScaler`] (PyTorch's dynamic loss scaling) and [`NoScale`] (bf16/f32).
 
+use std::any::Any;
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
 use typenum::{B0, B1};
 
 use super::step::{ScaledLoss, TrainStep};
-use crate::backend::Device;
+use crate::backend::{Device, ScaleRule, ScaleSlot};
 use crate::error::{Error, Result};
+use crate::layout::Layout;
 use crate::precision::NeedsLossScaling;
 use crate::tensor::Tensor;
 
@@ -19,8 +23,9 @@ mod sealed {
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnscaleMode {
-    /// Multiply by this f32 inverse scale and check for inf/NaN (one fused pass).
-    Unscale(f32),
+    /// Multiply by the inverse of the scale on the device and check for inf/NaN (one fused
+    /// pass).
+    Unscale,
     /// Check for inf/NaN only (the scale is the constant 1).
     CheckOnly,
     /// Nothing at all: a disabled `GradScaler` steps like a plain optimizer, as in PyTorch.
@@ -65,12 +70,20 @@ pub trait LossScaler: sealed::Sealed {
     fn scales_loss(&self) -> bool;
     #[doc(hidden)]
     fn unscale_mode(&self) -> UnscaleMode;
-    /// Applies the end-of-iteration rule given whether the step overflowed; `Some(s)` sets the
-    /// scale to `s` instead (PyTorch's `update(new_scale)`).
+    /// The state vector on `dev` ([`ScaleSlot`]), moved there first if it is elsewhere;
+    /// `None` for a scaler that does not scale.
     #[doc(hidden)]
-    fn finish(&mut self, found_inf: bool, new_scale: Option<f32>) -> Result<()>;
+    fn device_state<D: Device>(&mut self, dev: &D) -> Option<&D::Storage<f64>>;
+    /// Applies the end-of-iteration rule on `dev`, the step counting as an overflow when an
+    /// element of `found_inf` is nonzero; `Some(s)` sets the scale to `s` instead (PyTorch's
+    /// `update(new_scale)`). Returns a copy of the state after the update (for the report).
     #[doc(hidden)]
-    fn growth_tracker_value(&self) -> i32;
+    fn finish<D: Device>(
+        &mut self,
+        dev: &D,
+        found_inf: &D::Storage<f32>,
+        new_scale: Option<f32>,
+    ) -> Result<Option<D::Storage<f64>>>;
 }
 
 // ---- GradScaler ---------------------------------------------------------------------------
@@ -222,24 +235,75 @@ pub struct GradScalerState {
     pub hysteresis_tracker: Option<i32>,
 }
 
+/// How often (in updates) a scaler on a device whose memory is not the host's reads its state
+/// back to check for a collapsed scale (`error_at_min_scale`): a read waits for the device, so
+/// it is not done at every step. On the CPU the check runs at every update.
+pub const COLLAPSE_CHECK_EVERY: u32 = 32;
+
 /// Dynamic loss scaling, exactly as PyTorch's `torch.amp.GradScaler` (rules in the module docs),
-/// with optional floor, ceiling, hysteresis and error on collapse.
+/// with optional floor, ceiling and hysteresis and an error on collapse.
+///
+/// The scale and its trackers live on the device the scaler steps on (moved there at the
+/// first `scale(loss)` on it, as PyTorch keeps `_scale` on the gradients' device), and are
+/// updated there: [`GradScaler::get_scale`], [`GradScaler::growth_tracker`] and
+/// [`GradScaler::state_dict`] read them back, which on a GPU waits for the queued work.
 ///
 /// ```
 /// use amp_core::scaler::GradScaler;
 /// let scaler = GradScaler::new();
 /// assert_eq!(scaler.get_scale(), 65536.0);
 /// ```
-#[derive(Clone, Debug)]
 pub struct GradScaler {
     opts: GradScalerOptions,
-    scale: f32,
-    growth_tracker: i32,
-    hysteresis_tracker: i32,
-    /// Overflowing steps in a row (for the collapse error's message; not checkpointed).
-    overflows_in_a_row: u64,
-    /// Of those, the ones that overflowed with the scale already at the floor (not checkpointed).
-    overflows_at_floor: u32,
+    /// The state ([`ScaleSlot`]) while it is on no device (before the first step, after a
+    /// load).
+    host: [f64; ScaleSlot::LEN],
+    /// The state on the device of the last step, if any.
+    on_device: Option<OnDevice>,
+}
+
+/// A scaler's state on some device `D` (a [`DeviceState<D>`] behind `Any`), with the function
+/// that reads it back.
+struct OnDevice {
+    state: Box<dyn Any + Send + Sync>,
+    read: fn(&(dyn Any + Send + Sync)) -> [f64; ScaleSlot::LEN],
+}
+
+struct DeviceState<D: Device> {
+    dev: D,
+    /// The device's name, to tell two devices of one type apart.
+    name: String,
+    state: D::Storage<f64>,
+    /// Updates since the collapse check last read the state.
+    unchecked: u32,
+}
+
+fn read_state<D: Device>(any: &(dyn Any + Send + Sync)) -> [f64; ScaleSlot::LEN] {
+    let st = any.downcast_ref::<DeviceState<D>>().expect("the reader matches the state's device type");
+    let v = st.dev.to_host(&st.state, &Layout::contiguous(&[ScaleSlot::LEN]));
+    std::array::from_fn(|i| v[i])
+}
+
+impl Clone for GradScaler {
+    /// A scaler with the same options and state, on no device (reads the state back).
+    fn clone(&self) -> Self {
+        GradScaler { opts: self.opts.clone(), host: self.snapshot(), on_device: None }
+    }
+}
+
+impl fmt::Debug for GradScaler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("GradScaler");
+        d.field("opts", &self.opts);
+        match &self.on_device {
+            // Printing does not wait for a device.
+            Some(_) => d.field("state", &"<on the device>"),
+            None => d
+                .field("scale", &self.host[ScaleSlot::Scale as usize])
+                .field("growth_tracker", &self.host[ScaleSlot::GrowthTracker as usize]),
+        };
+        d.finish()
+    }
 }
 
 impl Default for GradScaler {
@@ -258,14 +322,10 @@ impl GradScaler {
     pub fn with_options(opts: GradScalerOptions) -> Result<Self> {
         opts.validate()?;
         opts.check_in_range(opts.init_scale, "init_scale")?;
-        Ok(GradScaler {
-            scale: opts.init_scale,
-            growth_tracker: 0,
-            hysteresis_tracker: opts.hysteresis,
-            overflows_in_a_row: 0,
-            overflows_at_floor: 0,
-            opts,
-        })
+        let mut host = [0.0; ScaleSlot::LEN];
+        host[ScaleSlot::Scale as usize] = opts.init_scale as f64;
+        host[ScaleSlot::HysteresisTracker as usize] = opts.hysteresis as f64;
+        Ok(GradScaler { host, on_device: None, opts })
     }
     /// A disabled scaler (PyTorch's `enabled=False`): no scaling, no overflow check.
     pub fn disabled() -> Self {
@@ -279,13 +339,22 @@ impl GradScaler {
     pub fn is_enabled(&self) -> bool {
         self.opts.enabled
     }
-    /// The current scale (1.0 when disabled, as PyTorch's `get_scale()`).
-    pub fn get_scale(&self) -> f32 {
-        if self.opts.enabled { self.scale } else { 1.0 }
+    /// The state vector, read back from the device it is on.
+    fn snapshot(&self) -> [f64; ScaleSlot::LEN] {
+        match &self.on_device {
+            Some(d) => (d.read)(&*d.state),
+            None => self.host,
+        }
     }
-    /// Steps in a row without overflow since the last growth or overflow.
+    /// The current scale (1.0 when disabled, as PyTorch's `get_scale()`). Reads it from the
+    /// device the scaler steps on.
+    pub fn get_scale(&self) -> f32 {
+        if self.opts.enabled { self.snapshot()[ScaleSlot::Scale as usize] as f32 } else { 1.0 }
+    }
+    /// Steps in a row without overflow since the last growth or overflow (read from the
+    /// device).
     pub fn growth_tracker(&self) -> i32 {
-        self.growth_tracker
+        self.snapshot()[ScaleSlot::GrowthTracker as usize] as i32
     }
     /// Starts an iteration: the loss (taken by value, so its graph is freed by `.backward()`)
     /// times the current scale (see [`TrainStep`]). A disabled scaler refuses a loss computed
@@ -294,15 +363,16 @@ impl GradScaler {
     pub fn scale<D: Device>(&mut self, loss: Tensor<f32, D>) -> ScaledLoss<'_, GradScaler, D> {
         LossScaler::scale(self, loss)
     }
-    /// The checkpoint (PyTorch's keys).
+    /// The checkpoint (PyTorch's keys), read from the device.
     pub fn state_dict(&self) -> GradScalerState {
+        let s = self.snapshot();
         GradScalerState {
-            scale: self.scale,
+            scale: s[ScaleSlot::Scale as usize] as f32,
             growth_factor: self.opts.growth_factor,
             backoff_factor: self.opts.backoff_factor,
             growth_interval: self.opts.growth_interval,
-            growth_tracker: self.growth_tracker,
-            hysteresis_tracker: (self.opts.hysteresis > 1).then_some(self.hysteresis_tracker),
+            growth_tracker: s[ScaleSlot::GrowthTracker as usize] as i32,
+            hysteresis_tracker: (self.opts.hysteresis > 1).then_some(s[ScaleSlot::HysteresisTracker as usize] as i32),
         }
     }
     /// Restores a checkpoint (also before the first step: the next `scale()` uses the loaded
@@ -350,67 +420,66 @@ impl GradScaler {
         self.opts.growth_factor = state.growth_factor;
         self.opts.backoff_factor = state.backoff_factor;
         self.opts.growth_interval = state.growth_interval;
-        self.scale = state.scale;
-        self.growth_tracker = state.growth_tracker;
-        self.hysteresis_tracker = state.hysteresis_tracker.unwrap_or(self.opts.hysteresis);
-        self.overflows_in_a_row = 0;
-        self.overflows_at_floor = 0;
+        let mut host = [0.0; ScaleSlot::LEN];
+        host[ScaleSlot::Scale as usize] = state.scale as f64;
+        host[ScaleSlot::GrowthTracker as usize] = state.growth_tracker as f64;
+        host[ScaleSlot::HysteresisTracker as usize] = state.hysteresis_tracker.unwrap_or(self.opts.hysteresis) as f64;
+        // The next step uploads it to its device.
+        self.host = host;
+        self.on_device = None;
         Ok(())
     }
 
-    /// The end-of-iteration rule (PyTorch's `_amp_update_scale_`, plus the optional floor,
-    /// ceiling and hysteresis).
-    fn apply_update(&mut self, found_inf: bool) -> Result<()> {
-        if found_inf {
-            self.overflows_in_a_row += 1;
-            self.growth_tracker = 0;
-            self.hysteresis_tracker = self.hysteresis_tracker.saturating_sub(1);
-            if self.hysteresis_tracker > 0 {
-                return Ok(());
-            }
-            if let Some(floor) = self.opts.min_scale
-                && self.scale <= floor
-            {
-                self.overflows_at_floor = self.overflows_at_floor.saturating_add(1);
-                if self.opts.error_at_min_scale && self.overflows_at_floor >= self.opts.collapse_after {
-                    return Err(Error::State {
-                        context: "GradScaler::update".into(),
-                        detail: format!(
-                            "the loss scale collapsed: {} steps in a row overflowed with the scale already at its \
-                             floor min_scale = {floor} (collapse_after = {}; {} overflowing steps in a row in all, \
-                             every one skipped, so the weights did not change). The gradients are inf or NaN \
-                             whatever the scale: look for NaN/inf in the input data or the loss, lower the \
-                             learning rate, or train in bf16, whose range does not overflow",
-                            self.overflows_at_floor, self.opts.collapse_after, self.overflows_in_a_row
-                        ),
-                    });
-                }
-            }
-            // f32 scale times f64 factor, rounded once to f32, as PyTorch's kernel.
-            let backed_off = (self.scale as f64 * self.opts.backoff_factor) as f32;
-            self.scale = match self.opts.min_scale {
-                Some(floor) => backed_off.max(floor),
-                None => backed_off,
-            };
-        } else {
-            self.overflows_in_a_row = 0;
-            self.overflows_at_floor = 0;
-            let successful = self.growth_tracker + 1;
-            if successful == self.opts.growth_interval {
-                let grown = (self.scale as f64 * self.opts.growth_factor) as f32;
-                if grown.is_finite() {
-                    self.scale = match self.opts.max_scale {
-                        Some(ceiling) => grown.min(ceiling),
-                        None => grown,
-                    };
-                }
-                self.growth_tracker = 0;
-                self.hysteresis_tracker = self.opts.hysteresis;
-            } else {
-                self.growth_tracker = successful;
-            }
+    fn rule(&self, set_scale: Option<f32>) -> ScaleRule {
+        ScaleRule {
+            growth_factor: self.opts.growth_factor,
+            backoff_factor: self.opts.backoff_factor,
+            growth_interval: self.opts.growth_interval,
+            min_scale: self.opts.min_scale,
+            max_scale: self.opts.max_scale,
+            hysteresis: self.opts.hysteresis,
+            set_scale,
         }
-        Ok(())
+    }
+
+    /// The state on `dev`: moved there (read back from another device first) if it is not.
+    fn state_on<D: Device>(&mut self, dev: &D) -> &mut DeviceState<D> {
+        let here = self
+            .on_device
+            .as_ref()
+            .and_then(|d| d.state.downcast_ref::<DeviceState<D>>())
+            .is_some_and(|st| st.name == dev.name());
+        if !here {
+            let host = self.snapshot();
+            let state =
+                DeviceState { dev: dev.clone(), name: dev.name(), state: dev.from_host(host.to_vec()), unchecked: 0 };
+            self.on_device = Some(OnDevice { state: Box::new(state), read: read_state::<D> });
+        }
+        let d = self.on_device.as_mut().expect("just placed");
+        d.state.downcast_mut::<DeviceState<D>>().expect("the state is on this device")
+    }
+
+    /// The collapse error, when `error_at_min_scale` is set and the state shows
+    /// `collapse_after` overflows in a row at the floor.
+    fn check_collapse(&self, s: &[f64; ScaleSlot::LEN]) -> Result<()> {
+        let at_floor = s[ScaleSlot::OverflowsAtFloor as usize];
+        match self.opts.min_scale {
+            Some(floor) if self.opts.error_at_min_scale && at_floor >= self.opts.collapse_after as f64 => {
+                Err(Error::State {
+                    context: "GradScaler::update".into(),
+                    detail: format!(
+                        "the loss scale collapsed: {at_floor} steps in a row overflowed with the scale already at its \
+                         floor min_scale = {floor} (collapse_after = {}; {} overflowing steps in a row in all, \
+                         every one skipped, so the weights did not change). The gradients are inf or NaN \
+                         whatever the scale: look for NaN/inf in the input data or the loss, lower the \
+                         learning rate, or train in bf16, whose range does not overflow",
+                        self.opts.collapse_after,
+                        s[ScaleSlot::OverflowsInARow as usize]
+                    ),
+                })
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -426,32 +495,46 @@ impl LossScaler for GradScaler {
         GradScaler::get_scale(self)
     }
     fn unscale_mode(&self) -> UnscaleMode {
-        if self.opts.enabled { UnscaleMode::Unscale(super::inv_scale(self.scale)) } else { UnscaleMode::Nothing }
+        if self.opts.enabled { UnscaleMode::Unscale } else { UnscaleMode::Nothing }
     }
     fn scales_loss(&self) -> bool {
         self.opts.enabled
     }
-    fn finish(&mut self, found_inf: bool, new_scale: Option<f32>) -> Result<()> {
+    fn device_state<D: Device>(&mut self, dev: &D) -> Option<&D::Storage<f64>> {
         if !self.opts.enabled {
-            return Ok(());
+            return None;
         }
-        match new_scale {
-            Some(s) => {
-                if !(s.is_finite() && s > 0.0) {
-                    return Err(Error::State {
-                        context: "update_to".into(),
-                        detail: format!("the new scale must be finite and positive, got {s}"),
-                    });
-                }
-                // PyTorch's update(new_scale): the scale is replaced, the tracker left alone.
-                self.scale = s;
-                Ok(())
-            }
-            None => self.apply_update(found_inf),
-        }
+        Some(&self.state_on(dev).state)
     }
-    fn growth_tracker_value(&self) -> i32 {
-        self.growth_tracker
+    fn finish<D: Device>(
+        &mut self,
+        dev: &D,
+        found_inf: &D::Storage<f32>,
+        new_scale: Option<f32>,
+    ) -> Result<Option<D::Storage<f64>>> {
+        if !self.opts.enabled {
+            return Ok(None);
+        }
+        if let Some(s) = new_scale
+            && !(s.is_finite() && s > 0.0)
+        {
+            return Err(Error::State {
+                context: "update_to".into(),
+                detail: format!("the new scale must be finite and positive, got {s}"),
+            });
+        }
+        let rule = self.rule(new_scale);
+        let check = self.opts.error_at_min_scale && new_scale.is_none();
+        let st = self.state_on(dev);
+        dev.update_scale(&mut st.state, found_inf, &rule);
+        let copy = dev.contiguous(&st.state, &Layout::contiguous(&[ScaleSlot::LEN]));
+        st.unchecked += 1;
+        if check && (D::HOST_MEMORY || st.unchecked >= COLLAPSE_CHECK_EVERY) {
+            st.unchecked = 0;
+            let s = self.snapshot();
+            self.check_collapse(&s)?;
+        }
+        Ok(Some(copy))
     }
 }
 
@@ -497,11 +580,11 @@ impl LossScaler for NoScale {
     fn scales_loss(&self) -> bool {
         false
     }
-    fn finish(&mut self, _found_inf: bool, _new_scale: Option<f32>) -> Result<()> {
-        Ok(())
+    fn device_state<D: Device>(&mut self, _dev: &D) -> Option<&D::Storage<f64>> {
+        None
     }
-    fn growth_tracker_value(&self) -> i32 {
-        0
+    fn finish<D: Device>(&mut self, _: &D, _: &D::Storage<f32>, _: Option<f32>) -> Result<Option<D::Storage<f64>>> {
+        Ok(None)
     }
 }
 

@@ -54,6 +54,18 @@
 //!   [`unscale_in_place`]): multiply by PyTorch's f32 `inv = 1/scale` (computed in f64), check
 //!   for inf/NaN, one flag per gradient. A skipped step never reaches the optimizer, so
 //!   parameters, moments, step counts and the learning-rate schedule stay bit-identical.
+//! - On a device other than the CPU the step's scalars stay in device memory: the scaler's
+//!   state (scale, growth tracker, hysteresis and overflow counts, f64) moves there at its
+//!   first step, the backward seed is cast from it there, unscale reads the scale and writes
+//!   the flags there, clipping computes the norm and its coefficient there, and `update()`
+//!   applies the rules below there ([`crate::backend::ScaleRule`], one rule for every device).
+//!   What the step hands back (`StepReport`'s fields, the clip norm) is a
+//!   [`crate::Device::Value`]: the value itself on the CPU, a lazily read one elsewhere, so
+//!   reading it is the synchronisation the caller asked for, made once. The collapse check
+//!   (`error_at_min_scale`) reads the state back every [`COLLAPSE_CHECK_EVERY`] updates, not at
+//!   every step, so `update()` reports a collapse up to that many updates late. One read
+//!   per step remains: the flags, which the host reads to decide whether the optimizers step
+//!   (their step counts and learning rates live on the host).
 //!
 //! # The update rules (PyTorch's, checked against its traces)
 //! - overflow (any inf/NaN gradient): the step is skipped; `scale = f32(scale × backoff)`,
@@ -70,19 +82,11 @@ mod step;
 pub use crate::cpu::amp::{any_non_finite, unscale_all, unscale_in_place};
 #[doc(hidden)]
 pub use grad_scaler::UnscaleMode;
-pub use grad_scaler::{GradScaler, GradScalerOptions, GradScalerState, LossScaler, NoScale, ScalerFor, SelectScaler};
+pub use grad_scaler::{
+    COLLAPSE_CHECK_EVERY, GradScaler, GradScalerOptions, GradScalerState, LossScaler, NoScale, ScalerFor, SelectScaler,
+};
 
-/// The unscale factor PyTorch uses: `1/scale` computed in f64, then rounded to f32.
-///
-/// Bit parity depends on it: the gradients are multiplied by this value, never divided by the
-/// scale.
-///
-/// ```
-/// assert_eq!(amp_core::scaler::inv_scale(65536.0), 1.0 / 65536.0);
-/// ```
-pub fn inv_scale(scale: f32) -> f32 {
-    (1.0f64 / scale as f64) as f32
-}
+pub use crate::backend::inv_scale;
 pub use step::stage;
 pub use step::{
     GradsView, MicroBatchLoss, OptimizerPair, ScaledGrads, ScaledLoss, StepReport, Stepped, TrainStep, UnscaledGrads,

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use super::grad_scaler::{LossScaler, UnscaleMode};
 use crate::autograd::{AnyTensor, Grads, TensorId};
-use crate::backend::{Cpu, Device};
+use crate::backend::{Cpu, Device, ScaleSlot, read_back};
 use crate::error::{Error, Result, or_panic};
 use crate::layout::Layout;
 use crate::optim::Optimizer;
@@ -151,17 +151,21 @@ pub struct TrainStep<'s, K: LossScaler, S: Stage, D: Device = Cpu> {
 /// What a step carries from stage to stage.
 struct Inner<'s, K: LossScaler, D: Device> {
     scaler: &'s mut K,
-    /// The scale this iteration uses (fixed at `scale(loss)`).
-    scale: f32,
+    /// The loss's device, where the whole step runs.
+    dev: D,
+    /// The scale this iteration uses, on the device, in the loss's shape: the backward seed
+    /// (a copy of the scaler's scale made at `scale(loss)`, so later updates leave it alone).
+    seed: Tensor<f32, D>,
     /// The loss, until `backward()` consumes it (freeing the forward graph).
     loss: Option<Tensor<f32, D>>,
     grads: Grads<D>,
-    /// Gradients found inf/NaN by `unscale()`.
-    non_finite: HashSet<TensorId>,
+    /// After `unscale()`: the gradients in the order of their flags, and the flags on the
+    /// device (1 where the gradient had an inf or NaN). `None` when nothing was checked.
+    flags: Option<(Vec<TensorId>, D::Storage<f32>)>,
     /// After `step`: whether any optimizer skipped its step.
     found_inf: bool,
     micro_batches: usize,
-    grad_norm: Option<f32>,
+    grad_norm: Option<D::Value<f32>>,
 }
 
 /// One optimizer and the model it steps, as [`TrainStep::step_many`] takes them.
@@ -177,20 +181,34 @@ pub type UnscaledGrads<'s, K, D = Cpu> = TrainStep<'s, K, GradsUnscaled, D>;
 pub type Stepped<'s, K, D = Cpu> = TrainStep<'s, K, OptimizerStepped, D>;
 
 /// What one iteration did, returned by `.update()`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StepReport {
+///
+/// The values computed on the device are [`Device::Value`]s: on the CPU the values themselves
+/// (`bool`, `f32`, `i32`), on a GPU values read back only when asked
+/// ([`crate::backend::HostValue::get`]), so a report costs no synchronisation until a field
+/// is read.
+#[derive(Clone, Debug)]
+pub struct StepReport<D: Device = Cpu> {
     /// Whether the optimizer step was skipped because a gradient was inf or NaN.
-    pub skipped: bool,
+    pub skipped: D::Value<bool>,
     /// The scale this iteration's loss was multiplied by.
-    pub scale_used: f32,
+    pub scale_used: D::Value<f32>,
     /// The scale after the update (what the next iteration uses).
-    pub scale: f32,
+    pub scale: D::Value<f32>,
     /// The scaler's growth tracker after the update.
-    pub growth_tracker: i32,
+    pub growth_tracker: D::Value<i32>,
     /// Micro-batches accumulated into this step (1 without accumulation).
     pub micro_batches: usize,
     /// The total gradient norm if `clip_grad_norm` was called (before clipping).
-    pub grad_norm: Option<f32>,
+    pub grad_norm: Option<D::Value<f32>>,
+}
+
+impl Copy for StepReport<Cpu> {}
+
+impl PartialEq for StepReport<Cpu> {
+    fn eq(&self, o: &Self) -> bool {
+        (self.skipped, self.scale_used, self.scale, self.growth_tracker, self.micro_batches, self.grad_norm)
+            == (o.skipped, o.scale_used, o.scale, o.growth_tracker, o.micro_batches, o.grad_norm)
+    }
 }
 
 /// A read-only view of a step's gradients, for logging and inspection: it is not a [`Grads`],
@@ -229,7 +247,7 @@ impl<'a, D: Device> GradsView<'a, D> {
     }
     /// The global L2 norm of these values, as `clip_grad_norm` measures it (times the scale
     /// when [`GradsView::is_scaled`]).
-    pub fn global_norm(&self) -> f32 {
+    pub fn global_norm(&self) -> D::Value<f32> {
         crate::clip::grad_norm(self.grads)
     }
 }
@@ -309,8 +327,9 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         S::KIND
     }
     /// The scale this iteration multiplies its loss by (fixed when `scale(loss)` was called).
-    pub fn scale_used(&self) -> f32 {
-        self.st().scale
+    pub fn scale_used(&self) -> D::Value<f32> {
+        let st = self.st();
+        read_seed(&st.dev, &st.seed)
     }
     /// Micro-batches whose gradients are in this step so far.
     pub fn micro_batches(&self) -> usize {
@@ -331,7 +350,7 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     {
         let st = self.st_mut();
         let loss = st.loss.take().expect("a LossScaled step holds its loss");
-        match scaled_backward(&loss, st.scale) {
+        match scaled_backward(&loss, &st.seed) {
             Ok(grads) => {
                 st.grads = grads;
                 st.micro_batches = 1;
@@ -362,7 +381,7 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         let loss = loss.into_loss();
         let st = self.st_mut();
         check_precision_fits(&*st.scaler, &loss)?;
-        let more = scaled_backward(&loss, st.scale)?;
+        let more = scaled_backward(&loss, &st.seed)?;
         drop(loss);
         st.grads.accumulate(more);
         st.micro_batches += 1;
@@ -401,7 +420,11 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
             };
             return self.fail(e);
         }
-        st.non_finite = unscale_grads(&mut st.grads, mode);
+        let scale = match mode {
+            UnscaleMode::Unscale => st.scaler.device_state(&st.dev),
+            _ => None,
+        };
+        st.flags = unscale_grads(&st.dev, &mut st.grads, mode, scale);
         Ok(self.into_stage())
     }
     /// Unscales and checks the gradients; panics where [`TrainStep::try_unscale`] errs.
@@ -415,19 +438,22 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
 
     /// Scales all gradients so their global L2 norm is at most `max_norm` (PyTorch's
     /// `clip_grad_norm_`), returning the norm before clipping. See [`crate::clip`].
-    pub fn try_clip_grad_norm(&mut self, max_norm: f32) -> Result<f32>
+    ///
+    /// The norm and the coefficient are computed on the device and stay there: the norm is a
+    /// [`Device::Value`] (an `f32` on the CPU; on a GPU read back when asked).
+    pub fn try_clip_grad_norm(&mut self, max_norm: f32) -> Result<D::Value<f32>>
     where
         S: CanClip,
     {
         let st = self.st_mut();
         let norm = crate::clip::try_clip_grad_norm(&mut st.grads, max_norm)?;
-        st.grad_norm = Some(norm);
+        st.grad_norm = Some(norm.clone());
         Ok(norm)
     }
     /// Clips by global L2 norm, returning the norm before clipping; panics if `max_norm` is
     /// not positive.
     #[track_caller]
-    pub fn clip_grad_norm(&mut self, max_norm: f32) -> f32
+    pub fn clip_grad_norm(&mut self, max_norm: f32) -> D::Value<f32>
     where
         S: CanClip,
     {
@@ -491,13 +517,16 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     {
         let st = self.st_mut();
         let grads = std::mem::replace(&mut st.grads, Grads::empty());
+        // The one read of the step: which gradients overflowed, to decide on the host which
+        // optimizers step.
+        let non_finite = read_non_finite(&st.dev, &st.flags);
         let mut any_stepped = false;
         for (opt, model) in pairs.iter_mut() {
             let named = model.named_params();
             if !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
                 continue;
             }
-            let overflow = !st.non_finite.is_empty() && named.iter().any(|(_, p)| st.non_finite.contains(&p.id()));
+            let overflow = !non_finite.is_empty() && named.iter().any(|(_, p)| non_finite.contains(&p.id()));
             drop(named);
             any_stepped = true;
             if overflow {
@@ -529,7 +558,7 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     /// Ends the iteration: the scaler backs off after an overflow, grows after
     /// `growth_interval` good steps (rules in the module docs). Errs only when the scaler was
     /// built with `error_at_min_scale` and the scale collapsed to its floor.
-    pub fn update(self) -> Result<StepReport>
+    pub fn update(self) -> Result<StepReport<D>>
     where
         S: CanUpdate,
     {
@@ -537,20 +566,30 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     }
     /// Ends the iteration setting the scale to `new_scale` (PyTorch's `update(new_scale)`: the
     /// growth tracker is left as it is).
-    pub fn update_to(self, new_scale: f32) -> Result<StepReport>
+    pub fn update_to(self, new_scale: f32) -> Result<StepReport<D>>
     where
         S: CanUpdate,
     {
         self.finish(Some(new_scale))
     }
-    fn finish(mut self, new_scale: Option<f32>) -> Result<StepReport> {
+    fn finish(mut self, new_scale: Option<f32>) -> Result<StepReport<D>> {
         let st = self.inner.take().expect("a live TrainStep holds its state");
-        st.scaler.finish(st.found_inf, new_scale)?;
+        let dev = st.dev.clone();
+        let found_inf = dev.from_host(vec![if st.found_inf { 1.0f32 } else { 0.0 }]);
+        let after = st.scaler.finish(&dev, &found_inf, new_scale)?;
+        let (scale, growth_tracker) = match after {
+            Some(state) => (
+                read_back(&dev, state.clone(), ScaleSlot::Scale as usize, |v| v as f32),
+                read_back(&dev, state, ScaleSlot::GrowthTracker as usize, |v| v as i32),
+            ),
+            None => (dev.value(|| 1.0), dev.value(|| 0)),
+        };
+        let skipped = st.found_inf;
         Ok(StepReport {
-            skipped: st.found_inf,
-            scale_used: st.scale,
-            scale: st.scaler.get_scale(),
-            growth_tracker: st.scaler.growth_tracker_value(),
+            skipped: dev.value(move || skipped),
+            scale_used: read_seed(&dev, &st.seed),
+            scale,
+            growth_tracker,
             micro_batches: st.micro_batches,
             grad_norm: st.grad_norm,
         })
@@ -562,13 +601,24 @@ impl<'s, K: LossScaler, D: Device> TrainStep<'s, K, LossScaled, D> {
     /// gradients underflow to zero without loss scaling).
     pub(crate) fn start(scaler: &'s mut K, loss: Tensor<f32, D>) -> Result<Self> {
         check_precision_fits(&*scaler, &loss)?;
+        let dev = loss.device().clone();
+        // A loss that is not a scalar is refused by `backward()`, which says so.
+        let shape = if loss.numel() == 1 { loss.shape().to_vec() } else { vec![1] };
+        let seed = match scaler.device_state(&dev) {
+            Some(state) => {
+                let scale = dev.cast::<f64, f32>(state, &Layout::contiguous(&[1]));
+                Tensor::from_storage(&dev, scale, &shape)
+            }
+            None => Tensor::from_storage(&dev, dev.full(1, 1.0f32), &shape),
+        };
         Ok(TrainStep {
             inner: Some(Inner {
-                scale: scaler.get_scale(),
                 scaler,
+                dev,
+                seed,
                 loss: Some(loss),
                 grads: Grads::empty(),
-                non_finite: HashSet::new(),
+                flags: None,
                 found_inf: false,
                 micro_batches: 0,
                 grad_norm: None,
@@ -584,8 +634,7 @@ impl<'s, K: LossScaler, D: Device> TrainStep<'s, K, LossScaled, D> {
     /// differentiate it).
     pub fn scaled_value(&self) -> Tensor<f32, D> {
         let loss = self.loss().detach();
-        let scale = self.st().scale;
-        if scale == 1.0 { loss } else { crate::no_grad(|| loss.mul_scalar(scale as f64)) }
+        crate::no_grad(|| loss.mul(&self.st().seed))
     }
 }
 
@@ -604,19 +653,29 @@ impl<K: LossScaler, D: Device> TrainStep<'_, K, GradsUnscaled, D> {
     }
     /// Whether any gradient is inf or NaN (the step will be skipped for the optimizers whose
     /// parameters they belong to).
-    pub fn found_inf(&self) -> bool {
-        !self.st().non_finite.is_empty()
+    pub fn found_inf(&self) -> D::Value<bool> {
+        let st = self.st();
+        match &st.flags {
+            Some((_, flags)) => {
+                let (reader, flags) = (st.dev.clone(), flags.clone());
+                st.dev.value(move || {
+                    reader.to_host(&flags, &Layout::contiguous(&[D::len(&flags)])).iter().any(|&f| f != 0.0)
+                })
+            }
+            None => st.dev.value(|| false),
+        }
     }
     /// The global L2 norm of the gradients (as `clip_grad_norm` measures it), without clipping.
-    pub fn grad_norm(&self) -> f32 {
+    pub fn grad_norm(&self) -> D::Value<f32> {
         crate::clip::grad_norm(&self.st().grads)
     }
 }
 
 impl<K: LossScaler, D: Device> TrainStep<'_, K, OptimizerStepped, D> {
     /// Whether the optimizer step was skipped (a gradient was inf or NaN).
-    pub fn skipped(&self) -> bool {
-        self.st().found_inf
+    pub fn skipped(&self) -> D::Value<bool> {
+        let skipped = self.st().found_inf;
+        self.st().dev.value(move || skipped)
     }
 }
 
@@ -640,61 +699,80 @@ fn check_precision_fits<K: LossScaler, D: Device>(scaler: &K, loss: &Tensor<f32,
     Ok(())
 }
 
-/// `loss.backward()` with every gradient multiplied by `scale` (the seed is the scale, which
-/// is what PyTorch's backward of `loss * scale` gives: `1 × scale` exactly).
-fn scaled_backward<D: Device>(loss: &Tensor<f32, D>, scale: f32) -> Result<Grads<D>> {
-    loss.try_backward_with_seed(scale as f64)
+/// `loss.backward()` with every gradient multiplied by the scale: the seed is the scale
+/// itself (what PyTorch's backward of `loss * scale` gives: `1 × scale` exactly), on the device.
+fn scaled_backward<D: Device>(loss: &Tensor<f32, D>, seed: &Tensor<f32, D>) -> Result<Grads<D>> {
+    loss.try_backward_with_seed(seed.clone())
 }
 
-/// The fused unscale + check over every gradient, on the gradients' device; returns the ids
-/// of non-finite gradients.
-fn unscale_grads<D: Device>(grads: &mut Grads<D>, mode: UnscaleMode) -> HashSet<TensorId> {
-    let mut bad = HashSet::new();
-    match mode {
-        UnscaleMode::Nothing => {}
-        UnscaleMode::Unscale(inv) => {
-            let mut ids = Vec::new();
-            let mut f32s = Vec::new();
-            let mut dev = None;
-            for (id, g) in grads.iter_mut() {
-                match g {
-                    AnyTensor::F32(t) => {
-                        t.make_exclusive();
-                        dev.get_or_insert_with(|| t.device().clone());
-                        ids.push(id);
-                        f32s.push(&mut t.storage);
-                    }
-                    other => {
-                        // bf16 (pure-bf16 training) or f64: check, then `v × inv` in E::Acc.
-                        let found = crate::with_any!(other, t => {
-                            t.make_exclusive();
-                            let dev = t.device().clone();
-                            let found = dev.any_non_finite(&t.storage, &t.layout);
-                            dev.scale_in_place(&mut t.storage, inv);
-                            found
-                        });
-                        if found {
-                            bad.insert(id);
-                        }
-                    }
-                }
-            }
-            if let Some(dev) = dev {
-                let mut found_inf = dev.full(ids.len(), 0f32);
-                dev.unscale_check(&mut f32s, inv, &mut found_inf);
-                let flags = dev.to_host(&found_inf, &Layout::contiguous(&[ids.len()]));
-                bad.extend(ids.into_iter().zip(flags).filter(|(_, f)| *f != 0.0).map(|(id, _)| id));
-            }
+/// The scale a step's seed holds, as a [`Device::Value`].
+fn read_seed<D: Device>(dev: &D, seed: &Tensor<f32, D>) -> D::Value<f32> {
+    read_back(dev, seed.storage.clone(), seed.layout.offset(), |v| v)
+}
+
+/// The gradients whose flag is set: the step's one read of device memory.
+fn read_non_finite<D: Device>(dev: &D, flags: &Option<(Vec<TensorId>, D::Storage<f32>)>) -> HashSet<TensorId> {
+    let Some((ids, flags)) = flags else { return HashSet::new() };
+    let values = dev.to_host(flags, &Layout::contiguous(&[ids.len()]));
+    ids.iter().zip(values).filter(|(_, f)| *f != 0.0).map(|(id, _)| *id).collect()
+}
+
+/// The fused unscale + check over every gradient, on the device: one pass per precision
+/// present, multiplying by the inverse of `scale` (the scaler's state on the device) when
+/// there is one, and one flag per gradient. Nothing is read back.
+fn unscale_grads<D: Device>(
+    dev: &D,
+    grads: &mut Grads<D>,
+    mode: UnscaleMode,
+    scale: Option<&D::Storage<f64>>,
+) -> Option<(Vec<TensorId>, D::Storage<f32>)> {
+    if mode == UnscaleMode::Nothing || grads.is_empty() {
+        return None;
+    }
+    /// One precision's gradients, in place.
+    struct Group<'a, E: Precision, D: Device> {
+        ids: Vec<TensorId>,
+        storages: Vec<&'a mut D::Storage<E>>,
+    }
+    impl<'a, E: Precision, D: Device> Group<'a, E, D> {
+        fn new() -> Self {
+            Group { ids: Vec::new(), storages: Vec::new() }
         }
-        UnscaleMode::CheckOnly => {
-            for (id, g) in grads.iter() {
-                if crate::with_any!(g, t => t.device().any_non_finite(&t.storage, &t.layout)) {
-                    bad.insert(id);
-                }
+        fn push(&mut self, id: TensorId, t: &'a mut Tensor<E, D>) {
+            t.make_exclusive();
+            self.ids.push(id);
+            self.storages.push(&mut t.storage);
+        }
+        fn run(
+            mut self,
+            dev: &D,
+            scale: Option<&D::Storage<f64>>,
+            flags: &mut D::Storage<f32>,
+            ids: &mut Vec<TensorId>,
+        ) {
+            if !self.ids.is_empty() {
+                dev.unscale_check(&mut self.storages, scale, flags, ids.len());
+                ids.append(&mut self.ids);
             }
         }
     }
-    bad
+    let n = grads.len();
+    let (mut g32, mut g16, mut gb16, mut g64) = (Group::new(), Group::new(), Group::new(), Group::new());
+    for (id, g) in grads.iter_mut() {
+        match g {
+            AnyTensor::F32(t) => g32.push(id, t),
+            AnyTensor::F16(t) => g16.push(id, t),
+            AnyTensor::BF16(t) => gb16.push(id, t),
+            AnyTensor::F64(t) => g64.push(id, t),
+        }
+    }
+    let mut flags = dev.full(n, 0f32);
+    let mut ids = Vec::with_capacity(n);
+    g32.run(dev, scale, &mut flags, &mut ids);
+    g16.run(dev, scale, &mut flags, &mut ids);
+    gb16.run(dev, scale, &mut flags, &mut ids);
+    g64.run(dev, scale, &mut flags, &mut ids);
+    Some((ids, flags))
 }
 
 /// `&mut M` for any `M: Params<E> + ?Sized`, as a sized `Params<E>`.

@@ -68,10 +68,11 @@ pub enum Family {
     Pool,
     /// Batch norm's statistics, running update, forward and backward.
     BatchNorm,
-    /// Non-finite check, sum of squares, scale and clamp in place, dropout.
+    /// The fused multi-tensor unscale and non-finite check, the sum of squares and norm,
+    /// scale and clamp in place, dropout.
     Amp,
-    /// The fused multi-tensor unscale and non-finite check (f32 gradients only).
-    Unscale,
+    /// The loss scaler's update and the clip scalars (f32 only: they work on a few scalars).
+    Scaler,
     /// SGD and Adam/AdamW updates of f32 parameters, and the bf16 write-backs.
     Optim,
 }
@@ -89,7 +90,7 @@ impl Family {
         Family::Pool,
         Family::BatchNorm,
         Family::Amp,
-        Family::Unscale,
+        Family::Scaler,
         Family::Optim,
     ];
 
@@ -106,7 +107,7 @@ impl Family {
             Family::Pool => "pool",
             Family::BatchNorm => "batch_norm",
             Family::Amp => "amp",
-            Family::Unscale => "unscale",
+            Family::Scaler => "scaler",
             Family::Optim => "optim",
         }
     }
@@ -114,7 +115,7 @@ impl Family {
     /// The precisions the family exists for.
     pub fn dtypes(self) -> &'static [DType] {
         match self {
-            Family::Unscale | Family::Optim => &[DType::F32],
+            Family::Scaler | Family::Optim => &[DType::F32],
             _ => &DTYPES,
         }
     }
@@ -128,7 +129,7 @@ impl Family {
             Family::Conv => CONV,
             Family::Pool => POOL,
             Family::BatchNorm => BATCH_NORM,
-            Family::Amp | Family::Unscale => AMP,
+            Family::Amp | Family::Scaler => AMP,
             Family::Optim => OPTIM,
         }
     }
@@ -146,7 +147,8 @@ impl Family {
             Family::Pool => "AMP_POOL_KERNELS",
             Family::BatchNorm => "AMP_BATCH_NORM_KERNELS",
             Family::Amp => "AMP_AMP_KERNELS",
-            Family::Unscale | Family::Optim => return None,
+            Family::Scaler => "AMP_SCALER_KERNELS",
+            Family::Optim => return None,
         })
     }
 
@@ -164,7 +166,7 @@ impl Family {
                 "norm_params_partial_bwd",
                 "norm_params_bwd",
             ],
-            Family::Loss => &["cross_entropy_fwd", "cross_entropy_bwd", "mse_fwd", "mean_f64_fwd"],
+            Family::Loss => &["cross_entropy_fwd", "cross_entropy_bwd", "mse_fwd", "mse_bwd", "mean_f64_fwd"],
             Family::Index => &["gather_rows_fwd", "scatter_add_rows_bwd", "cat_fwd"],
             Family::Conv => &["im2col_fwd", "col2im_bwd", "bias_fill_fwd", "channel_sum_bwd"],
             Family::Pool => &["max_pool2d_fwd", "max_pool2d_bwd", "avg_pool2d_fwd", "avg_pool2d_bwd"],
@@ -176,8 +178,10 @@ impl Family {
                 "batch_norm_sums_bwd",
                 "batch_norm_bwd",
             ],
-            Family::Amp => &["non_finite_fwd", "sum_squares_fwd", "scale_fwd", "clamp_fwd", "dropout_fwd"],
-            Family::Unscale => &["unscale_check_fwd"],
+            Family::Amp => {
+                &["unscale_check_fwd", "sum_squares_fwd", "norm_finish_fwd", "scale_fwd", "clamp_fwd", "dropout_fwd"]
+            }
+            Family::Scaler => &["update_scale_fwd", "clip_coefficient_fwd"],
             Family::Optim => &[
                 "sgd_update_fwd",
                 "adam_update_fwd",
@@ -202,7 +206,8 @@ fn assemble(name: String, body: &str, tail: &str, kernels: Vec<String>) -> Progr
 /// The program of a fixed family at one precision.
 ///
 /// # Panics
-/// If the family does not exist at `dtype` (the unscale pass is f32 only).
+/// If the family does not exist at `dtype` (the scaler's and the optimizers' kernels are f32
+/// only).
 pub fn family(f: Family, dtype: DType) -> Program {
     assert!(f.dtypes().contains(&dtype), "kernel family {} has no {dtype} kernels", f.name());
     let kernels = f.kernel_stems().iter().map(|s| kernel_name(s, dtype)).collect();

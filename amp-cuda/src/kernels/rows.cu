@@ -242,9 +242,10 @@ __device__ void amp_ce_fwd(typename Acc<T>::type* lse_out, double* loss_out, con
 // dx = scale·softmax(x) - scale·s/c, minus scale·(1 - s) at the target; 0 for ignored rows.
 template <typename T>
 __device__ void amp_ce_bwd(T* dx, const T* x, const i64* targets, const typename Acc<T>::type* lse_in, i64 rows, i64 c,
-                           int has_ignore, i64 ignore, double smoothing, double scale) {
+                           int has_ignore, i64 ignore, double smoothing, const T* g, double counted) {
     typedef typename Acc<T>::type A;
-    const A sc = (A)scale;
+    // The upstream gradient (the loss scale under a scaler) is read here, not by the host.
+    const A sc = (A)((double)load(g[0]) / counted);
     const A hit = (A)(1.0 - smoothing) * sc, base = (A)(smoothing / (double)c) * sc;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 t = targets[row];
@@ -278,6 +279,20 @@ template <typename T> __device__ void amp_mse(double* parts, const T* a, const T
     }
     acc = amp_block_sum(acc, red);
     if (threadIdx.x == 0) parts[blockIdx.x] = (double)acc;
+}
+
+// dx = (a - b) * (2 g / n) over the two views, dx contiguous; g (the upstream gradient, the loss
+// scale under a scaler) is read here, not by the host, and the factor is formed in f64 as the
+// CPU does.
+template <typename T>
+__device__ void amp_mse_bwd(T* dx, const T* a, const T* b, const T* g, AmpShape s, AmpView va, AmpView vb, i64 n) {
+    typedef typename Acc<T>::type A;
+    const A k = (A)(2.0 * (double)load(g[0]) / (double)n);
+    AMP_GRID_LOOP(i, n) {
+        i64 idx[AMP_MAX_RANK];
+        amp_index(s, i, idx);
+        dx[i] = store<T>((load(a[amp_at(s, va, idx)]) - load(b[amp_at(s, vb, idx)])) * k);
+    }
 }
 
 // out[0] = (Σ parts) / divisor, summed in f64 by one block and rounded once into T.
@@ -351,12 +366,17 @@ template <typename T> __device__ void amp_mean_f64(T* out, const double* parts, 
     extern "C" __global__ void cross_entropy_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x, const i64* targets, \
                                                        const AMP_ACC(SUF) * lse, i64 rows, i64 c,          \
                                                        int has_ignore, i64 ignore, double smoothing,       \
-                                                       double scale) {                                     \
-        amp_ce_bwd<amp_t_##SUF>(dx, x, targets, lse, rows, c, has_ignore, ignore, smoothing, scale);       \
+                                                       const amp_t_##SUF* g, double counted) {             \
+        amp_ce_bwd<amp_t_##SUF>(dx, x, targets, lse, rows, c, has_ignore, ignore, smoothing, g, counted);  \
     }                                                                                                      \
     extern "C" __global__ void mse_fwd_##SUF(double* parts, const amp_t_##SUF* a, const amp_t_##SUF* b,    \
                                              AmpShape s, AmpView va, AmpView vb, i64 n) {                  \
         amp_mse<amp_t_##SUF>(parts, a, b, s, va, vb, n);                                                   \
+    }                                                                                                      \
+    extern "C" __global__ void mse_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* a, const amp_t_##SUF* b,  \
+                                             const amp_t_##SUF* g, AmpShape s, AmpView va, AmpView vb,     \
+                                             i64 n) {                                                      \
+        amp_mse_bwd<amp_t_##SUF>(dx, a, b, g, s, va, vb, n);                                               \
     }                                                                                                      \
     extern "C" __global__ void mean_f64_fwd_##SUF(amp_t_##SUF* out, const double* parts, i64 n,            \
                                                   double divisor) {                                        \

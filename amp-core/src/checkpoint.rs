@@ -1298,21 +1298,41 @@ pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: Deseri
 }
 
 /// Loads the checkpoint in `dir` into `model` and returns its training state, with its parts
-/// read as `O`, `S` and `X` (see [`read_checkpoint_state`]); `E` is the model's element type
-/// (f32, or bf16 for a pure-bf16 model), inferred (`load_checkpoint::<O, S, X, _>`). The model
-/// is untouched if anything is refused (see [`load_weights`]).
+/// read as `O`, `S` and `X` (see [`read_checkpoint_state`]); the last generic argument is the
+/// model's element type and device, inferred (`load_checkpoint::<O, S, X, _>`). The model is
+/// untouched if anything is refused (see [`load_weights`]).
 ///
-/// The model is a CPU one (its generic arguments are the stable `<O, S, X, _>`): for a model
-/// on another device, load into a CPU model and move it with `to_device`, as PyTorch users
-/// load a `state_dict` on the CPU before `model.to(device)`; [`load_weights`] and
-/// [`save_checkpoint`] take a model on any device.
-pub fn load_checkpoint<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned, E: Precision>(
+/// The model may be on any device: the weights are read on the host and copied to each
+/// parameter's device, so a checkpoint written on one device resumes on another (the
+/// optimizer's state follows at its next step, see [`crate::optim::Optim::load_state_dict`]).
+pub fn load_checkpoint<O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned, T>(
     dir: impl AsRef<Path>,
-    model: &mut impl Params<E>,
+    model: &mut impl CheckpointModel<T>,
 ) -> Result<TrainingState<O, S, X>> {
     let (state, weights) = read_checkpoint_state(dir)?;
-    load_weights(&weights, model)?;
+    model.load_weights_from(&weights)?;
     Ok(state)
+}
+
+/// A model [`load_checkpoint`] can load into: any [`Params<E, D>`], with `T = (E, D)`.
+///
+/// It exists so that `load_checkpoint::<O, S, X, _>` names one inferred argument for both the
+/// element type and the device (a function's generic arguments have no defaults). Implemented
+/// for every model; sealed.
+pub trait CheckpointModel<T>: sealed::Sealed<T> {
+    /// [`load_weights`] into this model.
+    fn load_weights_from(&mut self, weights: &Path) -> Result<()>;
+}
+
+impl<E: Precision, D: Device, M: Params<E, D>> CheckpointModel<(E, D)> for M {
+    fn load_weights_from(&mut self, weights: &Path) -> Result<()> {
+        load_weights(weights, self)
+    }
+}
+
+mod sealed {
+    pub trait Sealed<T> {}
+    impl<E: crate::Precision, D: crate::Device, M: crate::Params<E, D>> Sealed<(E, D)> for M {}
 }
 
 #[cfg(test)]

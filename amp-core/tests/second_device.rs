@@ -722,6 +722,100 @@ fn weights_are_saved_from_and_loaded_into_a_model_on_the_second_device() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A pure-bf16 GPT (bf16 weights, `Optim::for_bf16`) trained `steps` steps without loss
+/// scaling: each step's loss bits.
+fn pure_bf16_steps<D: Device>(
+    model: &mut Gpt<bf16, D>,
+    opt: &mut amp_core::optim::Optim<amp_core::optim::AdamW, bf16>,
+    from: usize,
+    steps: usize,
+) -> Vec<u32> {
+    let mut scaler = amp_core::scaler::NoScale::new();
+    (from..from + steps)
+        .map(|i| {
+            let ids = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 5) % 17).collect(), &[2, 6]);
+            let targets = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 3 + 2) % 17).collect(), &[2, 6]);
+            let loss = model.loss::<bf16>(&ids, &targets, &mut Rng::seed(i as u64));
+            let value = loss.item().to_bits();
+            let mut grads = scaler.scale(loss).backward().unscale();
+            grads.clip_grad_norm(1.0);
+            grads.step(opt, model).update().unwrap();
+            value
+        })
+        .collect()
+}
+
+fn bf16_bits<D: Device>(model: &Gpt<bf16, D>) -> Vec<(String, Vec<u16>)> {
+    model.named_params().into_iter().map(|(n, p)| (n, p.to_vec().iter().map(|v| v.to_bits()).collect())).collect()
+}
+
+#[test]
+fn a_pure_bf16_model_trains_on_the_second_device_bit_for_bit_and_moves_mid_run() {
+    use amp_core::optim::Bf16Rounding;
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.1 };
+    let init = Gpt::new(config, &mut Rng::seed(6)).to_precision::<bf16>();
+    // A large learning rate, so every rounding changes weights in a few steps.
+    let optimizer = |rounding| amp_core::optim::AdamW::new(1e-2).build().unwrap().for_bf16(rounding);
+    for rounding in [Bf16Rounding::Kahan, Bf16Rounding::Stochastic { seed: 3 }, Bf16Rounding::Nearest] {
+        // Six steps on the CPU.
+        let (mut cpu, mut opt_cpu) = (init.clone(), optimizer(rounding));
+        let losses_cpu = pure_bf16_steps(&mut cpu, &mut opt_cpu, 0, 6);
+        // The same six on `Mirror`.
+        let (mut mir, mut opt_mir): (Gpt<bf16, Mirror>, _) = (init.to_device(&Mirror), optimizer(rounding));
+        let before = CALLS.load(Ordering::Relaxed);
+        assert_eq!(pure_bf16_steps(&mut mir, &mut opt_mir, 0, 6), losses_cpu, "{rounding:?}: losses");
+        assert!(CALLS.load(Ordering::Relaxed) > before);
+        assert_eq!(bf16_bits(&mir), bf16_bits(&cpu), "{rounding:?}: weights");
+        assert_eq!(opt_mir.state_dict(), opt_cpu.state_dict(), "{rounding:?}: moments and compensation");
+        // Three on the CPU, then the model (and its optimizer) moves to `Mirror` for three more:
+        // the moments and the Kahan compensation follow it.
+        let (mut half, mut opt_half) = (init.clone(), optimizer(rounding));
+        let mut losses = pure_bf16_steps(&mut half, &mut opt_half, 0, 3);
+        let mut moved: Gpt<bf16, Mirror> = half.to_device(&Mirror);
+        opt_half.bind(&moved);
+        losses.extend(pure_bf16_steps(&mut moved, &mut opt_half, 3, 3));
+        assert_eq!(losses, losses_cpu, "{rounding:?}: moved mid-run");
+        assert_eq!(bf16_bits(&moved), bf16_bits(&cpu), "{rounding:?}: weights after the move");
+        assert_eq!(opt_half.state_dict(), opt_cpu.state_dict(), "{rounding:?}: state after the move");
+        let kahan = rounding == Bf16Rounding::Kahan;
+        assert_eq!(opt_cpu.compensation("head.weight").is_some(), kahan, "on the CPU");
+        assert!(opt_half.compensation("head.weight").is_none(), "on Mirror it is read through state_dict");
+        assert_eq!(opt_half.state_dict().compensation.len(), if kahan { bf16_bits(&cpu).len() } else { 0 });
+    }
+}
+
+#[test]
+fn a_checkpoint_loads_into_a_model_on_either_device() {
+    use amp_core::checkpoint::{TrainingState, load_checkpoint, save_checkpoint};
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.0 };
+    let cpu = Gpt::new(config.clone(), &mut Rng::seed(7));
+    let moved: Gpt<f32, Mirror> = cpu.to_device(&Mirror);
+    let dir = std::env::temp_dir().join(format!("amp-second-device-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let state = TrainingState::with_parts(12, 1u32, 2u32, "run".to_string());
+    save_checkpoint(&dir, &moved, &state).unwrap();
+    // Written on `Mirror`: loads into a model on `Mirror` and into one on the CPU, as the
+    // documented `load_checkpoint::<O, S, X, _>`.
+    let mut on_mirror: Gpt<f32, Mirror> = Gpt::new(config.clone(), &mut Rng::seed(8)).to_device(&Mirror);
+    assert_eq!(load_checkpoint::<u32, u32, String, _>(&dir, &mut on_mirror).unwrap(), state);
+    let mut on_cpu: Gpt = Gpt::new(config.clone(), &mut Rng::seed(8));
+    assert_eq!(load_checkpoint::<u32, u32, String, _>(&dir, &mut on_cpu).unwrap(), state);
+    for (((n, a), (_, b)), (_, c)) in
+        cpu.named_params().into_iter().zip(on_mirror.named_params()).zip(on_cpu.named_params())
+    {
+        assert_eq!(a.to_vec(), b.to_vec(), "{n} on Mirror");
+        assert_eq!(a.to_vec(), c.to_vec(), "{n} on the CPU");
+    }
+    // A refused load leaves the model on the device untouched.
+    let mut small: Gpt<f32, Mirror> =
+        Gpt::new(GptConfig { d_model: 8, ..config }, &mut Rng::seed(9)).to_device(&Mirror);
+    let before = small.named_params().iter().map(|(_, p)| p.to_vec()).collect::<Vec<_>>();
+    let err = load_checkpoint::<u32, u32, String, _>(&dir, &mut small).unwrap_err().to_string();
+    assert!(err.contains("shape"), "{err}");
+    assert_eq!(small.named_params().iter().map(|(_, p)| p.to_vec()).collect::<Vec<_>>(), before);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---- `#[autocast]` on the second device ------------------------------------------------------
 
 /// A submodule of the user's own whose compute precision is left to the caller: inside a

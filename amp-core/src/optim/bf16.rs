@@ -2,6 +2,7 @@
 //! Kahan compensation, stochastic rounding or round to nearest (see the module notes of
 //! [`crate::optim`]).
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 
@@ -95,13 +96,16 @@ impl<R: Rule> Optim<R, bf16> {
         self.rounding
     }
     /// The Kahan compensation of the parameter called `name`, if it has been stepped with
-    /// [`Bf16Rounding::Kahan`].
+    /// [`Bf16Rounding::Kahan`] on the CPU (a compensation on another device is read with
+    /// [`Optim::state_dict`], which copies it to the host).
     pub fn compensation(&self, name: &str) -> Option<&[bf16]> {
-        self.compensation.get(name).map(|c| &c[..])
+        let on_cpu = self.compensation.get(name)?.as_any().downcast_ref::<CompensationOn<Cpu>>()?;
+        Some(&on_cpu.buf[..])
     }
-    /// The checkpoint: the rule's state, the rounding and the Kahan compensation.
+    /// The checkpoint: the rule's state, the rounding and the Kahan compensation (copied to
+    /// the host from whichever device each parameter is on).
     pub fn state_dict(&self) -> Bf16OptimizerState<R::State> {
-        let compensation = self.compensation.iter().map(|(n, c)| (n.clone(), c.to_vec())).collect();
+        let compensation = self.compensation.iter().map(|(n, c)| (n.clone(), c.to_host())).collect();
         Bf16OptimizerState { optimizer: self.base_state(), rounding: self.rounding, compensation }
     }
     /// Restores a checkpoint written by an optimizer with the same rule and rounding (Kahan
@@ -119,25 +123,89 @@ impl<R: Rule> Optim<R, bf16> {
             return bad(format!("the checkpoint has Kahan compensation but its rounding is {:?}", state.rounding));
         }
         self.load_base_state(state.optimizer)?;
-        self.compensation = state.compensation.into_iter().map(|(n, c)| (n, Cpu.from_host(c))).collect();
+        self.compensation = state.compensation.into_iter().map(|(n, c)| (n, host_compensation(c))).collect();
         Ok(())
     }
 }
 
-/// On the CPU only: the Kahan compensation is kept as CPU storage (another device would need
-/// its own; train bf16 models there with f32 master weights and autocast).
-impl<R: Rule> Optimizer<bf16> for Optim<R, bf16> {
+/// One bf16 parameter's Kahan compensation, on whichever device the parameter lives on (made
+/// there at its first step, moved there if the model moved or the buffer came from a
+/// checkpoint), like the rule's state (`Slot`).
+pub(super) trait CompensationSlot: Send + Sync {
+    fn to_host(&self) -> Vec<bf16>;
+    fn len(&self) -> usize;
+    fn clone_box(&self) -> Box<dyn CompensationSlot>;
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// A compensation buffer on device `D`.
+struct CompensationOn<D: Device> {
+    dev: D,
+    buf: D::Storage<bf16>,
+}
+
+impl<D: Device> CompensationSlot for CompensationOn<D> {
+    fn to_host(&self) -> Vec<bf16> {
+        self.dev.to_host(&self.buf, &Layout::contiguous(&[D::len(&self.buf)]))
+    }
+    fn len(&self) -> usize {
+        D::len(&self.buf)
+    }
+    fn clone_box(&self) -> Box<dyn CompensationSlot> {
+        Box::new(CompensationOn::<D> { dev: self.dev.clone(), buf: self.buf.clone() })
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl Clone for Box<dyn CompensationSlot> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+/// A compensation read from a checkpoint (on the host until its parameter's next step).
+fn host_compensation(values: Vec<bf16>) -> Box<dyn CompensationSlot> {
+    Box::new(CompensationOn::<Cpu> { dev: Cpu, buf: Cpu.from_host(values) })
+}
+
+/// The compensation of the parameter `name` on `dev`: zeros if it has none, moved there if it
+/// is on another device.
+fn compensation_on<'a, D: Device>(
+    slots: &'a mut BTreeMap<String, Box<dyn CompensationSlot>>,
+    name: &str,
+    dev: &D,
+    numel: usize,
+) -> &'a mut D::Storage<bf16> {
+    let slot = slots
+        .entry(name.to_string())
+        .or_insert_with(|| Box::new(CompensationOn::<D> { dev: dev.clone(), buf: dev.full(numel, bf16::ZERO) }));
+    if !slot.as_any().is::<CompensationOn<D>>() {
+        let host = slot.to_host();
+        *slot = Box::new(CompensationOn::<D> { dev: dev.clone(), buf: dev.from_host(host) });
+    }
+    &mut slot.as_any_mut().downcast_mut::<CompensationOn<D>>().expect("the slot was just made for this device").buf
+}
+
+/// On any device: the working copies, the rule's state and the compensation live on the
+/// parameter's device.
+impl<R: Rule, D: Device> Optimizer<bf16, D> for Optim<R, bf16> {
     /// Widens each bf16 parameter and its bf16 gradient to f32, runs the rule's f32 update
     /// (f32 moments), and writes the result back as [`Optim::rounding`] says.
-    fn step(&mut self, params: &mut dyn Params<bf16>, grads: &Grads) -> Result<()> {
+    fn step(&mut self, params: &mut dyn Params<bf16, D>, grads: &Grads<D>) -> Result<()> {
         let t = self.steps;
         let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
         for (name, param, grad) in work {
             let hyper = self.hyper_for(&name, t);
             let numel = param.numel();
-            let dev = Cpu;
-            // f32 working copies (from the caching allocator, so a large parameter's widening
-            // does not fault in fresh pages every step).
+            let dev = param.device().clone();
+            // f32 working copies (from the device's caching allocator, so a large parameter's
+            // widening does not fault in fresh pages every step).
             let whole = Layout::contiguous(&[numel]);
             let mut w = dev.cast::<bf16, f32>(param.storage_mut(), &whole);
             let g = dev.cast::<bf16, f32>(&grad.contiguous_storage(), &whole);
@@ -145,8 +213,7 @@ impl<R: Rule> Optimizer<bf16> for Optim<R, bf16> {
             self.rule.update(&dev, hyper, &mut w, &g, state);
             let (mode, comp) = match self.rounding {
                 Bf16Rounding::Kahan => {
-                    let c = self.compensation.entry(name).or_insert_with(|| dev.full(numel, bf16::ZERO));
-                    (Bf16Write::Kahan, Some(c))
+                    (Bf16Write::Kahan, Some(compensation_on(&mut self.compensation, &name, &dev, numel)))
                 }
                 Bf16Rounding::Stochastic { seed } => (Bf16Write::Stochastic { key: stream_key(seed, &name, t) }, None),
                 Bf16Rounding::Nearest => (Bf16Write::Nearest, None),

@@ -17,8 +17,6 @@
 //!   corrections) live on the host, and a skipped step is decided on the host from the
 //!   unscale pass's flags, so it never reaches the optimizer. Keeping the whole step on a GPU
 //!   without a host read moves the step counts to the device too.
-//! - Pure-bf16 optimizers ([`Optim::for_bf16`]) run on the CPU only: their Kahan compensation
-//!   is CPU storage. On another device, train with f32 master weights and autocast.
 //! - The arithmetic is PyTorch's single-tensor (CPU default) path, operation for operation and
 //!   in the same order, in f32 with the hyperparameters rounded to f32 where PyTorch rounds
 //!   them (bias corrections and step sizes in f64, as Python floats). Where PyTorch's
@@ -71,6 +69,9 @@
 //!   is bounded and deterministic, which is why Kahan is the default.
 //!   `amp-core/tests/pure_bf16.rs` measures Kahan, stochastic rounding and round to nearest
 //!   against f32 master weights on the addition task (figures in the README).
+//! - As for f32 parameters, everything stays on the parameters' device: the f32 working
+//!   copies, the moments and the compensation (made there at the first step, moved there
+//!   with the model; [`Optim::state_dict`] copies them to the host).
 //! - f16 parameters have no optimizer: [`Optimizer`] is implemented for f32 and bf16 only, so
 //!   stepping a `Params<f16>` model does not compile (f16's 5-bit exponent needs the f32 master
 //!   copy and loss scaling of mixed precision; pure f16 training is not supported).
@@ -351,7 +352,7 @@ pub struct Optim<R: Rule, E: Precision = f32> {
     rounding: Bf16Rounding,
     /// The Kahan compensation of each bf16 parameter by name (empty unless `E` is bf16 and
     /// `rounding` is Kahan).
-    compensation: BTreeMap<String, <Cpu as Device>::Storage<half::bf16>>,
+    compensation: BTreeMap<String, Box<dyn bf16::CompensationSlot>>,
     _elem: PhantomData<fn() -> E>,
 }
 

@@ -999,6 +999,11 @@ fn host_reads_per_step<L: Precision, K: amp_core::scaler::LossScaler>(scaler: &m
     let (norm, report) = &reports[steps];
     assert!(!norm.is_read() && norm.get().is_finite() && norm.get() == report.grad_norm.as_ref().unwrap().get());
     assert_eq!(host_reads() - before, 1, "one read per value, then kept");
+    let before = host_reads();
+    assert!(report.scale.get() > 0.0 && report.growth_tracker.get() >= 0 && report.scale.get() > 0.0);
+    // NoScale's values are constants, read from nowhere.
+    let expected = usize::from(scaler.scales_loss());
+    assert_eq!(host_reads() - before, expected, "the scale and the growth tracker come from one copy of the state");
     // The first step moves the scaler's state to the device; count the others.
     reads[1..].iter().sum::<usize>() as f64 / steps as f64
 }

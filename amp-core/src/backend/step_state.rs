@@ -177,6 +177,13 @@ impl<T: Copy + Send + Sync + 'static> Lazy<T> {
     pub fn is_read(&self) -> bool {
         self.inner.value.get().is_some()
     }
+    /// The value: read on the first call (waiting for the device), kept after.
+    pub(crate) fn force(&self) -> T {
+        *self.inner.value.get_or_init(|| {
+            let read = self.inner.read.lock().unwrap_or_else(|e| e.into_inner()).take();
+            read.expect("a Lazy value is read once, under its OnceLock")()
+        })
+    }
 }
 
 impl<T> Clone for Lazy<T> {
@@ -222,10 +229,7 @@ impl<T: Scalar> HostValue<T> for T {
 
 impl<T: Scalar> HostValue<T> for Lazy<T> {
     fn get(&self) -> T {
-        *self.inner.value.get_or_init(|| {
-            let read = self.inner.read.lock().unwrap_or_else(|e| e.into_inner()).take();
-            read.expect("a Lazy value is read once, under its OnceLock")()
-        })
+        self.force()
     }
 }
 

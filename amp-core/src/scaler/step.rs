@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use super::grad_scaler::{LossScaler, UnscaleMode};
 use crate::autograd::{AnyTensor, Grads, TensorId};
-use crate::backend::{Cpu, Device, ScaleSlot, read_back};
+use crate::backend::{Cpu, Device, Lazy, ScaleSlot, read_back};
 use crate::error::{Error, Result, or_panic};
 use crate::layout::Layout;
 use crate::optim::Optimizer;
@@ -578,10 +578,16 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         let found_inf = dev.from_host(vec![if st.found_inf { 1.0f32 } else { 0.0 }]);
         let after = st.scaler.finish(&dev, &found_inf, new_scale)?;
         let (scale, growth_tracker) = match after {
-            Some(state) => (
-                read_back(&dev, state.clone(), ScaleSlot::Scale as usize, |v| v as f32),
-                read_back(&dev, state, ScaleSlot::GrowthTracker as usize, |v| v as i32),
-            ),
+            Some(state) => {
+                // One copy of the state serves both fields: reading both is one read.
+                let reader = dev.clone();
+                let copy = Lazy::new(move || {
+                    let v = reader.to_host(&state, &Layout::contiguous(&[ScaleSlot::LEN]));
+                    (v[ScaleSlot::Scale as usize] as f32, v[ScaleSlot::GrowthTracker as usize] as i32)
+                });
+                let scale_of = copy.clone();
+                (dev.value(move || scale_of.force().0), dev.value(move || copy.force().1))
+            }
             None => (dev.value(|| 1.0), dev.value(|| 0)),
         };
         let skipped = st.found_inf;

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use amp_core::__private::{CastStats, Region, cache_entries, cast, cast_stats, reset_cast_stats};
 use amp_core::backend::{
     AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, HostValue, Lazy,
-    Pool2dSpec, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
+    Outcomes, Pool2dSpec, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
 use amp_core::nn::{Block, Gpt, GptConfig, LayerNorm, Linear};
@@ -389,26 +389,28 @@ impl Device for Mirror {
     }
     fn sgd_update(
         &self,
-        args: &SgdArgs,
+        rows: &[SgdArgs],
         param: &mut Buf<f32>,
         grad: &Buf<f32>,
         momentum_buffer: Option<&mut StateBuf>,
-        found_inf: Option<&Buf<f32>>,
+        outcomes: Option<Outcomes<'_, Buf<f32>>>,
     ) {
         hit();
-        Cpu.sgd_update(args, &mut param.0, &grad.0, momentum_buffer.map(|b| &mut b.0), found_inf.map(|f| &f.0))
+        let outcomes = outcomes.map(|o| Outcomes { flags: &o.flags.0, at: o.at });
+        Cpu.sgd_update(rows, &mut param.0, &grad.0, momentum_buffer.map(|b| &mut b.0), outcomes)
     }
     fn adam_update(
         &self,
-        args: &AdamArgs,
+        rows: &[AdamArgs],
         param: &mut Buf<f32>,
         grad: &Buf<f32>,
         exp_avg: &mut StateBuf,
         exp_avg_sq: &mut StateBuf,
-        found_inf: Option<&Buf<f32>>,
+        outcomes: Option<Outcomes<'_, Buf<f32>>>,
     ) {
         hit();
-        Cpu.adam_update(args, &mut param.0, &grad.0, &mut exp_avg.0, &mut exp_avg_sq.0, found_inf.map(|f| &f.0))
+        let outcomes = outcomes.map(|o| Outcomes { flags: &o.flags.0, at: o.at });
+        Cpu.adam_update(rows, &mut param.0, &grad.0, &mut exp_avg.0, &mut exp_avg_sq.0, outcomes)
     }
     fn write_bf16(&self, updated: &Buf<f32>, param: &mut Buf<bf16>, mode: Bf16Write, comp: Option<&mut Buf<bf16>>) {
         hit();
@@ -695,9 +697,10 @@ fn update_kernels_leave_everything_untouched_when_found_inf_is_set() {
         let found_inf = dev.from_host(vec![flag]);
         let mut p = dev.from_host(p0.clone());
         let (mut m, mut v) = (vec![0.5f32; 4], vec![0.25f32; 4]);
-        dev.adam_update(&adam, &mut p, &g, &mut m, &mut v, Some(&found_inf));
+        let outcomes = Some(Outcomes { flags: &found_inf, at: 0 });
+        dev.adam_update(&[adam], &mut p, &g, &mut m, &mut v, outcomes);
         let mut buf = vec![0.5f32; 4];
-        dev.sgd_update(&sgd, &mut p, &g, Some(&mut buf), Some(&found_inf));
+        dev.sgd_update(&[sgd], &mut p, &g, Some(&mut buf), outcomes);
         let untouched = p.to_vec() == p0 && m == [0.5; 4] && v == [0.25; 4] && buf == [0.5; 4];
         assert_eq!(untouched, flag != 0.0, "found_inf = {flag}");
     }
@@ -1013,10 +1016,141 @@ fn an_amp_step_reads_device_memory_once_to_decide_the_skip() {
     let mut scaler = amp_core::scaler::GradScaler::new();
     let f16_reads = host_reads_per_step::<f16, _>(&mut scaler, 10);
     let bf16_reads = host_reads_per_step::<bf16, _>(&mut amp_core::scaler::NoScale::new(), 10);
-    // The unscale flags, the clip norm and coefficient, the loss scale and its update stay on
-    // the device; the one read left is the flags, which the host reads to decide which
-    // optimizers step (the optimizer's step counts and learning rate live on the host).
-    assert_eq!((f16_reads, bf16_reads), (1.0, 1.0));
+    // The unscale flags, the clip norm and coefficient, the loss scale and its update, and the
+    // optimizer's skip all stay on the device: the optimizer's counts are read once every
+    // STEPS_PER_READ steps, not within these 10.
+    assert_eq!((f16_reads, bf16_reads), (0.0, 0.0));
+}
+
+/// What a long run did, as bits: per step (loss, skipped, scale); the optimizer's applied
+/// steps and learning rate read mid-run and at the end; the final parameters and optimizer
+/// state.
+type LongRun<S> = (Vec<(u32, bool, u32)>, Vec<(u64, u64)>, Vec<Vec<u32>>, amp_core::optim::OptimizerState<S>);
+
+/// `steps` f16 + GradScaler steps of the small GPT with `opt`, gradients made inf on the steps
+/// in `overflow` (skipped on the device), a parameter left without a gradient on the steps in
+/// `frozen`, counts read at the steps in `peek`; and the host reads made.
+fn long_run<R: amp_core::optim::Rule, D: Device>(
+    model: &mut Gpt<f32, D>,
+    opt: &mut amp_core::optim::Optim<R>,
+    steps: usize,
+    overflow: &[usize],
+    frozen: &[usize],
+    peek: &[usize],
+) -> (LongRun<R::State>, usize) {
+    let mut scaler = amp_core::scaler::GradScaler::with_options(amp_core::scaler::GradScalerOptions {
+        init_scale: 256.0,
+        ..Default::default()
+    })
+    .unwrap();
+    let (mut log, mut counts) = (Vec::new(), Vec::new());
+    let reads = host_reads();
+    for i in 0..steps {
+        let ids = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 7) % 17).collect(), &[2, 6]);
+        let targets = Indices::from_vec((0..12).map(|j| ((i as i64 + j) * 3 + 1) % 17).collect(), &[2, 6]);
+        let mut loss = if frozen.contains(&i) {
+            // Without the position embedding: it gets no gradient this step.
+            let logits: Tensor<f32, D> = model.head.forward::<f32, f32>(&model.tok_emb.forward(&ids));
+            logits.reshape(&[12, 17]).cross_entropy(&targets.reshape(&[12]))
+        } else {
+            model.loss::<f16>(&ids, &targets, &mut Rng::seed(i as u64))
+        };
+        if overflow.contains(&i) {
+            loss = loss.mul_scalar(f64::INFINITY);
+        }
+        let value = loss.detach();
+        let mut grads = scaler.scale(loss).backward().unscale();
+        grads.clip_grad_norm(1.0);
+        let report = grads.step(opt, model).update().unwrap();
+        log.push((value, report));
+        if peek.contains(&i) {
+            counts.push((opt.steps(), opt.lr().to_bits()));
+        }
+    }
+    let reads = host_reads() - reads;
+    let log = log.into_iter().map(|(v, r)| (v.item().to_bits(), r.skipped.get(), r.scale.get().to_bits())).collect();
+    counts.push((opt.steps(), opt.lr().to_bits()));
+    let params = model.named_params().iter().map(|(_, p)| p.to_vec().iter().map(|v| v.to_bits()).collect()).collect();
+    ((log, counts, params, opt.state_dict()), reads)
+}
+
+#[test]
+fn a_window_of_skipped_steps_leaves_no_optimizer_state() {
+    use amp_core::optim::{Optim, Rule, STEPS_PER_READ, Sgd};
+    // Every step overflows for a while: on the CPU the optimizer never sees them; on the
+    // device it issued them, and its state must read as if it had not (no momentum buffer,
+    // no moments, zero steps), inside the window and after it closes.
+    fn run<R: Rule, D: Device>(model: &mut Gpt<f32, D>, mut opt: Optim<R>) -> Vec<LongRun<R::State>> {
+        let over: Vec<usize> = (0..STEPS_PER_READ + 3).collect();
+        let mut out = Vec::new();
+        // Inside the first window, then across its close into the next: the same optimizer.
+        for steps in [3, STEPS_PER_READ + 3] {
+            let (run, _) = long_run(model, &mut opt, steps, &over, &[], &[]);
+            assert_eq!(run.1.last().unwrap().0, 0, "no step applied");
+            assert!(run.3.params.is_empty(), "no state: {:?}", run.3.params.keys());
+            out.push(run);
+        }
+        // Then applied steps, still the same optimizer: its first real step.
+        out.push(long_run(model, &mut opt, 4, &[], &[], &[]).0);
+        out
+    }
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.0 };
+    let init = Gpt::new(config, &mut Rng::seed(12));
+    let sgd = || Sgd::new(0.05).momentum(0.9).dampening(0.5).build().unwrap();
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    assert_eq!(run(&mut mir, sgd()), run(&mut cpu, sgd()));
+    let adam = || amp_core::optim::Adam::new(1e-2).build().unwrap();
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    assert_eq!(run(&mut mir, adam()), run(&mut cpu, adam()));
+}
+
+#[test]
+fn optimizers_skip_on_the_device_and_learn_their_counts_every_window_bit_for_bit() {
+    use amp_core::optim::{AdamW, ParamGroup, STEPS_PER_READ, Sgd, WarmupCosine};
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.1 };
+    let init = Gpt::new(config, &mut Rng::seed(11));
+    let steps = 2 * STEPS_PER_READ + 6;
+    // Skipped: the first step (state made in a window whose only step was skipped), steps in
+    // the middle of windows, and the last step of the first window.
+    let overflow = [0, 5, 6, STEPS_PER_READ - 1, STEPS_PER_READ + 3, 2 * STEPS_PER_READ + 2];
+    let peek = [3, STEPS_PER_READ + 10];
+    // A schedule and groups, so the learning rate depends on the count of applied steps.
+    let schedule = || WarmupCosine::with_min(8, steps as u64, 0.1).unwrap();
+    let adamw = || {
+        AdamW::new(5e-3)
+            .weight_decay(0.1)
+            .build()
+            .unwrap()
+            .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias")).lr(2e-3).weight_decay(0.0))
+            .with_schedule(schedule())
+    };
+    let sgd =
+        || Sgd::new(0.05).momentum(0.9).dampening(0.25).weight_decay(1e-3).build().unwrap().with_schedule(schedule());
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    let (on_mirror, reads) = long_run(&mut mir, &mut adamw(), steps, &overflow, &[], &peek);
+    let (on_cpu, _) = long_run(&mut cpu, &mut adamw(), steps, &overflow, &[], &peek);
+    assert_eq!(on_mirror, on_cpu, "AdamW");
+    let skipped = on_cpu.0.iter().filter(|s| s.1).count();
+    assert!(skipped >= overflow.len() && on_cpu.1.last().unwrap().0 == (steps - skipped) as u64, "{:?}", on_cpu.1);
+    // Reads during the run: the two full windows closed, and one per peek (`steps()` reads
+    // the open window's flags, kept for the `lr()` after it). Nothing else waited.
+    assert_eq!(reads, 2 + peek.len(), "host reads");
+
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    assert_eq!(
+        long_run(&mut mir, &mut sgd(), steps, &overflow, &[], &peek).0,
+        long_run(&mut cpu, &mut sgd(), steps, &overflow, &[], &peek).0,
+        "SGD with momentum and dampening (its buffer's first step after a skipped one)"
+    );
+
+    // A parameter without a gradient on some steps: a window holds one set of parameters, so
+    // a step with another set closes it first (a read), and the counts stay the CPU's.
+    let frozen = [10, 11, 40];
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    let (on_mirror, reads) = long_run(&mut mir, &mut adamw(), 50, &overflow, &frozen, &[]);
+    assert_eq!(on_mirror, long_run(&mut cpu, &mut adamw(), 50, &overflow, &frozen, &[]).0, "with frozen steps");
+    // Windows [0, 10), [10, 12), [12, 40), [40, 41), [41, 50): four closed by a change of set.
+    assert_eq!(reads, 4, "host reads");
 }
 
 #[test]

@@ -18,9 +18,10 @@ use std::sync::Arc;
 
 use amp_core::backend::{
     AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Lazy,
-    Pool2dSpec, PoolWindow, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
+    Outcomes, Pool2dSpec, PoolWindow, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
+use amp_core::optim::STEPS_PER_READ;
 use amp_core::{DType, Precision};
 use cudarc::driver::{DeviceRepr, result};
 
@@ -165,9 +166,84 @@ impl PoolGeom {
     }
 }
 
+/// The step-dependent SGD scalars of every row (the kernel's `AmpSgdRows`; see
+/// `amp_core::backend::Outcomes`): one per count of applied steps a window can be at.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct SgdRows {
+    neg_lr: [f32; STEPS_PER_READ],
+    first: [i32; STEPS_PER_READ],
+}
+
+/// The step-dependent Adam scalars of every row (the kernel's `AmpAdamRows`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AdamRows {
+    neg_step_size: [f32; STEPS_PER_READ],
+    bc2_sqrt: [f32; STEPS_PER_READ],
+    decay_mul: [f32; STEPS_PER_READ],
+}
+
+/// Checks the rows an optimizer update was given: 1 to `STEPS_PER_READ` of them, differing only
+/// where the kernel reads a row (everything else is taken from the first).
+fn check_rows<T: PartialEq + std::fmt::Debug>(rows: &[T], same: impl Fn(&T) -> T) {
+    assert!(
+        (1..=STEPS_PER_READ).contains(&rows.len()),
+        "backend invariant: an optimizer update with {} argument rows (1 to {STEPS_PER_READ})",
+        rows.len()
+    );
+    let first = same(&rows[0]);
+    assert!(rows.iter().all(|r| same(r) == first), "backend invariant: optimizer rows differ outside their row fields");
+}
+
+impl SgdRows {
+    fn of(rows: &[SgdArgs]) -> Self {
+        check_rows(rows, |r| SgdArgs { neg_lr: 0.0, first: false, ..*r });
+        let mut t = SgdRows { neg_lr: [0.0; STEPS_PER_READ], first: [0; STEPS_PER_READ] };
+        for (i, r) in rows.iter().enumerate() {
+            (t.neg_lr[i], t.first[i]) = (r.neg_lr, r.first as i32);
+        }
+        t
+    }
+}
+
+impl AdamRows {
+    fn of(rows: &[AdamArgs]) -> Self {
+        let decay_kind = |d: AdamDecay| match d {
+            AdamDecay::Decoupled(_) => AdamDecay::Decoupled(0.0),
+            other => other,
+        };
+        check_rows(rows, |r| AdamArgs {
+            neg_step_size: 0.0,
+            bias_correction2_sqrt: 0.0,
+            decay: decay_kind(r.decay),
+            ..*r
+        });
+        let mut t = AdamRows {
+            neg_step_size: [0.0; STEPS_PER_READ],
+            bc2_sqrt: [0.0; STEPS_PER_READ],
+            decay_mul: [1.0; STEPS_PER_READ],
+        };
+        for (i, r) in rows.iter().enumerate() {
+            t.neg_step_size[i] = r.neg_step_size;
+            t.bc2_sqrt[i] = r.bias_correction2_sqrt;
+            if let AdamDecay::Decoupled(m) = r.decay {
+                t.decay_mul[i] = m;
+            }
+        }
+        t
+    }
+}
+
 // SAFETY: all three are `#[repr(C)]` structs of plain integers whose field order, types and
 // padding match the kernels' structs of the same names; they are passed by value.
 unsafe impl DeviceRepr for AmpChunk {}
+// SAFETY: `#[repr(C)]` arrays of f32 and i32 of `STEPS_PER_READ` elements, the layout of the
+// kernel's `AmpSgdRows` (no padding: both are 4-byte types), passed by value; the kernel's
+// `AMP_STEP_ROWS` is checked to equal `STEPS_PER_READ` by a test.
+unsafe impl DeviceRepr for SgdRows {}
+// SAFETY: as above, three f32 arrays, the kernel's `AmpAdamRows`.
+unsafe impl DeviceRepr for AdamRows {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for ConvGeom {}
 // SAFETY: as above.
@@ -1464,11 +1540,11 @@ impl Device for Cuda {
     }
     fn sgd_update(
         &self,
-        args: &SgdArgs,
+        rows: &[SgdArgs],
         param: &mut CudaStorage<f32>,
         grad: &CudaStorage<f32>,
         momentum_buffer: Option<&mut CudaStateVec>,
-        found_inf: Option<&CudaStorage<f32>>,
+        outcomes: Option<Outcomes<'_, CudaStorage<f32>>>,
     ) {
         assert!(Self::is_exclusive(param), "backend invariant: sgd_update on a shared parameter");
         let st = self.st();
@@ -1476,12 +1552,14 @@ impl Device for Cuda {
         if n == 0 {
             return;
         }
-        let SgdArgs { neg_lr, weight_decay, momentum, keep, nesterov, first } = *args;
+        let table = SgdRows::of(rows);
+        let SgdArgs { weight_decay, momentum, keep, nesterov, .. } = rows[0];
         let buf = momentum_buffer.map_or(0, |b| b.0.ptr());
+        let (flags, at) = outcomes.map_or((0, 0), |o| (o.flags.ptr(), o.at as i32));
         let f = st.family_fn(Family::Optim, DType::F32, "sgd_update_fwd");
         launch!(st, f, grid(n);
-            param.ptr(), grad.ptr(), buf, n as i64, neg_lr, weight_decay.is_some() as i32, weight_decay.unwrap_or(0.0),
-            momentum, keep, nesterov as i32, first as i32, found_inf.map_or(0, |f| f.ptr()));
+            param.ptr(), grad.ptr(), buf, n as i64, table, weight_decay.is_some() as i32, weight_decay.unwrap_or(0.0),
+            momentum, keep, nesterov as i32, flags, at);
     }
     fn write_bf16(
         &self,
@@ -1514,12 +1592,12 @@ impl Device for Cuda {
     }
     fn adam_update(
         &self,
-        args: &AdamArgs,
+        rows: &[AdamArgs],
         param: &mut CudaStorage<f32>,
         grad: &CudaStorage<f32>,
         exp_avg: &mut CudaStateVec,
         exp_avg_sq: &mut CudaStateVec,
-        found_inf: Option<&CudaStorage<f32>>,
+        outcomes: Option<Outcomes<'_, CudaStorage<f32>>>,
     ) {
         assert!(Self::is_exclusive(param), "backend invariant: adam_update on a shared parameter");
         let st = self.st();
@@ -1527,20 +1605,18 @@ impl Device for Cuda {
         if n == 0 {
             return;
         }
-        let AdamArgs { neg_step_size, bias_correction2_sqrt, lerp_weight, beta2, one_minus_beta2, eps, decay } = *args;
+        let table = AdamRows::of(rows);
+        let AdamArgs { lerp_weight, beta2, one_minus_beta2, eps, decay, .. } = rows[0];
         let (l2, wd) = match decay {
             AdamDecay::L2(wd) => (1i32, wd),
             _ => (0, 0.0f32),
         };
-        let (decoupled, decay_mul) = match decay {
-            AdamDecay::Decoupled(m) => (1i32, m),
-            _ => (0, 1.0f32),
-        };
+        let decoupled = matches!(decay, AdamDecay::Decoupled(_)) as i32;
+        let (flags, at) = outcomes.map_or((0, 0), |o| (o.flags.ptr(), o.at as i32));
         let f = st.family_fn(Family::Optim, DType::F32, "adam_update_fwd");
         launch!(st, f, grid(n);
-            param.ptr(), grad.ptr(), exp_avg.0.ptr(), exp_avg_sq.0.ptr(), n as i64, neg_step_size,
-            bias_correction2_sqrt, lerp_weight, beta2, one_minus_beta2, eps, l2, wd, decoupled, decay_mul,
-            found_inf.map_or(0, |f| f.ptr()));
+            param.ptr(), grad.ptr(), exp_avg.0.ptr(), exp_avg_sq.0.ptr(), n as i64, table, lerp_weight, beta2,
+            one_minus_beta2, eps, l2, wd, decoupled, flags, at);
     }
 }
 

@@ -94,7 +94,7 @@ fn a_cloned_state_vector_is_a_copy() {
         eps: 1e-8,
         decay: amp_core::backend::AdamDecay::None,
     };
-    cuda.adam_update(&args, &mut p, &g, &mut m, &mut v, None);
+    cuda.adam_update(&[args], &mut p, &g, &mut m, &mut v, None);
     assert_eq!(cuda.state_to_host(&b), vec![1.0, 2.0, 3.0], "the clone did not change");
     assert_ne!(cuda.state_to_host(&m), vec![1.0, 2.0, 3.0]);
     assert_eq!(cuda.state_len(&b), 3);

@@ -9,7 +9,7 @@
 
 mod common;
 
-use amp_core::backend::{AdamArgs, AdamDecay, Bf16Write, HostValue, ScaleRule, SgdArgs};
+use amp_core::backend::{AdamArgs, AdamDecay, Bf16Write, HostValue, Outcomes, ScaleRule, SgdArgs};
 use amp_core::layout::Layout;
 use amp_core::nn::{Gpt, GptConfig};
 use amp_core::param::ToDevice;
@@ -373,9 +373,10 @@ fn optimizer_kernels<D: Device>(dev: &D) -> Outputs {
         let mut buf = dev.state_from_host(vals(62));
         let sgd =
             SgdArgs { neg_lr: -0.1, weight_decay: Some(0.01), momentum: 0.9, keep: 0.9, nesterov: true, first: false };
-        dev.sgd_update(&sgd, &mut p, &g, Some(&mut buf), Some(&flag));
+        let outcomes = Some(Outcomes { flags: &flag, at: 0 });
+        dev.sgd_update(&[sgd], &mut p, &g, Some(&mut buf), outcomes);
         let plain = SgdArgs { momentum: 0.0, weight_decay: None, nesterov: false, ..sgd };
-        dev.sgd_update(&plain, &mut p, &g, None, None);
+        dev.sgd_update(&[plain], &mut p, &g, None, None);
         for (j, decay) in [AdamDecay::L2(0.01), AdamDecay::Decoupled(0.999), AdamDecay::None].into_iter().enumerate() {
             let (mut m, mut v) =
                 (dev.state_from_host(vals(63)), dev.state_from_host(vals(64).iter().map(|x| x * x).collect()));
@@ -388,12 +389,48 @@ fn optimizer_kernels<D: Device>(dev: &D) -> Outputs {
                 eps: 1e-8,
                 decay,
             };
-            dev.adam_update(&args, &mut p, &g, &mut m, &mut v, Some(&flag));
+            dev.adam_update(&[args], &mut p, &g, &mut m, &mut v, Some(Outcomes { flags: &flag, at: 0 }));
             out.push((format!("adam{j}.m.{i}"), f32s(dev.state_to_host(&m))));
             out.push((format!("adam{j}.v.{i}"), f32s(dev.state_to_host(&v))));
         }
         out.push((format!("param.{i}"), f32s(dev.to_host(&p, &l))));
         out.push((format!("momentum.{i}"), f32s(dev.state_to_host(&buf))));
+    }
+    // A window: step 3 after an applied, a skipped and an applied step uses row 2; step 1
+    // (skipped) changes nothing.
+    let flags = dev.from_host(vec![0.0f32, 1.0, 0.0, 0.0]);
+    for at in [3, 1] {
+        let outcomes = Some(Outcomes { flags: &flags, at });
+        let mut p = dev.from_host(vals(67));
+        let mut buf = dev.state_from_host(vals(68));
+        let sgd: Vec<SgdArgs> = (0..=at)
+            .map(|k| SgdArgs {
+                neg_lr: -0.1 / (k + 1) as f32,
+                weight_decay: Some(0.01),
+                momentum: 0.9,
+                keep: 0.75,
+                nesterov: false,
+                first: k == 0,
+            })
+            .collect();
+        dev.sgd_update(&sgd, &mut p, &g, Some(&mut buf), outcomes);
+        let (mut m, mut v) =
+            (dev.state_from_host(vals(63)), dev.state_from_host(vals(64).iter().map(|x| x * x).collect()));
+        let adam: Vec<AdamArgs> = (0..=at)
+            .map(|k| AdamArgs {
+                neg_step_size: -1e-3 * (k + 1) as f32,
+                bias_correction2_sqrt: 0.1 * (k + 1) as f32,
+                lerp_weight: 0.1,
+                beta2: 0.999,
+                one_minus_beta2: 0.001,
+                eps: 1e-8,
+                decay: AdamDecay::Decoupled(1.0 - 1e-4 * (k + 1) as f32),
+            })
+            .collect();
+        dev.adam_update(&adam, &mut p, &g, &mut m, &mut v, outcomes);
+        out.push((format!("window{at}.param"), f32s(dev.to_host(&p, &l))));
+        out.push((format!("window{at}.momentum"), f32s(dev.state_to_host(&buf))));
+        out.push((format!("window{at}.m"), f32s(dev.state_to_host(&m))));
     }
     let updated = dev.from_host(vals(65));
     for (k, mode) in [Bf16Write::Nearest, Bf16Write::Kahan, Bf16Write::Stochastic { key: 77 }].into_iter().enumerate() {

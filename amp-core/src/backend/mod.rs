@@ -678,9 +678,10 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     // ---- optimizer updates ---------------------------------------------------------------------
     // One fused pass per f32 parameter over its values, gradient and state, PyTorch's
     // single-tensor arithmetic operation for operation (fused multiply-adds where its
-    // vectorised kernels fuse). Each reads the one-element `found_inf` flag, when given, on the
-    // device: when it is nonzero the kernel changes nothing (parameter and state bit-identical),
-    // so a skipped step needs no host round trip.
+    // vectorised kernels fuse). With `outcomes` ([`Outcomes`]) the kernel decides on the
+    // device: it changes nothing when this step's flag is set (parameter and state
+    // bit-identical), and otherwise takes its scalars from the row of `rows` that matches the
+    // steps applied before it, so a training step needs no host round trip.
 
     /// An f32 optimizer-state vector (moments, momentum buffers); `Vec<f32>` on the CPU.
     type StateVec: Clone + fmt::Debug + Send + Sync + 'static;
@@ -693,15 +694,17 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     fn state_to_host(&self, v: &Self::StateVec) -> Vec<f32>;
     /// The state vector's length.
     fn state_len(&self, v: &Self::StateVec) -> usize;
-    /// One SGD step of the contiguous `param` from `grad` (same length); `momentum_buffer` is
-    /// given exactly when `args.momentum` is nonzero (zeros or garbage when `args.first`).
+    /// One SGD step of the contiguous `param` from `grad` (same length) with the arguments
+    /// `rows[outcome_row(..)]` (`rows[0]` without `outcomes`; the rows differ in `neg_lr` and
+    /// `first` only); `momentum_buffer` is given exactly when `momentum` is nonzero (zeros or
+    /// garbage when `first`).
     fn sgd_update(
         &self,
-        args: &SgdArgs,
+        rows: &[SgdArgs],
         param: &mut Self::Storage<f32>,
         grad: &Self::Storage<f32>,
         momentum_buffer: Option<&mut Self::StateVec>,
-        found_inf: Option<&Self::Storage<f32>>,
+        outcomes: Option<Outcomes<'_, Self::Storage<f32>>>,
     );
     /// Writes the f32 `updated` values into the contiguous bf16 `param` (same length) as `mode`
     /// says: the write-back of a pure-bf16 optimizer. `compensation` (same length) is given
@@ -714,16 +717,46 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         compensation: Option<&mut Self::Storage<half::bf16>>,
     );
     /// One Adam / AdamW step of the contiguous `param` from `grad`, with its moments (all the
-    /// same length).
+    /// same length), with the arguments `rows[outcome_row(..)]` (`rows[0]` without `outcomes`;
+    /// the rows differ in `neg_step_size`, `bias_correction2_sqrt` and the decoupled decay's
+    /// factor only).
     fn adam_update(
         &self,
-        args: &AdamArgs,
+        rows: &[AdamArgs],
         param: &mut Self::Storage<f32>,
         grad: &Self::Storage<f32>,
         exp_avg: &mut Self::StateVec,
         exp_avg_sq: &mut Self::StateVec,
-        found_inf: Option<&Self::Storage<f32>>,
+        outcomes: Option<Outcomes<'_, Self::Storage<f32>>>,
     );
+}
+
+/// The outcomes of an optimizer's recent steps, known to the device only: `flags[i]` is
+/// nonzero when step `i` of the window was skipped (an inf or NaN among its gradients).
+/// An update given `Outcomes { flags, at }` is step `at` of the window: it changes nothing
+/// when `flags[at]` is set, and otherwise uses row [`outcome_row`] of its arguments, the
+/// number of the window's earlier steps that were applied. The host computes one row for
+/// every count the device could be at (learning rate and bias corrections depend on it), so
+/// it never reads the flags to go on.
+pub struct Outcomes<'a, S> {
+    /// The window's flags (at least `at + 1` of them).
+    pub flags: &'a S,
+    /// This step's place in the window.
+    pub at: usize,
+}
+
+impl<S> Clone for Outcomes<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S> Copy for Outcomes<'_, S> {}
+
+/// The row an update given [`Outcomes`] uses, from the window's flags as values: `None` when
+/// step `at` is skipped, else how many of `flags[..at]` are zero (the steps applied before
+/// it). The CPU's definition; the GPU kernels count the same way.
+pub fn outcome_row(flags: &[f32], at: usize) -> Option<usize> {
+    (flags[at] == 0.0).then(|| flags[..at].iter().filter(|&&f| f == 0.0).count())
 }
 
 /// Element `at` of a small storage as a [`Device::Value`], converted by `conv` (read on the

@@ -10,8 +10,8 @@ use super::alloc::{self, PooledVec};
 use super::{amp, batch_norm, conv, dropout, index, loss, matmul, norm, optim, pool, reduce, softmax};
 use crate::backend::Cpu;
 use crate::backend::{
-    AdamArgs, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Pool2dSpec,
-    ReduceOp, Scalar, ScaleRule, ScaleSlot, SgdArgs, UnaryOp,
+    AdamArgs, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Outcomes,
+    Pool2dSpec, ReduceOp, Scalar, ScaleRule, ScaleSlot, SgdArgs, UnaryOp, outcome_row,
 };
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
@@ -76,17 +76,21 @@ impl Cpu {
     /// precision and the SIMD level of the elementwise, row, conversion, optimizer and scaler
     /// loops, all chosen at run time from the CPU's features ([`crate::simd`]).
     pub fn kernel_report(&self) -> String {
-        let gemm = |native: bool| if native { "native" } else { "widened to f32" };
+        // The native kernel's description only when it runs: without it the operands are
+        // widened to f32 and the f32 GEMM runs.
+        let gemm = |native: bool, how: &str| {
+            if native { format!("native ({how}, f32 accumulation)") } else { "widened to f32 (the f32 GEMM)".into() }
+        };
         let simd = match crate::simd::level() {
             crate::simd::Isa::Avx512 => "AVX-512 (x86-64-v4)",
             crate::simd::Isa::Avx2 => "AVX2 + FMA + F16C (x86-64-v3)",
             crate::simd::Isa::Baseline => "the target's baseline (x86-64: SSE2)",
         };
         format!(
-            "GEMM f32: gemm crate (run-time dispatch); bf16: {} (AVX-512 BF16 vdpbf16ps, f32 accumulation); f16: {} \
-             (f16 widened in the pack, f32 FMA); elementwise/rows/optimizer loops: run-time dispatch, running {simd}",
-            gemm(super::gemm_half::available::<bf16>()),
-            gemm(super::gemm_half::available::<half::f16>())
+            "GEMM f32: gemm crate (run-time dispatch); bf16: {}; f16: {}; elementwise/rows/optimizer loops: run-time \
+             dispatch, running {simd}",
+            gemm(super::gemm_half::available::<bf16>(), "AVX-512 BF16 vdpbf16ps"),
+            gemm(super::gemm_half::available::<half::f16>(), "AVX-512F, f16 widened by F16C in the pack")
         )
     }
 }
@@ -497,16 +501,14 @@ impl Device for Cpu {
     }
     fn sgd_update(
         &self,
-        args: &SgdArgs,
+        rows: &[SgdArgs],
         param: &mut Storage<f32>,
         grad: &Storage<f32>,
         momentum_buffer: Option<&mut Vec<f32>>,
-        found_inf: Option<&Storage<f32>>,
+        outcomes: Option<Outcomes<'_, Storage<f32>>>,
     ) {
-        if found_inf.is_some_and(|f| f[0] != 0.0) {
-            return;
-        }
-        optim::sgd(args, exclusive(param), grad, momentum_buffer.map(|b| b.as_mut_slice()));
+        let Some(row) = row_of(rows.len(), outcomes) else { return };
+        optim::sgd(&rows[row], exclusive(param), grad, momentum_buffer.map(|b| b.as_mut_slice()));
     }
     fn write_bf16(
         &self,
@@ -525,16 +527,25 @@ impl Device for Cpu {
     }
     fn adam_update(
         &self,
-        args: &AdamArgs,
+        rows: &[AdamArgs],
         param: &mut Storage<f32>,
         grad: &Storage<f32>,
         exp_avg: &mut Vec<f32>,
         exp_avg_sq: &mut Vec<f32>,
-        found_inf: Option<&Storage<f32>>,
+        outcomes: Option<Outcomes<'_, Storage<f32>>>,
     ) {
-        if found_inf.is_some_and(|f| f[0] != 0.0) {
-            return;
-        }
-        optim::adam(args, exclusive(param), grad, exp_avg, exp_avg_sq);
+        let Some(row) = row_of(rows.len(), outcomes) else { return };
+        optim::adam(&rows[row], exclusive(param), grad, exp_avg, exp_avg_sq);
     }
+}
+
+/// The row of an optimizer update's arguments (`None`: the step is skipped), checked against
+/// the rows given.
+fn row_of(rows: usize, outcomes: Option<Outcomes<'_, Storage<f32>>>) -> Option<usize> {
+    let row = match outcomes {
+        None => 0,
+        Some(Outcomes { flags, at }) => outcome_row(flags, at)?,
+    };
+    assert!(row < rows, "backend invariant: an optimizer update with {rows} argument rows needs row {row}");
+    Some(row)
 }

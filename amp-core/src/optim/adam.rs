@@ -1,7 +1,7 @@
 //! Adam and AdamW (PyTorch's `torch.optim.Adam` / `AdamW`, `amsgrad=False`).
 
 use super::{Hyper, Optim, Rule, bad_hyper};
-use crate::backend::{AdamArgs, AdamDecay, Device};
+use crate::backend::{AdamArgs, AdamDecay, Device, Outcomes};
 use crate::error::Result;
 
 /// Adam's hyperparameters (PyTorch's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight
@@ -149,21 +149,12 @@ fn adam_args(hyper: Hyper, (beta1, beta2): (f64, f64), eps: f64, decoupled: bool
     }
 }
 
-/// The shared update: the moments are made at the first step, then the device's fused kernel.
-fn adam_update<D: Device>(
-    dev: &D,
-    args: impl FnOnce(u64) -> AdamArgs,
-    param: &mut D::Storage<f32>,
-    grad: &D::Storage<f32>,
-    st: &mut AdamState<D::StateVec>,
-) {
-    let n = D::len(param);
+/// The moments, made at the first step.
+fn make_moments<D: Device>(dev: &D, n: usize, st: &mut AdamState<D::StateVec>) {
     if dev.state_len(&st.exp_avg) == 0 && n != 0 {
         st.exp_avg = dev.state_zeros(n);
         st.exp_avg_sq = dev.state_zeros(n);
     }
-    st.step += 1;
-    dev.adam_update(&args(st.step), param, grad, &mut st.exp_avg, &mut st.exp_avg_sq, None);
 }
 
 macro_rules! adam_rule {
@@ -212,8 +203,34 @@ macro_rules! adam_rule {
                 grad: &D::Storage<f32>,
                 st: &mut AdamState<D::StateVec>,
             ) {
-                let args = |step| adam_args(hyper, self.betas, self.eps, $decoupled, step);
-                adam_update(dev, args, param, grad, st)
+                make_moments(dev, D::len(param), st);
+                st.step += 1;
+                let args = adam_args(hyper, self.betas, self.eps, $decoupled, st.step);
+                dev.adam_update(&[args], param, grad, &mut st.exp_avg, &mut st.exp_avg_sq, None);
+            }
+            fn update_in_window<D: Device>(
+                &self,
+                dev: &D,
+                hypers: &[Hyper],
+                param: &mut D::Storage<f32>,
+                grad: &D::Storage<f32>,
+                st: &mut AdamState<D::StateVec>,
+                outcomes: Outcomes<'_, D::Storage<f32>>,
+                _fresh: bool,
+            ) {
+                make_moments(dev, D::len(param), st);
+                // Row k: k of the window's earlier steps applied, so this is step `step + k + 1`.
+                let rows: Vec<AdamArgs> = (0u64..)
+                    .zip(hypers)
+                    .map(|(k, &h)| adam_args(h, self.betas, self.eps, $decoupled, st.step + k + 1))
+                    .collect();
+                dev.adam_update(&rows, param, grad, &mut st.exp_avg, &mut st.exp_avg_sq, Some(outcomes));
+            }
+            fn is_fresh<D: Device>(&self, st: &AdamState<D::StateVec>) -> bool {
+                st.step == 0
+            }
+            fn advance<D: Device>(&self, st: &mut AdamState<D::StateVec>, applied: u64) {
+                st.step += applied;
             }
         }
     };

@@ -74,7 +74,8 @@ impl<R: Rule> Optim<R> {
     /// opt.step(&mut w, &grads).unwrap();
     /// assert_eq!(opt.steps(), 1);
     /// ```
-    pub fn for_bf16(self, rounding: Bf16Rounding) -> Optim<R, bf16> {
+    pub fn for_bf16(mut self, rounding: Bf16Rounding) -> Optim<R, bf16> {
+        self.close_window();
         Optim {
             rule: self.rule,
             groups: self.groups,
@@ -85,6 +86,7 @@ impl<R: Rule> Optim<R> {
             last_grads: None,
             rounding,
             compensation: BTreeMap::new(),
+            window: None,
             _elem: PhantomData,
         }
     }

@@ -12,19 +12,23 @@
 //!   the parameter's device at its first step ([`Rule::DeviceState`]), and follows it if the
 //!   model moves (`model.to_device(..)` then [`Optim::bind`]). [`Optim::state_dict`] copies
 //!   it to the host; a loaded checkpoint moves to each parameter's device at its next step.
-//! - The device kernels also take an on-device `found_inf` flag and change nothing when it is
-//!   set. The training step does not pass it yet: step counts (and so Adam's bias
-//!   corrections) live on the host, and a skipped step is decided on the host from the
-//!   unscale pass's flags, so it never reaches the optimizer. Keeping the whole step on a GPU
-//!   without a host read moves the step counts to the device too.
+//! - The training step hands each optimizer its gradients' found-inf flag
+//!   ([`Optimizer::step_unless_inf`]). On the CPU the flag is read (host memory) and a
+//!   skipped step never reaches the optimizer. On another device [`Optim`] issues its
+//!   kernels with the flag and goes on: they skip themselves, and the scalars that depend on
+//!   how many recent steps were applied (the schedule's learning rate, Adam's bias
+//!   corrections) come as one row per possible count, which the kernel picks from the flags.
+//!   The host learns the counts every [`STEPS_PER_READ`] steps, when the set of parameters
+//!   with gradients changes, or when asked (`steps()`, `lr()`, `state_dict()`): one read each
+//!   (design notes in `optim/window.rs`). The result is the CPU's, bit for bit.
 //! - The arithmetic is PyTorch's single-tensor (CPU default) path, operation for operation and
 //!   in the same order, in f32 with the hyperparameters rounded to f32 where PyTorch rounds
 //!   them (bias corrections and step sizes in f64, as Python floats). Where PyTorch's
 //!   vectorised kernels use a fused multiply-add (`add_` with `alpha`, `lerp_`), so does this.
 //! - State is keyed by the parameter's name ([`crate::Params`]), so it survives a restart and
 //!   can be checkpointed as plain serde data ([`Optim::state_dict`]).
-//! - A skipped step (gradient overflow) never reaches the optimizer: its state, its step count
-//!   and therefore the learning-rate schedule stay exactly where they were.
+//! - A skipped step (gradient overflow) leaves the optimizer's state, its step count and
+//!   therefore the learning-rate schedule exactly where they were.
 //! - Parameters without a gradient are left alone and their state does not advance (PyTorch
 //!   skips parameters whose `.grad` is `None`).
 //! - An optimizer is bound to the parameters (by [`crate::TensorId`]) of its first step, or of
@@ -84,6 +88,7 @@ mod adam;
 mod bf16;
 mod schedule;
 mod sgd;
+mod window;
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -98,10 +103,14 @@ pub use adam::{Adam, AdamState, AdamW};
 pub use bf16::{Bf16OptimizerState, Bf16Rounding};
 pub use schedule::{Constant, LrSchedule, WarmupCosine};
 pub use sgd::{Sgd, SgdState};
+pub use window::STEPS_PER_READ;
+
+use window::{Member, Window, WindowOn};
 
 use crate::autograd::{Grads, TensorId};
-use crate::backend::{Cpu, Device};
+use crate::backend::{Cpu, Device, Outcomes};
 use crate::error::{Error, Result};
+use crate::layout::Layout;
 use crate::param::{Param, Params};
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -119,13 +128,33 @@ use crate::tensor::Tensor;
 pub trait Optimizer<E: Precision = f32, D: Device = Cpu> {
     /// Updates every parameter of `params` that has a gradient in `grads`.
     ///
-    /// In a training step this is called by `.step(..)` on unscaled, finite gradients; call it
+    /// In a training step `.step(..)` calls [`Optimizer::step_unless_inf`] on unscaled
+    /// gradients, which calls this when they are finite; call it
     /// directly only for training without a loss scaler (`loss.backward()` on an unscaled
     /// loss gives a `Grads`; a scaled loss's gradients never leave the training step). Errs,
     /// changing nothing, if `params` are not the parameters this optimizer is bound to, if
     /// none of them has a gradient in a non-empty `grads`, or if this `grads` (or a clone of
     /// it) was already applied.
     fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()>;
+    /// The training step's call: [`Optimizer::step`] unless `found_inf` (one f32 on the
+    /// parameters' device) is nonzero, in which case nothing changes and no step is counted.
+    ///
+    /// The default reads the flag on the host (on a GPU, a wait for the device) and then
+    /// steps or not. [`Optim`] overrides it: off the CPU its kernels read the flag themselves,
+    /// so the host goes on without waiting (see the module notes). The checks of
+    /// [`Optimizer::step`] are made either way.
+    fn step_unless_inf(
+        &mut self,
+        params: &mut dyn Params<E, D>,
+        grads: &Grads<D>,
+        found_inf: &D::Storage<f32>,
+    ) -> Result<()> {
+        let dev = params.named_params().first().map(|(_, p)| p.device().clone());
+        match dev {
+            Some(dev) if dev.to_host(found_inf, &Layout::contiguous(&[1]))[0] != 0.0 => Ok(()),
+            _ => self.step(params, grads),
+        }
+    }
     /// The learning rate of the default group that the next step will use (after the schedule).
     fn lr(&self) -> f64;
     /// Steps applied so far (skipped steps are not counted).
@@ -135,6 +164,14 @@ pub trait Optimizer<E: Precision = f32, D: Device = Cpu> {
 impl<E: Precision, D: Device, T: Optimizer<E, D> + ?Sized> Optimizer<E, D> for Box<T> {
     fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
         (**self).step(params, grads)
+    }
+    fn step_unless_inf(
+        &mut self,
+        params: &mut dyn Params<E, D>,
+        grads: &Grads<D>,
+        found_inf: &D::Storage<f32>,
+    ) -> Result<()> {
+        (**self).step_unless_inf(params, grads, found_inf)
     }
     fn lr(&self) -> f64 {
         (**self).lr()
@@ -188,6 +225,44 @@ pub trait Rule: Clone + fmt::Debug + Send + Sync + 'static {
         grad: &D::Storage<f32>,
         state: &mut Self::DeviceState<D>,
     );
+    /// The update as step `outcomes.at` of a window whose outcomes only the device knows
+    /// (see the module notes): `hypers[k]` are the hyperparameters if `k` of the window's
+    /// earlier steps were applied, and the device picks the row and skips the update when
+    /// this step's flag is set. Counts in `state` stay as they were when the window opened
+    /// ([`Rule::advance`] adds the applied steps when the host learns them); `fresh` says
+    /// whether the parameter had never been stepped then ([`Rule::is_fresh`]).
+    ///
+    /// The default reads the flags on the host (a wait for the device) and calls
+    /// [`Rule::update`]; [`Sgd`], [`Adam`] and [`AdamW`] decide on the device.
+    #[allow(clippy::too_many_arguments)]
+    fn update_in_window<D: Device>(
+        &self,
+        dev: &D,
+        hypers: &[Hyper],
+        param: &mut D::Storage<f32>,
+        grad: &D::Storage<f32>,
+        state: &mut Self::DeviceState<D>,
+        outcomes: Outcomes<'_, D::Storage<f32>>,
+        fresh: bool,
+    ) {
+        let _ = fresh;
+        let flags = dev.to_host(outcomes.flags, &Layout::contiguous(&[D::len(outcomes.flags)]));
+        if let Some(k) = crate::backend::outcome_row(&flags, outcomes.at) {
+            self.update(dev, hypers[k], param, grad, state);
+        }
+    }
+    /// Whether `state` belongs to a parameter that was never stepped (no moments, no step
+    /// count, no momentum buffer): a window whose steps were all skipped returns it to this.
+    fn is_fresh<D: Device>(&self, state: &Self::DeviceState<D>) -> bool {
+        let _ = state;
+        false
+    }
+    /// Counts `applied` more steps in `state` (Adam's step count); the window's updates
+    /// left the counts alone. The default (a rule whose [`Rule::update_in_window`] counts
+    /// itself, or that counts nothing) does nothing.
+    fn advance<D: Device>(&self, state: &mut Self::DeviceState<D>, applied: u64) {
+        let _ = (state, applied);
+    }
 }
 
 /// One parameter's optimizer state, on whichever device the parameter lives on: the optimizer
@@ -197,6 +272,8 @@ pub trait Rule: Clone + fmt::Debug + Send + Sync + 'static {
 trait Slot<R: Rule>: Send + Sync {
     fn to_host(&self, rule: &R) -> R::State;
     fn fits(&self, rule: &R, numel: usize) -> bool;
+    fn is_fresh(&self, rule: &R) -> bool;
+    fn advance(&mut self, rule: &R, applied: u64);
     fn clone_box(&self) -> Box<dyn Slot<R>>;
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
@@ -214,6 +291,12 @@ impl<R: Rule, D: Device> Slot<R> for OnDevice<R, D> {
     }
     fn fits(&self, rule: &R, numel: usize) -> bool {
         rule.state_fits(&self.dev, &self.state, numel)
+    }
+    fn is_fresh(&self, rule: &R) -> bool {
+        rule.is_fresh::<D>(&self.state)
+    }
+    fn advance(&mut self, rule: &R, applied: u64) {
+        rule.advance::<D>(&mut self.state, applied)
     }
     fn clone_box(&self) -> Box<dyn Slot<R>> {
         Box::new(OnDevice::<R, D> { dev: self.dev.clone(), state: self.state.clone() })
@@ -353,6 +436,8 @@ pub struct Optim<R: Rule, E: Precision = f32> {
     /// The Kahan compensation of each bf16 parameter by name (empty unless `E` is bf16 and
     /// `rounding` is Kahan).
     compensation: BTreeMap<String, Box<dyn bf16::CompensationSlot>>,
+    /// The steps issued on a device whose outcomes the host has not read yet (see `window`).
+    window: Option<Box<dyn Window>>,
     _elem: PhantomData<fn() -> E>,
 }
 
@@ -363,7 +448,8 @@ impl<R: Rule, E: Precision> fmt::Debug for Optim<R, E> {
             .field("params", &E::DTYPE)
             .field("groups", &self.groups)
             .field("steps", &self.steps)
-            .field("params_with_state", &self.state.len());
+            .field("params_with_state", &self.state.len())
+            .field("steps_not_read", &self.window.as_ref().map_or(0, |w| w.issued()));
         if E::DTYPE == crate::DType::BF16 {
             d.field("rounding", &self.rounding);
         }
@@ -386,6 +472,7 @@ impl<R: Rule> Optim<R> {
             last_grads: None,
             rounding: Bf16Rounding::default(),
             compensation: BTreeMap::new(),
+            window: None,
             _elem: PhantomData,
         })
     }
@@ -447,17 +534,63 @@ impl<R: Rule, E: Precision> Optim<R, E> {
         (&on_cpu.state as &dyn Any).downcast_ref::<R::State>()
     }
     /// The learning rate of the default group that the next step will use (after the schedule).
+    /// Off the CPU, after steps whose outcomes the host has not read, this reads them (a wait
+    /// for the device; see the module notes).
     pub fn lr(&self) -> f64 {
-        self.lr_at(self.steps)
+        self.lr_at(self.steps())
     }
-    /// Steps applied so far (skipped steps are not counted).
+    /// Steps applied so far (skipped steps are not counted). Off the CPU, after steps whose
+    /// outcomes the host has not read, this reads them (a wait for the device).
     pub fn steps(&self) -> u64 {
-        self.steps
+        self.steps + self.window.as_ref().map_or(0, |w| w.applied())
     }
 
+    /// The checkpoint of the rule's state, with an open window's outcomes counted in (read
+    /// from the device) without closing it.
     fn base_state(&self) -> OptimizerState<R::State> {
-        let params = self.state.iter().map(|(n, s)| (n.clone(), s.to_host(&self.rule))).collect();
-        OptimizerState { kind: self.rule.name().to_string(), steps: self.steps, params }
+        let (applied, members) = match &self.window {
+            Some(w) => (w.applied(), w.members()),
+            None => (0, &[][..]),
+        };
+        let mut params = BTreeMap::new();
+        for (name, slot) in &self.state {
+            let host = match members.iter().find(|m| &m.name == name) {
+                None => slot.to_host(&self.rule),
+                Some(m) if applied == 0 && m.fresh => {
+                    if !m.existed {
+                        continue;
+                    }
+                    self.rule.state_to_host(&Cpu, &self.rule.init_state(&Cpu, m.numel))
+                }
+                Some(_) => {
+                    let mut st = self.rule.state_from_host(&Cpu, slot.to_host(&self.rule));
+                    self.rule.advance::<Cpu>(&mut st, applied);
+                    self.rule.state_to_host(&Cpu, &st)
+                }
+            };
+            params.insert(name.clone(), host);
+        }
+        OptimizerState { kind: self.rule.name().to_string(), steps: self.steps + applied, params }
+    }
+    /// Closes the open window, if any: reads its outcomes (a wait for the device, unless they
+    /// were read already) and counts its applied steps.
+    fn close_window(&mut self) {
+        let Some(w) = self.window.take() else { return };
+        let applied = w.applied();
+        for m in w.members() {
+            if applied == 0 && m.fresh {
+                // Never stepped after all: back to no state, as if the window had not been.
+                if m.existed {
+                    let fresh = self.rule.state_to_host(&Cpu, &self.rule.init_state(&Cpu, m.numel));
+                    self.state.insert(m.name.clone(), host_slot(&self.rule, fresh));
+                } else {
+                    self.state.remove(&m.name);
+                }
+            } else if let Some(slot) = self.state.get_mut(&m.name) {
+                slot.advance(&self.rule, applied);
+            }
+        }
+        self.steps += applied;
     }
     fn load_base_state(&mut self, state: OptimizerState<R::State>) -> Result<()> {
         if state.kind != self.rule.name() {
@@ -468,6 +601,8 @@ impl<R: Rule, E: Precision> Optim<R, E> {
         }
         self.steps = state.steps;
         self.state = state.params.into_iter().map(|(n, s)| (n, host_slot(&self.rule, s))).collect();
+        // Steps not read yet belong to the run the checkpoint replaces.
+        self.window = None;
         // State is keyed by name: the next step (or `bind`) binds the loaded model's parameters.
         self.bound = None;
         self.last_grads = None;
@@ -646,6 +781,7 @@ struct Plan<'a, E: Precision, D: Device> {
 
 impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
     fn step(&mut self, params: &mut dyn Params<f32, D>, grads: &Grads<D>) -> Result<()> {
+        self.close_window();
         let t = self.steps;
         let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
         for (name, param, grad) in work {
@@ -657,6 +793,69 @@ impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
             self.rule.update(&dev, hyper, param.storage_mut(), &g, state);
         }
         self.finish_step(binding, grads);
+        Ok(())
+    }
+    /// On the CPU the flag is read (host memory: free) and the step is [`Optimizer::step`].
+    /// Elsewhere the updates are issued with the flag and the host goes on: the kernels skip
+    /// on the device, and the counts are learnt later (see the module notes).
+    fn step_unless_inf(
+        &mut self,
+        params: &mut dyn Params<f32, D>,
+        grads: &Grads<D>,
+        found_inf: &D::Storage<f32>,
+    ) -> Result<()> {
+        if D::HOST_MEMORY {
+            let dev = params.named_params().first().map(|(_, p)| p.device().clone());
+            return match dev {
+                Some(dev) if dev.to_host(found_inf, &Layout::contiguous(&[1]))[0] != 0.0 => Ok(()),
+                _ => self.step(params, grads),
+            };
+        }
+        let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
+        let Some(dev) = work.first().map(|(_, p, _)| p.device().clone()) else {
+            // No parameter has a gradient: nothing for the device to decide.
+            drop(work);
+            return self.step(params, grads);
+        };
+        let joins = self.window.as_ref().is_some_and(|w| {
+            w.as_any().is::<WindowOn<D>>()
+                && w.issued() < STEPS_PER_READ
+                && w.members().iter().map(|m| m.name.as_str()).eq(work.iter().map(|(n, _, _)| n.as_str()))
+        });
+        if !joins {
+            self.close_window();
+            let members = work
+                .iter()
+                .map(|(name, p, _)| {
+                    let slot = self.state.get(name);
+                    Member {
+                        name: name.clone(),
+                        numel: p.numel(),
+                        existed: slot.is_some(),
+                        fresh: slot.is_none_or(|s| s.is_fresh(&self.rule)),
+                    }
+                })
+                .collect();
+            self.window = Some(Box::new(WindowOn::new(dev.clone(), members)));
+        }
+        let mut window = self.window.take().expect("a window is open");
+        let w = window.as_any_mut().downcast_mut::<WindowOn<D>>().expect("the window is on this device");
+        let at = w.push(found_inf);
+        for ((name, param, grad), member) in work.into_iter().zip(&w.members) {
+            // Row k: k of the window's earlier steps applied.
+            let hypers: Vec<Hyper> = (0..=at as u64).map(|k| self.hyper_for(&name, self.steps + k)).collect();
+            let numel = param.numel();
+            let g = grad.contiguous_storage();
+            let state = state_on(&self.rule, &mut self.state, &name, &dev, numel);
+            let outcomes = Outcomes { flags: &w.flags, at };
+            self.rule.update_in_window(&dev, &hypers, param.storage_mut(), &g, state, outcomes, member.fresh);
+        }
+        self.window = Some(window);
+        // Bound and these gradients used, as by `step`; the count waits for the window.
+        if binding.is_some() {
+            self.bound = binding;
+        }
+        self.last_grads = Some(grads.generation());
         Ok(())
     }
     fn lr(&self) -> f64 {

@@ -1,7 +1,7 @@
 //! SGD with momentum, dampening, Nesterov momentum and weight decay (PyTorch's `torch.optim.SGD`).
 
 use super::{Hyper, Optim, Rule, bad_hyper};
-use crate::backend::{Device, SgdArgs};
+use crate::backend::{Device, Outcomes, SgdArgs};
 use crate::error::Result;
 
 /// SGD's hyperparameters (PyTorch's names and defaults: lr 1e-3, no momentum, no weight decay).
@@ -128,21 +128,51 @@ impl Rule for Sgd {
         grad: &D::Storage<f32>,
         state: &mut SgdState<D::StateVec>,
     ) {
-        // Scalars rounded to f32 where PyTorch's kernels take them as f32.
-        let mut args = SgdArgs {
+        let first = state.momentum_buffer.is_none();
+        let args = self.args(hyper, first);
+        if self.momentum == 0.0 {
+            dev.sgd_update(&[args], param, grad, None, None);
+            return;
+        }
+        let buf = state.momentum_buffer.get_or_insert_with(|| dev.state_zeros(D::len(param)));
+        dev.sgd_update(&[args], param, grad, Some(buf), None);
+    }
+    fn update_in_window<D: Device>(
+        &self,
+        dev: &D,
+        hypers: &[Hyper],
+        param: &mut D::Storage<f32>,
+        grad: &D::Storage<f32>,
+        state: &mut SgdState<D::StateVec>,
+        outcomes: Outcomes<'_, D::Storage<f32>>,
+        fresh: bool,
+    ) {
+        // A buffer that did not exist when the window opened is still PyTorch's `None` until
+        // one of the window's steps is applied: the first applied step is row 0.
+        let rows: Vec<SgdArgs> = hypers.iter().enumerate().map(|(k, &h)| self.args(h, fresh && k == 0)).collect();
+        if self.momentum == 0.0 {
+            dev.sgd_update(&rows, param, grad, None, Some(outcomes));
+            return;
+        }
+        let buf = state.momentum_buffer.get_or_insert_with(|| dev.state_zeros(D::len(param)));
+        dev.sgd_update(&rows, param, grad, Some(buf), Some(outcomes));
+    }
+    fn is_fresh<D: Device>(&self, state: &SgdState<D::StateVec>) -> bool {
+        state.momentum_buffer.is_none()
+    }
+}
+
+impl Sgd {
+    /// The kernel's arguments at `hyper` (scalars rounded to f32 where PyTorch's kernels take
+    /// them as f32); `first`: the momentum buffer's first step.
+    fn args(&self, hyper: Hyper, first: bool) -> SgdArgs {
+        SgdArgs {
             neg_lr: (-hyper.lr) as f32,
             weight_decay: (hyper.weight_decay != 0.0).then_some(hyper.weight_decay as f32),
             momentum: self.momentum as f32,
             keep: (1.0 - self.dampening) as f32,
             nesterov: self.nesterov,
-            first: false,
-        };
-        if self.momentum == 0.0 {
-            dev.sgd_update(&args, param, grad, None, None);
-            return;
+            first: first && self.momentum != 0.0,
         }
-        args.first = state.momentum_buffer.is_none();
-        let buf = state.momentum_buffer.get_or_insert_with(|| dev.state_zeros(D::len(param)));
-        dev.sgd_update(&args, param, grad, Some(buf), None);
     }
 }

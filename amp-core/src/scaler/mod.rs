@@ -52,8 +52,8 @@
 //!   from a precision's exponent width.
 //! - Unscaling is one fused, parallel, branch-free pass over all gradients (see
 //!   [`unscale_in_place`]): multiply by PyTorch's f32 `inv = 1/scale` (computed in f64), check
-//!   for inf/NaN, one flag per gradient. A skipped step never reaches the optimizer, so
-//!   parameters, moments, step counts and the learning-rate schedule stay bit-identical.
+//!   for inf/NaN, one flag per gradient. A skipped step changes no parameter, moment, step
+//!   count or learning-rate schedule: bit-identical.
 //! - On a device other than the CPU the step's scalars stay in device memory: the scaler's
 //!   state (scale, growth tracker, hysteresis and overflow counts, f64) moves there at its
 //!   first step, the backward seed is cast from it there, unscale reads the scale and writes
@@ -63,9 +63,11 @@
 //!   [`crate::Device::Value`]: the value itself on the CPU, a lazily read one elsewhere, so
 //!   reading it is the synchronisation the caller asked for, made once. The collapse check
 //!   (`error_at_min_scale`) reads the state back every [`COLLAPSE_CHECK_EVERY`] updates, not at
-//!   every step, so `update()` reports a collapse up to that many updates late. One read
-//!   per step remains: the flags, which the host reads to decide whether the optimizers step
-//!   (their step counts and learning rates live on the host).
+//!   every step, so `update()` reports a collapse up to that many updates late. The skip is
+//!   decided there as well: each optimizer gets its gradients' flag on the device
+//!   ([`crate::optim::Optimizer::step_unless_inf`]) and its kernels skip themselves, so a
+//!   step waits for the device only where the caller reads a value (see `optim`'s notes on
+//!   how the optimizer learns its step counts).
 //!
 //! # The update rules (PyTorch's, checked against its traces)
 //! - overflow (any inf/NaN gradient): the step is skipped; `scale = f32(scale × backoff)`,

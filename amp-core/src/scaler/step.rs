@@ -162,8 +162,9 @@ struct Inner<'s, K: LossScaler, D: Device> {
     /// After `unscale()`: the gradients in the order of their flags, and the flags on the
     /// device (1 where the gradient had an inf or NaN). `None` when nothing was checked.
     flags: Option<(Vec<TensorId>, D::Storage<f32>)>,
-    /// After `step`: whether any optimizer skipped its step.
-    found_inf: bool,
+    /// After `step`: whether any optimizer skipped its step, known on the host (the CPU, or
+    /// no flags) or on the device (one f32, the max of the pairs' flags).
+    found_inf: Outcome<D>,
     micro_batches: usize,
     grad_norm: Option<D::Value<f32>>,
 }
@@ -517,22 +518,47 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     {
         let st = self.st_mut();
         let grads = std::mem::replace(&mut st.grads, Grads::empty());
-        // The one read of the step: which gradients overflowed, to decide on the host which
-        // optimizers step.
-        let non_finite = read_non_finite(&st.dev, &st.flags);
         let mut any_stepped = false;
-        for (opt, model) in pairs.iter_mut() {
-            let named = model.named_params();
-            if !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
-                continue;
+        match st.flags.take() {
+            // Off the CPU: each pair's flag (the max of its gradients' flags) goes to its
+            // optimizer, which skips on the device; nothing is read back.
+            Some((ids, flags)) if !D::HOST_MEMORY => {
+                let mut pair_flags = Vec::new();
+                for (opt, model) in pairs.iter_mut() {
+                    let named = model.named_params();
+                    if !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
+                        continue;
+                    }
+                    let flag = pair_flag(&st.dev, &ids, &flags, named.iter().map(|(_, p)| p.id()));
+                    drop(named);
+                    any_stepped = true;
+                    if let Err(e) = opt.step_unless_inf(&mut **model, &grads, &flag) {
+                        return self.fail(e);
+                    }
+                    pair_flags.push(flag);
+                }
+                if !pair_flags.is_empty() {
+                    st.found_inf = Outcome::OnDevice(max_of(&st.dev, &pair_flags));
+                }
             }
-            let overflow = !non_finite.is_empty() && named.iter().any(|(_, p)| non_finite.contains(&p.id()));
-            drop(named);
-            any_stepped = true;
-            if overflow {
-                st.found_inf = true;
-            } else if let Err(e) = opt.step(&mut **model, &grads) {
-                return self.fail(e);
+            // On the CPU the flags are host memory: read them, and step the pairs whose
+            // gradients are finite.
+            flags => {
+                let non_finite = read_non_finite(&st.dev, &flags);
+                for (opt, model) in pairs.iter_mut() {
+                    let named = model.named_params();
+                    if !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
+                        continue;
+                    }
+                    let overflow = !non_finite.is_empty() && named.iter().any(|(_, p)| non_finite.contains(&p.id()));
+                    drop(named);
+                    any_stepped = true;
+                    if overflow {
+                        st.found_inf = Outcome::Host(true);
+                    } else if let Err(e) = opt.step(&mut **model, &grads) {
+                        return self.fail(e);
+                    }
+                }
             }
         }
         if !any_stepped && !grads.is_empty() {
@@ -575,7 +601,10 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     fn finish(mut self, new_scale: Option<f32>) -> Result<StepReport<D>> {
         let st = self.inner.take().expect("a live TrainStep holds its state");
         let dev = st.dev.clone();
-        let found_inf = dev.from_host(vec![if st.found_inf { 1.0f32 } else { 0.0 }]);
+        let found_inf = match &st.found_inf {
+            Outcome::Host(skipped) => dev.from_host(vec![if *skipped { 1.0f32 } else { 0.0 }]),
+            Outcome::OnDevice(flag) => flag.clone(),
+        };
         let after = st.scaler.finish(&dev, &found_inf, new_scale)?;
         let (scale, growth_tracker) = match after {
             Some(state) => {
@@ -590,9 +619,8 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
             }
             None => (dev.value(|| 1.0), dev.value(|| 0)),
         };
-        let skipped = st.found_inf;
         Ok(StepReport {
-            skipped: dev.value(move || skipped),
+            skipped: st.found_inf.value(&dev),
             scale_used: read_seed(&dev, &st.seed),
             scale,
             growth_tracker,
@@ -625,7 +653,7 @@ impl<'s, K: LossScaler, D: Device> TrainStep<'s, K, LossScaled, D> {
                 loss: Some(loss),
                 grads: Grads::empty(),
                 flags: None,
-                found_inf: false,
+                found_inf: Outcome::Host(false),
                 micro_batches: 0,
                 grad_norm: None,
             }),
@@ -680,8 +708,7 @@ impl<K: LossScaler, D: Device> TrainStep<'_, K, GradsUnscaled, D> {
 impl<K: LossScaler, D: Device> TrainStep<'_, K, OptimizerStepped, D> {
     /// Whether the optimizer step was skipped (a gradient was inf or NaN).
     pub fn skipped(&self) -> D::Value<bool> {
-        let skipped = self.st().found_inf;
-        self.st().dev.value(move || skipped)
+        self.st().found_inf.value(&self.st().dev)
     }
 }
 
@@ -714,6 +741,62 @@ fn scaled_backward<D: Device>(loss: &Tensor<f32, D>, seed: &Tensor<f32, D>) -> R
 /// The scale a step's seed holds, as a [`Device::Value`].
 fn read_seed<D: Device>(dev: &D, seed: &Tensor<f32, D>) -> D::Value<f32> {
     read_back(dev, seed.storage.clone(), seed.layout.offset(), |v| v)
+}
+
+/// Whether a step skipped: decided on the host, or a flag on the device.
+enum Outcome<D: Device> {
+    Host(bool),
+    OnDevice(D::Storage<f32>),
+}
+
+impl<D: Device> Outcome<D> {
+    /// As a [`Device::Value`] (the flag read when asked).
+    fn value(&self, dev: &D) -> D::Value<bool> {
+        match self {
+            Outcome::Host(skipped) => {
+                let skipped = *skipped;
+                dev.value(move || skipped)
+            }
+            Outcome::OnDevice(flag) => read_back(dev, flag.clone(), 0, |f: f32| f != 0.0),
+        }
+    }
+}
+
+/// One f32 on the device: the max of the flags of the gradients of `params` (those among
+/// `ids`), 1 if any of them had an inf or NaN.
+fn pair_flag<D: Device>(
+    dev: &D,
+    ids: &[TensorId],
+    flags: &D::Storage<f32>,
+    params: impl Iterator<Item = TensorId>,
+) -> D::Storage<f32> {
+    let params: HashSet<TensorId> = params.collect();
+    let rows: Vec<i64> = ids.iter().enumerate().filter(|(_, id)| params.contains(id)).map(|(i, _)| i as i64).collect();
+    if rows.len() == ids.len() {
+        return max_of(dev, std::slice::from_ref(flags));
+    }
+    let picked = dev.gather_rows((flags, &Layout::contiguous(&[ids.len(), 1])), &rows, 1);
+    max_of(dev, std::slice::from_ref(&picked))
+}
+
+/// The max of every element of `parts` (each contiguous), as one f32 on the device.
+fn max_of<D: Device>(dev: &D, parts: &[D::Storage<f32>]) -> D::Storage<f32> {
+    let lens: Vec<usize> = parts.iter().map(|p| D::len(p)).collect();
+    let whole: Vec<Layout> = lens.iter().map(|&n| Layout::contiguous(&[n])).collect();
+    let all = match parts {
+        [one] if D::len(one) == 1 => return one.clone(),
+        [one] => one.clone(),
+        _ => {
+            let views: Vec<_> = parts.iter().zip(&whole).zip(&lens).map(|((p, l), &n)| (p, l, n)).collect();
+            dev.cat(&views, 1, lens.iter().sum())
+        }
+    };
+    let n = D::len(&all);
+    if n == 0 {
+        return dev.full(1, 0f32);
+    }
+    let split = crate::backend::DimSplit { outer: 1, dim: n, inner: 1 };
+    dev.reduce(&all, &Layout::contiguous(&[n]), split, crate::backend::ReduceOp::Max, 1.0)
 }
 
 /// The gradients whose flag is set: the step's one read of device memory.
@@ -799,6 +882,14 @@ struct DynOptimizer<'a, O: ?Sized>(&'a mut O);
 impl<E: Precision, D: Device, O: Optimizer<E, D> + ?Sized> Optimizer<E, D> for DynOptimizer<'_, O> {
     fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
         self.0.step(params, grads)
+    }
+    fn step_unless_inf(
+        &mut self,
+        params: &mut dyn Params<E, D>,
+        grads: &Grads<D>,
+        found_inf: &D::Storage<f32>,
+    ) -> Result<()> {
+        self.0.step_unless_inf(params, grads, found_inf)
     }
     fn lr(&self) -> f64 {
         self.0.lr()

@@ -394,6 +394,13 @@ mod tests {
     }
 
     #[test]
+    fn the_optimizer_kernels_take_one_row_per_step_of_a_window() {
+        // The Rust row structs are `[_; STEPS_PER_READ]`; the kernel's are `[_; AMP_STEP_ROWS]`.
+        let define = format!("#define AMP_STEP_ROWS {}\n", amp_core::optim::STEPS_PER_READ);
+        assert!(OPTIM.contains(&define), "optim.cu must say {define:?}");
+    }
+
+    #[test]
     #[should_panic(expected = "cannot name a CUDA kernel")]
     fn an_op_name_that_is_not_an_identifier_is_refused() {
         unary_source("bad-name", "x", "acc_t(1)", DType::F32);

@@ -7,16 +7,43 @@
 //   (__fmaf_rn where the CPU calls mul_add, __fmul_rn / __fadd_rn / __fsub_rn / __fdiv_rn /
 //   __fsqrt_rn elsewhere), so the compiler cannot contract or reorder anything: the same inputs
 //   give the CPU's bits.
-// - `found_inf` (a one-element f32 flag on the device, or null): when it is nonzero every
-//   thread returns before touching anything, so a skipped step changes nothing and needs no
-//   host round trip.
+// - `flags`, `at` (amp_core::backend::Outcomes; null flags: always applied, row 0): the update
+//   is step `at` of a window whose outcomes only the device knows. When `flags[at]` is nonzero
+//   every thread returns before touching anything, so a skipped step changes nothing and needs
+//   no host round trip; otherwise the step's step-dependent scalars are row k of the rows
+//   passed by value, k the number of zeros in `flags[0..at)` (amp_core::backend::outcome_row).
 
-__device__ __forceinline__ bool amp_skip(const float* found_inf) { return found_inf && *found_inf != 0.0f; }
+// One row per count of applied steps a window can be at: amp_core::optim::STEPS_PER_READ (a
+// test checks they agree, and the Rust structs' sizes follow from it).
+#define AMP_STEP_ROWS 32
 
-extern "C" __global__ void sgd_update_fwd_f32(float* param, const float* grad, float* buf, i64 n, float neg_lr,
-                                              int decay, float wd, float m, float keep, int nesterov, int first,
-                                              const float* found_inf) {
-    if (amp_skip(found_inf)) return;
+struct AmpSgdRows {
+    float neg_lr[AMP_STEP_ROWS];
+    int first[AMP_STEP_ROWS];
+};
+
+struct AmpAdamRows {
+    float neg_step_size[AMP_STEP_ROWS];
+    float bc2_sqrt[AMP_STEP_ROWS];
+    float decay_mul[AMP_STEP_ROWS];
+};
+
+// The row this step's update uses, or -1 when it is skipped.
+__device__ __forceinline__ int amp_row(const float* flags, int at) {
+    if (!flags) return 0;
+    if (flags[at] != 0.0f) return -1;
+    int k = 0;
+    for (int i = 0; i < at; ++i) k += flags[i] == 0.0f;
+    return k;
+}
+
+extern "C" __global__ void sgd_update_fwd_f32(float* param, const float* grad, float* buf, i64 n, AmpSgdRows rows,
+                                              int decay, float wd, float m, float keep, int nesterov,
+                                              const float* flags, int at) {
+    const int r = amp_row(flags, at);
+    if (r < 0) return;
+    const float neg_lr = rows.neg_lr[r];
+    const int first = rows.first[r];
     AMP_GRID_LOOP(i, n) {
         float p = param[i], g = grad[i];
         if (decay) g = __fmaf_rn(p, wd, g);
@@ -31,10 +58,12 @@ extern "C" __global__ void sgd_update_fwd_f32(float* param, const float* grad, f
 }
 
 extern "C" __global__ void adam_update_fwd_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                                               i64 n, float neg_step_size, float bc2_sqrt, float w, float b2,
-                                               float one_minus_beta2, float eps, int l2, float wd, int decoupled,
-                                               float decay_mul, const float* found_inf) {
-    if (amp_skip(found_inf)) return;
+                                               i64 n, AmpAdamRows rows, float w, float b2, float one_minus_beta2,
+                                               float eps, int l2, float wd, int decoupled, const float* flags,
+                                               int at) {
+    const int r = amp_row(flags, at);
+    if (r < 0) return;
+    const float neg_step_size = rows.neg_step_size[r], bc2_sqrt = rows.bc2_sqrt[r], decay_mul = rows.decay_mul[r];
     const bool small = fabsf(w) < 0.5f;
     AMP_GRID_LOOP(i, n) {
         float p = param[i], g = grad[i], m = exp_avg[i], v = exp_avg_sq[i];

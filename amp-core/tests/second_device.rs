@@ -1105,6 +1105,32 @@ fn a_window_of_skipped_steps_leaves_no_optimizer_state() {
 }
 
 #[test]
+fn an_optimizer_cloned_or_stepped_by_hand_inside_a_window_keeps_the_cpu_results() {
+    use amp_core::optim::{AdamW, Optim, Optimizer, Rule};
+    // Five training steps (one skipped) leave a window open; then the optimizer is cloned, the
+    // original goes on with three more, and takes one step by hand (`Optimizer::step`, which
+    // closes the window first). The clone keeps the state it was cloned with.
+    fn run<D: Device>(model: &mut Gpt<f32, D>) -> Vec<(u64, amp_core::optim::OptimizerState<<AdamW as Rule>::State>)> {
+        let mut opt: Optim<AdamW> = AdamW::new(1e-2).build().unwrap();
+        long_run(model, &mut opt, 5, &[1], &[], &[]);
+        let copy = opt.clone();
+        let at_clone = (copy.steps(), copy.state_dict());
+        long_run(model, &mut opt, 3, &[], &[], &[]);
+        let ids = Indices::from_vec((0..12).map(|j| (j * 5) % 17).collect(), &[2, 6]);
+        let grads = model.loss::<f32>(&ids, &ids, &mut Rng::seed(1)).backward();
+        opt.step(model, &grads).unwrap();
+        vec![at_clone, (copy.steps(), copy.state_dict()), (opt.steps(), opt.state_dict())]
+    }
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.0 };
+    let init = Gpt::new(config, &mut Rng::seed(13));
+    let (mut cpu, mut mir): (Gpt, Gpt<f32, Mirror>) = (init.clone(), init.to_device(&Mirror));
+    let on_mirror = run(&mut mir);
+    assert_eq!(on_mirror, run(&mut cpu));
+    assert_eq!((on_mirror[0].0, on_mirror[2].0), (4, 8), "one of the first five skipped, then four more");
+    assert_eq!(on_mirror[0], on_mirror[1], "the clone is its own");
+}
+
+#[test]
 fn optimizers_skip_on_the_device_and_learn_their_counts_every_window_bit_for_bit() {
     use amp_core::optim::{AdamW, ParamGroup, STEPS_PER_READ, Sgd, WarmupCosine};
     let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.1 };

@@ -1109,7 +1109,9 @@ fn an_optimizer_cloned_or_stepped_by_hand_inside_a_window_keeps_the_cpu_results(
     use amp_core::optim::{AdamW, Optim, Optimizer, Rule};
     // Five training steps (one skipped) leave a window open; then the optimizer is cloned, the
     // original goes on with three more, and takes one step by hand (`Optimizer::step`, which
-    // closes the window first). The clone keeps the state it was cloned with.
+    // closes the window first). The clone keeps the state it was cloned with. Then, each with
+    // a window open: a checkpoint is loaded (the window is dropped with the state it
+    // replaces) and the optimizer is made a pure-bf16 one (the window's steps are counted).
     fn run<D: Device>(model: &mut Gpt<f32, D>) -> Vec<(u64, amp_core::optim::OptimizerState<<AdamW as Rule>::State>)> {
         let mut opt: Optim<AdamW> = AdamW::new(1e-2).build().unwrap();
         long_run(model, &mut opt, 5, &[1], &[], &[]);
@@ -1119,7 +1121,15 @@ fn an_optimizer_cloned_or_stepped_by_hand_inside_a_window_keeps_the_cpu_results(
         let ids = Indices::from_vec((0..12).map(|j| (j * 5) % 17).collect(), &[2, 6]);
         let grads = model.loss::<f32>(&ids, &ids, &mut Rng::seed(1)).backward();
         opt.step(model, &grads).unwrap();
-        vec![at_clone, (copy.steps(), copy.state_dict()), (opt.steps(), opt.state_dict())]
+        let mut out = vec![at_clone, (copy.steps(), copy.state_dict()), (opt.steps(), opt.state_dict())];
+        // A checkpoint loaded into an optimizer with an open window replaces it whole.
+        long_run(model, &mut opt, 2, &[0], &[], &[]);
+        opt.load_state_dict(out[0].1.clone()).unwrap();
+        out.push((opt.steps(), opt.state_dict()));
+        // Turned into a pure-bf16 optimizer with a window open, the window's steps count.
+        long_run(model, &mut opt, 3, &[2], &[], &[]);
+        out.push((opt.clone().for_bf16(amp_core::optim::Bf16Rounding::Kahan).steps(), opt.state_dict()));
+        out
     }
     let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.0 };
     let init = Gpt::new(config, &mut Rng::seed(13));
@@ -1128,6 +1138,8 @@ fn an_optimizer_cloned_or_stepped_by_hand_inside_a_window_keeps_the_cpu_results(
     assert_eq!(on_mirror, run(&mut cpu));
     assert_eq!((on_mirror[0].0, on_mirror[2].0), (4, 8), "one of the first five skipped, then four more");
     assert_eq!(on_mirror[0], on_mirror[1], "the clone is its own");
+    assert_eq!(on_mirror[3], on_mirror[0], "a loaded checkpoint drops the open window");
+    assert_eq!(on_mirror[4].0, 4 + 2, "for_bf16 counts the window's two applied steps");
 }
 
 #[test]

@@ -149,16 +149,27 @@ pub trait Optimizer<E: Precision = f32, D: Device = Cpu> {
         grads: &Grads<D>,
         found_inf: &D::Storage<f32>,
     ) -> Result<()> {
-        let dev = params.named_params().first().map(|(_, p)| p.device().clone());
-        match dev {
-            Some(dev) if dev.to_host(found_inf, &Layout::contiguous(&[1]))[0] != 0.0 => Ok(()),
-            _ => self.step(params, grads),
-        }
+        step_if_finite(self, params, grads, found_inf)
     }
     /// The learning rate of the default group that the next step will use (after the schedule).
     fn lr(&self) -> f64;
     /// Steps applied so far (skipped steps are not counted).
     fn steps(&self) -> u64;
+}
+
+/// Reads `found_inf` on the host, then steps `opt` unless it is set (a wait for the device
+/// off the CPU).
+fn step_if_finite<E: Precision, D: Device, O: Optimizer<E, D> + ?Sized>(
+    opt: &mut O,
+    params: &mut dyn Params<E, D>,
+    grads: &Grads<D>,
+    found_inf: &D::Storage<f32>,
+) -> Result<()> {
+    let dev = params.named_params().first().map(|(_, p)| p.device().clone());
+    match dev {
+        Some(dev) if dev.to_host(found_inf, &Layout::contiguous(&[1]))[0] != 0.0 => Ok(()),
+        _ => opt.step(params, grads),
+    }
 }
 
 impl<E: Precision, D: Device, T: Optimizer<E, D> + ?Sized> Optimizer<E, D> for Box<T> {
@@ -188,6 +199,13 @@ pub struct Hyper {
     pub lr: f64,
     /// Weight decay.
     pub weight_decay: f64,
+}
+
+impl Hyper {
+    /// These base hyperparameters at the schedule's `factor`.
+    fn at(self, factor: f64) -> Hyper {
+        Hyper { lr: self.lr * factor, ..self }
+    }
 }
 
 /// An update rule: hyperparameters and the fused per-parameter kernel, run by the parameter's
@@ -521,10 +539,14 @@ impl<R: Rule, E: Precision> Optim<R, E> {
     }
     /// The hyperparameters the parameter called `name` gets at applied step `t`.
     pub fn hyper_for(&self, name: &str, t: u64) -> Hyper {
+        self.group_hyper(name).at(self.lr_factor(t))
+    }
+    /// The group's base learning rate and weight decay for the parameter called `name`.
+    fn group_hyper(&self, name: &str) -> Hyper {
         let group = self.groups.iter().find(|g| g.matches(name));
-        let base_lr = group.and_then(|g| g.lr).unwrap_or(self.rule.lr());
+        let lr = group.and_then(|g| g.lr).unwrap_or(self.rule.lr());
         let weight_decay = group.and_then(|g| g.weight_decay).unwrap_or(self.rule.weight_decay());
-        Hyper { lr: base_lr * self.lr_factor(t), weight_decay }
+        Hyper { lr, weight_decay }
     }
     /// The state of the parameter called `name`, if it has been stepped on the CPU (state on
     /// another device is read with [`Optim::state_dict`], which copies it to the host).
@@ -805,11 +827,7 @@ impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
         found_inf: &D::Storage<f32>,
     ) -> Result<()> {
         if D::HOST_MEMORY {
-            let dev = params.named_params().first().map(|(_, p)| p.device().clone());
-            return match dev {
-                Some(dev) if dev.to_host(found_inf, &Layout::contiguous(&[1]))[0] != 0.0 => Ok(()),
-                _ => self.step(params, grads),
-            };
+            return step_if_finite(self, params, grads, found_inf);
         }
         let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
         let Some(dev) = work.first().map(|(_, p, _)| p.device().clone()) else {
@@ -841,9 +859,11 @@ impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
         let mut window = self.window.take().expect("a window is open");
         let w = window.as_any_mut().downcast_mut::<WindowOn<D>>().expect("the window is on this device");
         let at = w.push(found_inf);
+        // Row k: k of the window's earlier steps applied, so the schedule is at `steps + k`.
+        let factors: Vec<f64> = (0..=at as u64).map(|k| self.lr_factor(self.steps + k)).collect();
         for ((name, param, grad), member) in work.into_iter().zip(&w.members) {
-            // Row k: k of the window's earlier steps applied.
-            let hypers: Vec<Hyper> = (0..=at as u64).map(|k| self.hyper_for(&name, self.steps + k)).collect();
+            let base = self.group_hyper(&name);
+            let hypers: Vec<Hyper> = factors.iter().map(|&f| base.at(f)).collect();
             let numel = param.numel();
             let g = grad.contiguous_storage();
             let state = state_on(&self.rule, &mut self.state, &name, &dev, numel);

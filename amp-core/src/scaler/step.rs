@@ -519,47 +519,44 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         let st = self.st_mut();
         let grads = std::mem::replace(&mut st.grads, Grads::empty());
         let mut any_stepped = false;
-        match st.flags.take() {
-            // Off the CPU: each pair's flag (the max of its gradients' flags) goes to its
-            // optimizer, which skips on the device; nothing is read back.
-            Some((ids, flags)) if !D::HOST_MEMORY => {
-                let mut pair_flags = Vec::new();
-                for (opt, model) in pairs.iter_mut() {
-                    let named = model.named_params();
-                    if !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
-                        continue;
-                    }
-                    let flag = pair_flag(&st.dev, &ids, &flags, named.iter().map(|(_, p)| p.id()));
-                    drop(named);
-                    any_stepped = true;
-                    if let Err(e) = opt.step_unless_inf(&mut **model, &grads, &flag) {
-                        return self.fail(e);
-                    }
-                    pair_flags.push(flag);
-                }
-                if !pair_flags.is_empty() {
-                    st.found_inf = Outcome::OnDevice(max_of(&st.dev, &pair_flags));
-                }
+        // Off the CPU each pair's flag (the max of its gradients' flags) goes to its optimizer,
+        // which skips on the device: nothing is read back. On the CPU the flags are host
+        // memory: read them, and step the pairs whose gradients are finite.
+        let flags = st.flags.take();
+        let on_device = flags.as_ref().filter(|_| !D::HOST_MEMORY);
+        let non_finite = if on_device.is_none() { read_non_finite(&st.dev, &flags) } else { HashSet::new() };
+        let mut pair_flags = Vec::new();
+        for (opt, model) in pairs.iter_mut() {
+            let named = model.named_params();
+            if !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
+                continue;
             }
-            // On the CPU the flags are host memory: read them, and step the pairs whose
-            // gradients are finite.
-            flags => {
-                let non_finite = read_non_finite(&st.dev, &flags);
-                for (opt, model) in pairs.iter_mut() {
-                    let named = model.named_params();
-                    if !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
-                        continue;
-                    }
+            any_stepped = true;
+            let stepped = match on_device {
+                Some((ids, flags)) => {
+                    let flag = pair_flag(&st.dev, ids, flags, named.iter().map(|(_, p)| p.id()));
+                    drop(named);
+                    let stepped = opt.step_unless_inf(&mut **model, &grads, &flag);
+                    pair_flags.push(flag);
+                    stepped
+                }
+                None => {
                     let overflow = !non_finite.is_empty() && named.iter().any(|(_, p)| non_finite.contains(&p.id()));
                     drop(named);
-                    any_stepped = true;
                     if overflow {
                         st.found_inf = Outcome::Host(true);
-                    } else if let Err(e) = opt.step(&mut **model, &grads) {
-                        return self.fail(e);
+                        Ok(())
+                    } else {
+                        opt.step(&mut **model, &grads)
                     }
                 }
+            };
+            if let Err(e) = stepped {
+                return self.fail(e);
             }
+        }
+        if !pair_flags.is_empty() {
+            st.found_inf = Outcome::OnDevice(max_of(&st.dev, &pair_flags));
         }
         if !any_stepped && !grads.is_empty() {
             let e = Error::State {
@@ -781,14 +778,14 @@ fn pair_flag<D: Device>(
 
 /// The max of every element of `parts` (each contiguous), as one f32 on the device.
 fn max_of<D: Device>(dev: &D, parts: &[D::Storage<f32>]) -> D::Storage<f32> {
-    let lens: Vec<usize> = parts.iter().map(|p| D::len(p)).collect();
-    let whole: Vec<Layout> = lens.iter().map(|&n| Layout::contiguous(&[n])).collect();
     let all = match parts {
         [one] if D::len(one) == 1 => return one.clone(),
         [one] => one.clone(),
         _ => {
-            let views: Vec<_> = parts.iter().zip(&whole).zip(&lens).map(|((p, l), &n)| (p, l, n)).collect();
-            dev.cat(&views, 1, lens.iter().sum())
+            let whole: Vec<(Layout, usize)> =
+                parts.iter().map(|p| (Layout::contiguous(&[D::len(p)]), D::len(p))).collect();
+            let views: Vec<_> = parts.iter().zip(&whole).map(|(p, (l, n))| (p, l, *n)).collect();
+            dev.cat(&views, 1, whole.iter().map(|(_, n)| n).sum())
         }
     };
     let n = D::len(&all);

@@ -8,7 +8,11 @@
 //! cargo run --release --example train -- --data my.txt    # character-level LM on a file
 //! cargo run --release --example train -- --resume          # continue from runs/train
 //! cargo run --release --example train -- --overwrite       # start runs/train over
+//! cargo run --release --features cuda --example train -- --device cuda   # on GPU 0
 //! ```
+//!
+//! A checkpoint does not depend on the device: a run started on the GPU continues on the CPU
+//! with `--resume` (and the other way round).
 //!
 //! A fresh run refuses an `--out` that holds another run (`--resume` it, or `--overwrite`), and
 //! a second trainer on a directory in use. Ctrl-C (or SIGTERM) finishes the current step,
@@ -103,14 +107,6 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if matches!(args.device, DeviceArg::Cuda) {
-        eprintln!(
-            "error: --device cuda: the trainer does not run on the GPU yet (the CUDA backend, amp::cuda with \
-             --features cuda, implements ops, autograd and the optimizers, not yet run on a GPU, but the \
-             trainer is CPU-only); train on --device cpu"
-        );
-        return ExitCode::from(2);
-    }
     let cfg = TrainConfig {
         precision: match args.precision {
             PrecisionArg::F32 => RunPrecision::F32,
@@ -142,7 +138,11 @@ fn main() -> ExitCode {
     if let Err(e) = trainer::install_interrupt_handler() {
         eprintln!("warning: {e}; an interrupt will lose the steps since the last checkpoint");
     }
-    match trainer::run(&cfg) {
+    let result = match args.device {
+        DeviceArg::Cpu => trainer::run(&cfg),
+        DeviceArg::Cuda => run_on_gpu(&cfg),
+    };
+    match result {
         Ok(report) if report.interrupted => {
             eprintln!(
                 "interrupted after step {}: checkpoint saved in {}; continue with the same options and --resume",
@@ -164,4 +164,23 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Trains on GPU 0 (its driver and libraries are loaded at run time: a machine without them
+/// gets an error naming what is missing).
+#[cfg(feature = "cuda")]
+fn run_on_gpu(cfg: &TrainConfig) -> amp::Result<trainer::TrainReport> {
+    trainer::run_on(cfg, &amp::cuda::Cuda::new(0)?)
+}
+
+/// This build has no CUDA backend.
+#[cfg(not(feature = "cuda"))]
+fn run_on_gpu(_: &TrainConfig) -> amp::Result<trainer::TrainReport> {
+    Err(amp::Error::InvalidArgument {
+        op: "train",
+        name: "device",
+        detail: "this build has no CUDA backend: build the example with it, \
+                 `cargo run --release --features cuda --example train -- --device cuda`"
+            .into(),
+    })
 }

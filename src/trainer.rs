@@ -22,6 +22,14 @@
 //!   another run unless told [`TrainConfig::overwrite`].
 //! - With [`install_interrupt_handler`], SIGINT/SIGTERM stop the run at the end of the current
 //!   step with a checkpoint ([`TrainReport::interrupted`]); a second signal exits at once.
+//! - [`run_on`] trains on any [`Device`] (the model, the optimizer state and the loss scale live
+//!   there). A step's loss, skipped flag, scale and gradient norm are device values that the
+//!   host reads later: on the CPU at once, on a device whose memory is not the host's every
+//!   [`READ_EVERY`] steps, before each checkpoint and at the end, so the steps in between are
+//!   queued without waiting for the device. The metrics rows are the same either way; the
+//!   checks that stop a run (skipped steps in a row, non-finite weights) run at each read.
+//! - The device is not part of a run's identity: a checkpoint written on one device resumes on
+//!   another.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -29,13 +37,15 @@ use std::time::Instant;
 
 use serde::de::IgnoredAny;
 
+use crate::backend::HostValue;
 use crate::checkpoint::{self, TrainingState};
 use crate::data::{AdditionConfig, AdditionDataset, AdditionTask, CharTextDataset, DataLoader, TokenBatch};
 use crate::nn::{Gpt, GptConfig};
 use crate::optim::{AdamState, AdamW, Optim, OptimizerState, ParamGroup, WarmupCosine};
+use crate::param::ToDevice;
 use crate::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale, any_non_finite};
 use crate::train_utils::{MetricsRow, MetricsWriter, Progress, format_table, plot_metrics};
-use crate::{Error, Indices, Params, Precision, Result, Rng, Tensor, bf16, f16, no_grad};
+use crate::{Cpu, Device, Error, Indices, Params, Precision, Result, Rng, bf16, f16, no_grad};
 
 /// The compute precision of a run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -246,7 +256,14 @@ pub struct TrainReport {
     /// Whether SIGINT/SIGTERM stopped the run early (after `steps`, with a checkpoint there;
     /// no evaluation, no final weights). Continue it with `resume`.
     pub interrupted: bool,
+    /// The device it trained on ([`Device::name`]).
+    pub device: String,
 }
+
+/// How many steps a run on a device whose memory is not the host's queues before the host
+/// reads their losses, skipped flags, scales and gradient norms (each read waits for the
+/// device). On the CPU they are read at every step.
+pub const READ_EVERY: usize = 32;
 
 // ---- interrupts -----------------------------------------------------------------------------
 
@@ -477,7 +494,7 @@ impl Task {
 }
 
 /// Greedy decoding of `n` tokens after `prompts: [B, P]`.
-fn greedy<L: Precision>(model: &Gpt, prompts: &Indices, n: usize) -> Result<Indices> {
+fn greedy<L: Precision, D: Device>(model: &Gpt<f32, D>, prompts: &Indices, n: usize) -> Result<Indices> {
     let (b, p) = (prompts.shape()[0], prompts.shape()[1]);
     let mut seqs: Vec<Vec<i64>> = prompts.as_slice().chunks(p).map(|r| r.to_vec()).collect();
     let mut rng = Rng::seed(0); // unused in eval mode
@@ -496,13 +513,22 @@ fn greedy<L: Precision>(model: &Gpt, prompts: &Indices, n: usize) -> Result<Indi
 
 // ---- the run --------------------------------------------------------------------------------
 
-/// Trains as `cfg` says, printing progress to stderr, and returns the report.
+/// Trains on the CPU as `cfg` says, printing progress to stderr, and returns the report.
 pub fn run(cfg: &TrainConfig) -> Result<TrainReport> {
+    run_on(cfg, &Cpu)
+}
+
+/// Trains on `device` as `cfg` says (the model is built on the CPU, from the seed, and moved
+/// there), printing progress to stderr, and returns the report. Off the CPU the host reads the
+/// steps' results every [`READ_EVERY`] steps (see the module notes); the metrics, the
+/// checkpoints and the weights are the same files as on the CPU, and a checkpoint resumes on
+/// either device.
+pub fn run_on<D: Device>(cfg: &TrainConfig, device: &D) -> Result<TrainReport> {
     cfg.validate()?;
     match cfg.precision {
-        RunPrecision::F32 => train::<f32, NoScale>(cfg),
-        RunPrecision::Bf16 => train::<bf16, NoScale>(cfg),
-        RunPrecision::F16 => train::<f16, GradScaler>(cfg),
+        RunPrecision::F32 => train::<f32, NoScale, D>(cfg, device),
+        RunPrecision::Bf16 => train::<bf16, NoScale, D>(cfg, device),
+        RunPrecision::F16 => train::<f16, GradScaler, D>(cfg, device),
     }
 }
 
@@ -510,7 +536,7 @@ fn io(path: &Path, e: std::io::Error) -> Error {
     Error::Io { path: path.display().to_string(), detail: e.to_string() }
 }
 
-fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
+fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -> Result<TrainReport> {
     std::fs::create_dir_all(&cfg.out_dir).map_err(|e| io(&cfg.out_dir, e))?;
     let _lock = lock_out_dir(&cfg.out_dir)?;
     INTERRUPTS.store(0, Ordering::SeqCst);
@@ -570,7 +596,8 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         dropout: cfg.dropout,
     };
     let mut init_rng = Rng::seed(cfg.seed);
-    let mut model = Gpt::try_new(model_cfg.clone(), &mut init_rng)?;
+    // Built on the CPU from the seed, then moved: the same initial weights on every device.
+    let mut model = Gpt::try_new(model_cfg.clone(), &mut init_rng)?.to_device(device);
     let mut opt = Optim::new(AdamW::new(cfg.lr).weight_decay(0.1))?
         .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias") || n.contains("ln")).weight_decay(0.0))
         .with_schedule(WarmupCosine::with_min(cfg.steps.min(100), cfg.steps, 0.1)?);
@@ -651,26 +678,36 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         task.restore(position).map_err(|e| bad("data loader position", detail(e)))?;
         start = state.step;
     }
-    let mut metrics =
+    let metrics =
         if start > 0 { MetricsWriter::resume(&metrics_path, start)? } else { MetricsWriter::create(&metrics_path)? };
 
     let end = cfg.stop_after.map_or(cfg.steps, |s| s.min(cfg.steps));
     let progress = if cfg.progress { Progress::new(cfg.steps, start) } else { Progress::hidden(cfg.steps, start) };
     progress.println(format!(
-        "training a {}-parameter GPT (d {d}, {n_layers} layers, {n_heads} heads) on {} in {} {}, steps {}..={}",
+        "training a {}-parameter GPT (d {d}, {n_layers} layers, {n_heads} heads) on {} in {} {} on {}, steps {}..={}",
         model.num_params(),
         task.name(),
         L::DTYPE,
         if L::DTYPE == crate::DType::F16 { "with dynamic loss scaling" } else { "without loss scaling" },
+        device.name(),
         start + 1,
         end
     ));
     model.train();
-    let t0 = Instant::now();
-    let (mut tokens, mut skipped, mut skipped_in_a_row) = (0usize, 0u64, 0u32);
+    let mut ledger = Ledger {
+        metrics,
+        progress,
+        t0: Instant::now(),
+        tokens: 0,
+        skipped: 0,
+        skipped_in_a_row: 0,
+        applied: opt.steps(),
+        losses: Vec::new(),
+    };
+    let read_every = if D::HOST_MEMORY { 1 } else { READ_EVERY };
+    let mut pending: Vec<Pending<D>> = Vec::with_capacity(read_every);
     let mut interrupted_at = None;
-    let mut losses = Vec::new();
-    let save = |model: &Gpt, opt: &Optim<AdamW>, scaler: &K, rng: &Rng, task: &Task, step: u64| -> Result<()> {
+    let save = |model: &Gpt<f32, D>, opt: &Optim<AdamW>, scaler: &K, rng: &Rng, task: &Task, step: u64| -> Result<()> {
         let state: RunState<K> = TrainingState {
             step,
             loader: Some(task.position()),
@@ -685,19 +722,22 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
         let batch = task.next_batch()?;
         let mut loss = model.loss::<L>(&batch.inputs, &batch.targets, &mut rng);
         if cfg.inject_nonfinite.contains(&step) {
-            loss = loss.mul(&Tensor::scalar(f64::NAN));
+            loss = loss.mul_scalar(f64::NAN);
         }
-        let lr = opt.lr_at(opt.steps());
-        let loss_value = loss.item() as f64;
+        let loss_value = {
+            let loss = loss.detach();
+            device.value(move || loss.item())
+        };
         // The loss moves into the step: its graph is freed by `backward`, so `step` updates the
         // parameters in place instead of copying them.
         let mut grads = scaler.scale(loss).backward().unscale();
         let grad_norm = grads.clip_grad_norm(cfg.clip_norm);
-        let report = grads.step(&mut opt, &mut model).update();
-        let report = match report {
+        let report = match grads.step(&mut opt, &mut model).update() {
             Ok(r) => r,
             Err(e) => {
-                metrics.sync()?; // the rows so far show how it came to this
+                // The steps before this one first: their rows show how it came to this.
+                ledger.read(&mut pending, &model, &opt, cfg, L::DTYPE, K::STOPS_ON_COLLAPSE)?;
+                ledger.metrics.sync()?;
                 return Err(Error::State {
                     context: format!("training stopped at step {step}"),
                     detail: format!(
@@ -708,58 +748,23 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                 });
             }
         };
-        tokens += batch.inputs.numel();
-        skipped += report.skipped as u64;
-        losses.push(loss_value);
-        let row = MetricsRow {
+        pending.push(Pending {
             step,
             loss: loss_value,
-            scale: report.scale_used as f64,
             skipped: report.skipped,
-            grad_norm: grad_norm as f64,
-            lr,
-            time_s: t0.elapsed().as_secs_f64(),
-        };
-        metrics.write(&row)?;
-        progress.update(&row, skipped, tokens as f64 / t0.elapsed().as_secs_f64());
-        if report.skipped {
-            skipped_in_a_row += 1;
-            progress.println(format!("step {step}: non-finite gradients, step skipped, scale now {}", report.scale));
-            if !K::STOPS_ON_COLLAPSE && skipped_in_a_row >= cfg.collapse_after {
-                metrics.sync()?;
-                return Err(Error::State {
-                    context: format!("training stopped at step {step}"),
-                    detail: format!(
-                        "the last {skipped_in_a_row} steps all had non-finite (inf or NaN) gradients and were \
-                         skipped, so the weights stopped changing (collapse-after = {}). In {} there is no loss \
-                         scale to lower: look for NaN/inf in the data or the loss, or lower the learning rate \
-                         (now --lr {:e}). The last checkpoint is untouched",
-                        cfg.collapse_after,
-                        L::DTYPE,
-                        cfg.lr
-                    ),
-                });
-            }
-        } else {
-            skipped_in_a_row = 0;
-            // The gradients were finite, but the update may still overflow the f32 weights or
-            // moments (a huge learning rate): stop before such a state reaches a checkpoint.
-            if let Some(what) = non_finite_state(&model, &opt) {
-                metrics.sync()?;
-                return Err(Error::State {
-                    context: format!("training stopped at step {step}"),
-                    detail: format!(
-                        "the update made {what} inf or NaN, although the gradients were finite: the learning \
-                         rate is too large for the f32 weights (now --lr {:e}, {lr:e} at this step). Lower --lr; \
-                         the last checkpoint is untouched and none was written with this state",
-                        cfg.lr
-                    ),
-                });
-            }
-        }
+            scale_used: report.scale_used,
+            scale: report.scale,
+            grad_norm,
+            tokens: batch.inputs.numel(),
+            time_s: ledger.t0.elapsed().as_secs_f64(),
+        });
         let stop = interrupted();
-        if step % cfg.checkpoint_every == 0 || step == end || stop {
-            metrics.sync()?; // rows up to the checkpoint are on disk before it is
+        let save_now = step % cfg.checkpoint_every == 0 || step == end || stop;
+        if pending.len() >= read_every || save_now {
+            ledger.read(&mut pending, &model, &opt, cfg, L::DTYPE, K::STOPS_ON_COLLAPSE)?;
+        }
+        if save_now {
+            ledger.metrics.sync()?; // rows up to the checkpoint are on disk before it is
             save(&model, &opt, &scaler, &rng, &task, step)?;
         }
         if stop {
@@ -768,40 +773,44 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
             break;
         }
     }
+    let Ledger { mut metrics, progress, t0, tokens, skipped, losses, .. } = ledger;
     progress.finish();
     metrics.sync()?;
     let elapsed = t0.elapsed().as_secs_f64();
     if !metrics.rows().is_empty() {
         plot_metrics(&plot_path, metrics.rows(), &format!("GPT on {} ({})", task.name(), L::DTYPE))?;
     }
+    let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
+    let finite: Vec<f64> = losses.iter().copied().filter(|l| l.is_finite()).collect();
+    let kf = finite.len().min(20);
+    let mut report = TrainReport {
+        steps: end,
+        first_loss: mean(&finite[..kf]),
+        last_loss: mean(&finite[finite.len() - kf..]),
+        skipped,
+        final_scale: scaler.get_scale(),
+        accuracy: None,
+        val_loss: None,
+        tokens_per_s: tokens as f64 / elapsed,
+        metrics: metrics_path,
+        plot: plot_path,
+        checkpoint: ckpt_dir,
+        weights,
+        interrupted: false,
+        device: device.name(),
+    };
     if let Some(step) = interrupted_at {
-        let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
-        let finite: Vec<f64> = losses.iter().copied().filter(|l| l.is_finite()).collect();
-        let kf = finite.len().min(20);
-        return Ok(TrainReport {
-            steps: step,
-            first_loss: mean(&finite[..kf]),
-            last_loss: mean(&finite[finite.len() - kf..]),
-            skipped,
-            final_scale: scaler.get_scale(),
-            accuracy: None,
-            val_loss: None,
-            tokens_per_s: tokens as f64 / elapsed,
-            metrics: metrics_path,
-            plot: plot_path,
-            checkpoint: ckpt_dir,
-            weights,
-            interrupted: true,
-        });
+        return Ok(TrainReport { steps: step, interrupted: true, ..report });
     }
-    checkpoint::save_weights(&weights, &model)?;
+    checkpoint::save_weights(&report.weights, &model)?;
 
     model.eval();
-    let (accuracy, val_loss) = match &task {
+    match &task {
         Task::Addition { task, .. } => {
-            let acc =
-                no_grad(|| task.exact_match_accuracy(&task.test_set(), 250, None, |p, n| greedy::<L>(&model, p, n)))?;
-            (Some(acc.fraction()), None)
+            let acc = no_grad(|| {
+                task.exact_match_accuracy(&task.test_set(), 250, None, |p, n| greedy::<L, D>(&model, p, n))
+            })?;
+            report.accuracy = Some(acc.fraction());
         }
         Task::Text { val, .. } => {
             let mut loader = DataLoader::new(val.clone(), cfg.batch_size, 0)?.shuffle(false);
@@ -811,27 +820,115 @@ fn train<L: Precision, K: RunScaler>(cfg: &TrainConfig) -> Result<TrainReport> {
                 let b = loader.next_token_batch()?;
                 total += no_grad(|| model.loss::<L>(&b.inputs, &b.targets, &mut rng)).item() as f64;
             }
-            (None, Some(total / batches.max(1) as f64))
+            report.val_loss = Some(total / batches.max(1) as f64);
         }
-    };
-    let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
-    let finite: Vec<f64> = losses.iter().copied().filter(|l| l.is_finite()).collect();
-    let kf = finite.len().min(20);
-    Ok(TrainReport {
-        steps: end,
-        first_loss: mean(&finite[..kf]),
-        last_loss: mean(&finite[finite.len() - kf..]),
-        skipped,
-        final_scale: scaler.get_scale(),
-        accuracy,
-        val_loss,
-        tokens_per_s: tokens as f64 / elapsed,
-        metrics: metrics_path,
-        plot: plot_path,
-        checkpoint: ckpt_dir,
-        weights,
-        interrupted: false,
-    })
+    }
+    Ok(report)
+}
+
+/// A step's results that the host has not read yet (device values; on the CPU already read).
+struct Pending<D: Device> {
+    step: u64,
+    loss: D::Value<f32>,
+    skipped: D::Value<bool>,
+    scale_used: D::Value<f32>,
+    scale: D::Value<f32>,
+    grad_norm: D::Value<f32>,
+    tokens: usize,
+    /// Seconds since the start when the step was queued.
+    time_s: f64,
+}
+
+/// What the host knows of a run: the metrics written so far and the counts behind the checks
+/// that stop it.
+struct Ledger {
+    metrics: MetricsWriter,
+    progress: Progress,
+    t0: Instant,
+    tokens: usize,
+    skipped: u64,
+    skipped_in_a_row: u32,
+    /// Optimizer steps applied before the next pending step (its learning rate's index).
+    applied: u64,
+    losses: Vec<f64>,
+}
+
+impl Ledger {
+    /// Reads the pending steps' results (a wait for the device), writes their metrics rows in
+    /// order, and runs the checks that stop a run: too many skipped steps in a row (where no
+    /// scale can be lowered), and weights or moments gone inf or NaN after an applied step.
+    fn read<D: Device>(
+        &mut self,
+        pending: &mut Vec<Pending<D>>,
+        model: &Gpt<f32, D>,
+        opt: &Optim<AdamW>,
+        cfg: &TrainConfig,
+        dtype: crate::DType,
+        stops_on_collapse: bool,
+    ) -> Result<()> {
+        let mut applied_steps = None;
+        for p in pending.drain(..) {
+            let skipped = p.skipped.get();
+            let row = MetricsRow {
+                step: p.step,
+                loss: p.loss.get() as f64,
+                scale: p.scale_used.get() as f64,
+                skipped,
+                grad_norm: p.grad_norm.get() as f64,
+                lr: opt.lr_at(self.applied),
+                time_s: p.time_s,
+            };
+            self.metrics.write(&row)?;
+            self.tokens += p.tokens;
+            self.skipped += skipped as u64;
+            self.losses.push(row.loss);
+            self.progress.update(&row, self.skipped, self.tokens as f64 / self.t0.elapsed().as_secs_f64());
+            if skipped {
+                self.skipped_in_a_row += 1;
+                self.progress.println(format!(
+                    "step {}: non-finite gradients, step skipped, scale now {}",
+                    p.step,
+                    p.scale.get()
+                ));
+                if !stops_on_collapse && self.skipped_in_a_row >= cfg.collapse_after {
+                    self.metrics.sync()?;
+                    return Err(Error::State {
+                        context: format!("training stopped at step {}", p.step),
+                        detail: format!(
+                            "the last {} steps all had non-finite (inf or NaN) gradients and were skipped, so the \
+                             weights stopped changing (collapse-after = {}). In {dtype} there is no loss scale to \
+                             lower: look for NaN/inf in the data or the loss, or lower the learning rate (now --lr \
+                             {:e}). The last checkpoint is untouched",
+                            self.skipped_in_a_row, cfg.collapse_after, cfg.lr
+                        ),
+                    });
+                }
+            } else {
+                self.skipped_in_a_row = 0;
+                self.applied += 1;
+                let first = applied_steps.map_or(p.step, |(first, _, _)| first);
+                applied_steps = Some((first, p.step, row.lr));
+            }
+        }
+        // The gradients were finite, but an update may still overflow the f32 weights or
+        // moments (a huge learning rate): stop before such a state reaches a checkpoint.
+        if let Some((first, last, lr)) = applied_steps
+            && let Some(what) = non_finite_state(model, opt)
+        {
+            self.metrics.sync()?;
+            let when = if first == last { format!("at step {last}") } else { format!("in steps {first}..={last}") };
+            return Err(Error::State {
+                context: format!("training stopped at step {last}"),
+                detail: format!(
+                    "the update made {what} inf or NaN, although the gradients were finite: the learning rate is \
+                     too large for the f32 weights (now --lr {:e}, {lr:e} {when}). Lower --lr; the last checkpoint \
+                     is untouched and none was written with this state",
+                    cfg.lr
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// FNV-1a, 64 bits: a content fingerprint of the training text (not a cryptographic hash).
@@ -864,13 +961,19 @@ fn check_optimizer_state(opt: &Optim<AdamW>, step: u64) -> std::result::Result<(
     Ok(())
 }
 
-/// Names the first parameter or Adam moment holding an inf or NaN, if any.
-fn non_finite_state(model: &Gpt, opt: &Optim<AdamW>) -> Option<String> {
+/// Names the first parameter or Adam moment holding an inf or NaN, if any. On the CPU the
+/// moments are read in place; on another device in one copy of the optimizer state.
+fn non_finite_state<D: Device>(model: &Gpt<f32, D>, opt: &Optim<AdamW>) -> Option<String> {
+    let copied = (!D::HOST_MEMORY).then(|| opt.state_dict());
     for (name, p) in model.named_params() {
-        if any_non_finite(p.data()) {
+        if any_non_finite(&p.to_vec()) {
             return Some(format!("parameter `{name}`"));
         }
-        if let Some(st) = opt.param_state(&name) {
+        let st = match &copied {
+            Some(state) => state.params.get(&name),
+            None => opt.param_state(&name),
+        };
+        if let Some(st) = st {
             if any_non_finite(&st.exp_avg) {
                 return Some(format!("the first Adam moment (exp_avg) of `{name}`"));
             }
@@ -886,6 +989,7 @@ fn non_finite_state(model: &Gpt, opt: &Optim<AdamW>) -> Option<String> {
 pub fn summary(cfg: &TrainConfig, r: &TrainReport) -> String {
     let mut rows = vec![
         vec!["precision".into(), format!("{:?}", cfg.precision).to_lowercase()],
+        vec!["device".into(), r.device.clone()],
         vec!["steps".into(), r.steps.to_string()],
         vec!["loss (first 20 steps)".into(), format!("{:.4}", r.first_loss)],
         vec!["loss (last 20 steps)".into(), format!("{:.4}", r.last_loss)],

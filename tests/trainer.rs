@@ -9,7 +9,13 @@ use std::time::{Duration, Instant};
 use amp::checkpoint::{TrainingState, checkpoint_exists, read_checkpoint_state, read_weights};
 use amp::optim::{AdamState, OptimizerState};
 use amp::train_utils::read_metrics;
-use amp::trainer::{LOCK_FILE, ModelSize, RunPrecision, TrainConfig, run};
+use amp::trainer::{LOCK_FILE, ModelSize, READ_EVERY, RunPrecision, TrainConfig, run, run_on};
+
+// The second device of amp-core's tests: its own storage, every kernel through the backend
+// trait, host reads counted.
+#[path = "../amp-core/tests/common/mirror.rs"]
+mod mirror;
+use mirror::Mirror;
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("amp-trainer-{name}-{}", std::process::id()));
@@ -426,4 +432,126 @@ fn a_second_signal_exits_at_once() {
     }
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130), "the second signal ended the process at once: {status}");
+}
+
+// ---- on another device ------------------------------------------------------------------------
+
+/// Every column of every metrics row, floats as bits.
+fn metrics_bits(out: &Path) -> Vec<(u64, u64, u64, bool, u64, u64)> {
+    read_metrics(out.join("metrics.csv"))
+        .unwrap()
+        .iter()
+        .map(|r| (r.step, r.loss.to_bits(), r.scale.to_bits(), r.skipped, r.grad_norm.to_bits(), r.lr.to_bits()))
+        .collect()
+}
+
+/// The checkpoint's training state (optimizer, scaler, loader, RNG, identity) as JSON.
+fn checkpoint_json(out: &Path) -> String {
+    type Any = serde_json::Value;
+    let (state, _): (TrainingState<Any, Any, Any>, _) = read_checkpoint_state(out.join("checkpoint")).unwrap();
+    serde_json::to_string(&state).unwrap()
+}
+
+#[track_caller]
+fn assert_same_run(a: &Path, b: &Path, what: &str) {
+    assert_eq!(metrics_bits(a), metrics_bits(b), "{what}: metrics rows");
+    assert!(weights_bits(a) == weights_bits(b), "{what}: final weights");
+    assert_eq!(checkpoint_json(a), checkpoint_json(b), "{what}: checkpoint state");
+}
+
+#[test]
+fn a_run_on_a_second_device_writes_the_cpu_runs_files_bit_for_bit() {
+    // 40 steps: one full read window of READ_EVERY steps and a partial one; a NaN step in
+    // the first window (skipped on the device, read later) and one in the second.
+    const { assert!(READ_EVERY < 40) };
+    for precision in [RunPrecision::F16, RunPrecision::Bf16, RunPrecision::F32] {
+        let cfg = |out: &Path| TrainConfig {
+            steps: 40,
+            checkpoint_every: 25,
+            inject_nonfinite: vec![5, 33],
+            ..small(out, precision)
+        };
+        let (cpu, dev) = (tmp(&format!("dev-cpu-{precision:?}")), tmp(&format!("dev-mirror-{precision:?}")));
+        let on_cpu = run(&cfg(&cpu)).unwrap();
+        let on_dev = run_on(&cfg(&dev), &Mirror).unwrap();
+        assert_eq!((on_cpu.device.as_str(), on_dev.device.as_str()), ("cpu", "mirror"));
+        assert_same_run(&cpu, &dev, &format!("{precision:?}"));
+        assert_eq!(on_dev.skipped, 2, "{precision:?}");
+        assert_eq!(
+            (on_cpu.first_loss.to_bits(), on_cpu.last_loss.to_bits(), on_cpu.final_scale, on_cpu.accuracy),
+            (on_dev.first_loss.to_bits(), on_dev.last_loss.to_bits(), on_dev.final_scale, on_dev.accuracy),
+            "{precision:?}: the report"
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_on_the_other_device_bit_for_bit() {
+    for precision in [RunPrecision::F16, RunPrecision::Bf16] {
+        let straight = tmp(&format!("xdev-straight-{precision:?}"));
+        run(&small(&straight, precision)).unwrap();
+        // Half on the device, the rest on the CPU; then the other way round.
+        let to_cpu = tmp(&format!("xdev-to-cpu-{precision:?}"));
+        run_on(&TrainConfig { stop_after: Some(6), ..small(&to_cpu, precision) }, &Mirror).unwrap();
+        run(&TrainConfig { resume: true, ..small(&to_cpu, precision) }).unwrap();
+        assert_same_run(&straight, &to_cpu, &format!("{precision:?}, device then CPU"));
+        let to_dev = tmp(&format!("xdev-to-dev-{precision:?}"));
+        run(&TrainConfig { stop_after: Some(6), ..small(&to_dev, precision) }).unwrap();
+        run_on(&TrainConfig { resume: true, ..small(&to_dev, precision) }, &Mirror).unwrap();
+        assert_same_run(&straight, &to_dev, &format!("{precision:?}, CPU then device"));
+    }
+}
+
+#[test]
+fn a_run_on_a_device_waits_for_it_a_few_times_per_read_window_not_every_step() {
+    // Waits (host reads with kernels queued since the last read) of whole runs, so the
+    // difference of two lengths is what the extra steps cost: setup, checkpoint and
+    // evaluation are the same in both.
+    let waits = |steps: u64| {
+        let out = tmp(&format!("waits-{steps}"));
+        let before = mirror::syncs();
+        run_on(&TrainConfig { steps, checkpoint_every: 1000, ..small(&out, RunPrecision::F16) }, &Mirror).unwrap();
+        mirror::syncs() - before
+    };
+    let (short, long) = (waits(READ_EVERY as u64), waits(4 * READ_EVERY as u64));
+    let per_step = (long - short) as f64 / (3 * READ_EVERY) as f64;
+    println!("{short} waits in {READ_EVERY} steps, {long} in {}: {per_step:.3} per step", 4 * READ_EVERY);
+    // Per window: the trainer's read of its rows, the optimizer's read of its skip flags and
+    // the scaler's collapse check; reading every step would be at least 1 per step.
+    assert!(per_step <= 3.0 / READ_EVERY as f64, "{per_step} waits per step");
+}
+
+#[test]
+fn the_checks_that_stop_a_run_hold_on_a_device() {
+    // Every step skipped in bf16: stops at the same step as on the CPU (each row is checked
+    // as it is read), with the rows before it written.
+    let out = tmp("dev-all-nan");
+    let cfg = TrainConfig { inject_nonfinite: (1..=30).collect(), steps: 30, ..small(&out, RunPrecision::Bf16) };
+    let err = run_on(&cfg, &Mirror).unwrap_err().to_string();
+    assert!(err.contains("training stopped at step 20") && err.contains("20 steps all had non-finite"), "{err}");
+    assert_eq!(read_metrics(out.join("metrics.csv")).unwrap().len(), 20);
+    assert!(!checkpoint_exists(out.join("checkpoint")));
+
+    // A collapsing f16 scale: the device checks it every few updates, so it stops at the
+    // first check after the CPU's step 26, with every row before that step written.
+    let out = tmp("dev-collapse");
+    let cfg = TrainConfig {
+        inject_nonfinite: (1..=40).collect(),
+        steps: 40,
+        min_scale: 1024.0,
+        ..small(&out, RunPrecision::F16)
+    };
+    let err = run_on(&cfg, &Mirror).unwrap_err().to_string();
+    let at = amp::scaler::COLLAPSE_CHECK_EVERY as usize;
+    assert!(err.contains(&format!("training stopped at step {at}")), "{err}");
+    assert!(err.contains("loss scale collapsed"), "{err}");
+    assert_eq!(read_metrics(out.join("metrics.csv")).unwrap().len(), at - 1);
+
+    // Weights gone non-finite: caught before the checkpoint that would hold them.
+    let out = tmp("dev-lr-overflow");
+    let cfg = TrainConfig { lr: 1e38, steps: 2, checkpoint_every: 1, ..small(&out, RunPrecision::F32) };
+    let err = run_on(&cfg, &Mirror).unwrap_err().to_string();
+    assert!(err.contains("training stopped at step 1") && err.contains("inf or NaN"), "{err}");
+    assert!(!checkpoint_exists(out.join("checkpoint")));
+    assert!(!out.join("model.safetensors").exists());
 }

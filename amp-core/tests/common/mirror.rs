@@ -24,12 +24,29 @@ thread_local! {
     static HOST_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
+thread_local! {
+    /// Host reads that found kernels queued since the previous read (on this thread): on a
+    /// GPU these are the ones that wait for the device; a read right after another finds
+    /// nothing left to wait for.
+    static SYNCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Whether a kernel was called since the last host read (on this thread).
+    static QUEUED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 fn host_read() {
     HOST_READS.with(|n| n.set(n.get() + 1));
+    if QUEUED.with(|q| q.replace(false)) {
+        SYNCS.with(|n| n.set(n.get() + 1));
+    }
 }
 
 pub fn host_reads() -> usize {
     HOST_READS.with(|n| n.get())
+}
+
+/// Host reads on this thread that had to wait for queued kernels (see `SYNCS`).
+pub fn syncs() -> usize {
+    SYNCS.with(|n| n.get())
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -46,6 +63,7 @@ pub struct StateBuf(pub Vec<f32>);
 
 fn hit() {
     CALLS.fetch_add(1, Ordering::Relaxed);
+    QUEUED.with(|q| q.set(true));
 }
 
 fn v<'a, E: Precision>((s, l): (&'a Buf<E>, &'a Layout)) -> (&'a <Cpu as Device>::Storage<E>, &'a Layout) {
@@ -68,7 +86,8 @@ impl Device for Mirror {
         Buf(Cpu.full(n, value))
     }
     fn to_host<E: Precision>(&self, s: &Buf<E>, l: &Layout) -> Vec<E> {
-        hit();
+        // A call, but not a queued kernel: the copy itself is what waits.
+        CALLS.fetch_add(1, Ordering::Relaxed);
         host_read();
         Cpu.to_host(&s.0, l)
     }
@@ -137,6 +156,7 @@ impl Device for Mirror {
     }
     fn arg_reduce<E: Precision>(&self, x: &Buf<E>, l: &Layout, split: DimSplit, max: bool) -> (Buf<E>, Vec<usize>) {
         hit();
+        host_read(); // the indices come back to the host
         let (vals, idx) = Cpu.arg_reduce(&x.0, l, split, max);
         (Buf(vals), idx)
     }

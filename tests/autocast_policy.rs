@@ -56,6 +56,7 @@ macro_rules! all_cases {
     ($low:ident) => {
         // lower precision
         case!("matmul", $low, |x: f32, y: f16| [f32, f16] Some(x.matmul(&y.t()).dtype()));
+        case!("causal_attention", $low, |x: f32, y: f16| [f32, f16, f32] Some(x.causal_attention(&y, &x).dtype()));
         case!("linear", $low, |x: f32, w: f16| [f32, f16] {
             let b = w.narrow(1, 0, 1).reshape(&[2]);
             Some(x.linear(&w, Some(&b)).dtype())
@@ -166,7 +167,7 @@ fn the_table_is_printable_and_complete() {
         assert!(text.contains(&format!("| `{}` |", row.op)), "{} missing from the printed table", row.op);
     }
     let count = |c| POLICY.iter().filter(|r| r.category == c).count();
-    assert_eq!(count(Category::LowerPrecision), 3); // matmul, linear, conv2d
+    assert_eq!(count(Category::LowerPrecision), 4); // matmul, linear, conv2d, causal_attention
     assert!(count(Category::Fp32) >= 9 && count(Category::Fp32Accumulate) >= 6 && count(Category::Promote) >= 7);
     assert_eq!(policy::lookup("try_softmax").map(|r| r.category), Some(Category::Fp32Accumulate));
     assert_eq!(policy::promote_dtype(DType::F16, DType::BF16), DType::F32);

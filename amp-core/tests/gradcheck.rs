@@ -397,3 +397,48 @@ fn flatten_dims_is_a_reshape() {
     gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].flatten_dims(1, 2), 191));
     gradcheck(std::slice::from_ref(&x), |t| weighted(&t[0].permute(&[3, 1, 0, 2]).flatten_dims(0, 3), 192));
 }
+
+/// Causal attention as separate ops: scores, mask, softmax, values.
+fn attention_unfused(q: &Tensor<f64>, k: &Tensor<f64>, v: &Tensor<f64>) -> Tensor<f64> {
+    let (r, t) = (q.rank(), q.shape()[q.rank() - 2]);
+    let d = q.shape()[r - 1] as f64;
+    let scores = q.matmul(&k.transpose(r - 2, r - 1)).mul_scalar(1.0 / d.sqrt());
+    scores.masked_fill(&amp_core::Mask::causal(t), f64::NEG_INFINITY).softmax(r - 1).matmul(v)
+}
+
+#[test]
+fn causal_attention_equals_the_unfused_ops_and_finite_differences() {
+    // t = 150 spans three of the CPU kernel's key blocks (64); t = 1 sees only itself; a
+    // rank-3 input has no head dim; strided (transposed) inputs go through the same kernel.
+    for (i, shape) in [[2usize, 3, 150, 8].as_slice(), &[1, 1, 1, 4], &[3, 7, 5]].into_iter().enumerate() {
+        let s = 10 * i as u64;
+        let (q, k, v) = (randn(shape, 200 + s), randn(shape, 201 + s).mul_scalar(2.0), randn(shape, 202 + s));
+        let w = randn(shape, 203 + s); // weights of the output in the loss: every gradient row differs
+        type Attention = fn(&Tensor<f64>, &Tensor<f64>, &Tensor<f64>) -> Tensor<f64>;
+        let run = |f: Attention| {
+            let (q, k, v) = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_());
+            let y = f(&q, &k, &v);
+            let g = y.mul(&w).sum_all().backward();
+            let mut out = vec![y.to_vec()];
+            out.extend([&q, &k, &v].map(|x| g.get(x).unwrap().to_vec()));
+            out
+        };
+        let fused = run(|q, k, v| q.causal_attention(k, v));
+        let unfused = run(attention_unfused);
+        for (what, (a, b)) in ["output", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&unfused)) {
+            for (j, (a, b)) in a.iter().zip(b).enumerate() {
+                assert!((a - b).abs() <= 1e-12 * (1.0 + b.abs()), "{shape:?} {what}[{j}]: fused {a}, unfused {b}");
+            }
+        }
+    }
+    let t = |s| randn(&[1, 2, 5, 3], s);
+    gradcheck(&[t(210), t(211), t(212)], |x| x[0].causal_attention(&x[1], &x[2]).square().sum_all());
+    // Transposed views ([.., d, t] read as [.., t, d]) are gathered first.
+    let (q, k, v) = (randn(&[2, 4, 6], 220), randn(&[2, 4, 6], 221), randn(&[2, 4, 6], 222));
+    let strided = q.transpose(1, 2).causal_attention(&k.transpose(1, 2), &v.transpose(1, 2)).to_vec();
+    let contiguous = q
+        .transpose(1, 2)
+        .contiguous()
+        .causal_attention(&k.transpose(1, 2).contiguous(), &v.transpose(1, 2).contiguous());
+    assert_eq!(strided, contiguous.to_vec());
+}

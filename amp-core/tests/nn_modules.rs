@@ -189,3 +189,38 @@ fn attention_matches_separate_qkv_projections_with_gradients() {
         "proj.bias gradient",
     );
 }
+
+/// The loss and every parameter's gradient of one GPT forward and backward in precision `L`.
+fn gpt_loss_and_grads<L: Precision>(model: &Gpt) -> (f64, Vec<Vec<f64>>) {
+    let ids = Indices::from_vec((0..16).map(|i| (i * 7) % 11).collect(), &[2, 8]);
+    let targets = Indices::from_vec((0..16).map(|i| (i * 3 + 1) % 11).collect(), &[2, 8]);
+    let loss = model.loss::<L>(&ids, &targets, &mut Rng::seed(0));
+    let grads = loss.backward();
+    let g = model.named_params().iter().map(|(_, p)| grads.get(p).unwrap().to_f64_vec()).collect();
+    (loss.item() as f64, g)
+}
+
+#[test]
+fn a_gpt_with_fused_attention_computes_the_unfused_loss_and_gradients() {
+    let config = GptConfig { dropout: 0.0, ..tiny() };
+    let unfused = Gpt::new(config.clone(), &mut Rng::seed(3));
+    let fused = unfused.clone().with_fused_attention(true).unwrap();
+    assert!(fused.blocks.iter().all(|b| b.attn.is_fused()) && !unfused.blocks[0].attn.is_fused());
+    // f32: the same sums in another order; f16/bf16: the fused kernel keeps the scores and
+    // probabilities in f32 where the separate ops round them to L, so it is the closer one.
+    for (dtype, (a, b), tol) in [
+        (DType::F32, (gpt_loss_and_grads::<f32>(&unfused), gpt_loss_and_grads::<f32>(&fused)), 1e-5),
+        (DType::F16, (gpt_loss_and_grads::<f16>(&unfused), gpt_loss_and_grads::<f16>(&fused)), 2e-2),
+        (DType::BF16, (gpt_loss_and_grads::<bf16>(&unfused), gpt_loss_and_grads::<bf16>(&fused)), 1e-1),
+    ] {
+        assert!((a.0 - b.0).abs() <= tol * a.0.abs(), "{dtype}: loss {} vs {}", a.0, b.0);
+        for (i, (ga, gb)) in a.1.iter().zip(&b.1).enumerate() {
+            let scale = ga.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+            let worst = ga.iter().zip(gb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+            assert!(worst <= tol * scale, "{dtype}: gradient {i} differs by {worst} (largest {scale})");
+        }
+    }
+    // Attention dropout needs the probabilities: a model with dropout cannot fuse.
+    let err = Gpt::new(tiny(), &mut Rng::seed(3)).with_fused_attention(true).unwrap_err().to_string();
+    assert!(err.contains("dropout"), "{err}");
+}

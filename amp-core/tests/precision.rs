@@ -297,8 +297,17 @@ fn losses<E: Precision>() {
     check_grad!(E, "mse_loss", ONCE, [a.clone(), b.clone()], |l| l[0].mse_loss(&l[1]));
 }
 
+fn attention<E: Precision>() {
+    // 70 positions: two of the CPU kernel's key blocks.
+    let (q, k, v) = (randn(&[2, 2, 70, 16], 110), randn(&[2, 2, 70, 16], 111), randn(&[2, 2, 70, 16], 112));
+    check!(E, "causal_attention", FROM_ROUNDED, [q.clone(), k.clone(), v.clone()], |t| t[0]
+        .causal_attention(&t[1], &t[2]));
+    check_grad!(E, "causal_attention", FROM_ROUNDED, [q, k, v], |t| t[0].causal_attention(&t[1], &t[2]));
+}
+
 #[test]
 fn softmax_norms_and_losses_match_f64() {
+    for_each_precision!(attention);
     for_each_precision!(softmax_family);
     for_each_precision!(norms);
     for_each_precision!(losses);

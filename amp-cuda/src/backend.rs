@@ -17,8 +17,8 @@ use std::any::TypeId;
 use std::sync::Arc;
 
 use amp_core::backend::{
-    AdamArgs, AdamDecay, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Lazy,
-    Outcomes, Pool2dSpec, PoolWindow, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
+    AdamArgs, AdamDecay, AttentionSpec, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device,
+    DimSplit, Lazy, Outcomes, Pool2dSpec, PoolWindow, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
 use amp_core::optim::STEPS_PER_READ;
@@ -923,6 +923,58 @@ impl Device for Cuda {
         }
         (dx, gw, gb)
     }
+    fn causal_attention<E: Precision>(
+        &self,
+        q: (&CudaStorage<E>, &Layout),
+        k: (&CudaStorage<E>, &Layout),
+        v: (&CudaStorage<E>, &Layout),
+        spec: AttentionSpec,
+    ) -> (CudaStorage<E>, CudaRowStats<E>) {
+        let st = self.st();
+        let AttentionSpec { n, t, d, scale } = spec;
+        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let out = self.uninit::<E>(n * t * d);
+        let lse = RawVec::new(st, n * t, acc);
+        if n * t * d > 0 {
+            let mut keep = Vec::new();
+            let (pq, pk, pv) =
+                (self.contig_ptr(q, &mut keep), self.contig_ptr(k, &mut keep), self.contig_ptr(v, &mut keep));
+            let f = st.family_fn(Family::Attention, E::DTYPE, "causal_attention_fwd");
+            launch!(st, f, attention_grid(spec, acc); out.ptr(), lse.ptr(), pq, pk, pv, t as i64, d as i64, scale);
+        }
+        (out, CudaRowStats::new(StatsKind::LogSumExp, lse, RawVec::new(st, 0, acc)))
+    }
+    fn causal_attention_backward<E: Precision>(
+        &self,
+        q: (&CudaStorage<E>, &Layout),
+        k: (&CudaStorage<E>, &Layout),
+        v: (&CudaStorage<E>, &Layout),
+        out: (&CudaStorage<E>, &Layout),
+        g: (&CudaStorage<E>, &Layout),
+        stats: &CudaRowStats<E>,
+        spec: AttentionSpec,
+    ) -> (CudaStorage<E>, CudaStorage<E>, CudaStorage<E>) {
+        assert_eq!(stats.kind, StatsKind::LogSumExp, "attention backward with other statistics");
+        let st = self.st();
+        let AttentionSpec { n, t, d, scale } = spec;
+        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let (dq, dk, dv) = (self.uninit::<E>(n * t * d), self.uninit::<E>(n * t * d), self.uninit::<E>(n * t * d));
+        if n * t * d == 0 {
+            return (dq, dk, dv);
+        }
+        let mut keep = Vec::new();
+        let (pq, pk, pv) =
+            (self.contig_ptr(q, &mut keep), self.contig_ptr(k, &mut keep), self.contig_ptr(v, &mut keep));
+        let (po, pg) = (self.contig_ptr(out, &mut keep), self.contig_ptr(g, &mut keep));
+        // The rows' g·out, written by the dq kernel and read by the dk/dv kernel after it.
+        let delta = RawVec::new(st, n * t, acc);
+        let (t64, d64, lse) = (t as i64, d as i64, stats.a.ptr());
+        let f = st.family_fn(Family::Attention, E::DTYPE, "causal_attention_dq_bwd");
+        launch!(st, f, attention_grid(spec, acc); dq.ptr(), delta.ptr(), pq, pk, pv, po, pg, lse, t64, d64, scale);
+        let f = st.family_fn(Family::Attention, E::DTYPE, "causal_attention_bwd");
+        launch!(st, f, attention_grid(spec, acc); dk.ptr(), dv.ptr(), pq, pk, pv, pg, delta.ptr(), lse, t64, d64, scale);
+        (dq, dk, dv)
+    }
     fn cross_entropy<E: Precision>(
         &self,
         x: (&CudaStorage<E>, &Layout),
@@ -1632,5 +1684,31 @@ impl Cuda {
         let f = st.family_fn(Family::Pool, E::DTYPE, stem);
         launch!(st, f, grid(n); out.ptr(), c.ptr_at(off), PoolGeom::of(spec));
         out
+    }
+}
+
+/// Rows per block of the attention kernels (`AMP_ATT_ROWS` in `attention.cu`).
+const ATTENTION_ROWS: usize = 64;
+/// Rows per shared-memory tile of the attention kernels (`AMP_ATT_TILE`).
+const ATTENTION_TILE: usize = 16;
+/// The largest head size the attention kernels hold in registers.
+const ATTENTION_MAX_D: usize = 128;
+
+/// One thread per row, [`ATTENTION_ROWS`] rows per block, one grid row per head; two staged
+/// tiles of `d` values in the accumulation type (`acc` bytes each) in shared memory.
+///
+/// # Panics
+/// If `d` is above [`ATTENTION_MAX_D`] or there are more heads than a grid dimension holds.
+fn attention_grid(spec: AttentionSpec, acc: usize) -> cudarc::driver::LaunchConfig {
+    assert!(
+        spec.d <= ATTENTION_MAX_D,
+        "causal_attention on CUDA: {} features per head, the kernels hold at most {ATTENTION_MAX_D}",
+        spec.d
+    );
+    assert!(spec.n < 65536, "causal_attention on CUDA: {} heads × batch, at most 65535", spec.n);
+    cudarc::driver::LaunchConfig {
+        grid_dim: (spec.t.div_ceil(ATTENTION_ROWS) as u32, spec.n as u32, 1),
+        block_dim: (ATTENTION_ROWS as u32, 1, 1),
+        shared_mem_bytes: (2 * ATTENTION_TILE * spec.d * acc) as u32,
     }
 }

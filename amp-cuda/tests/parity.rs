@@ -194,6 +194,20 @@ parity!(matmul_and_linear, |dev, E| {
     out
 });
 
+parity!(causal_attention, |dev, E| {
+    let mut out = Vec::new();
+    // Head sizes in each register class (32, 64, 128), t across several row blocks (64) and
+    // tiles (16), and a t below one tile.
+    for (i, (n, t, d)) in [(2, 150, 16), (3, 70, 64), (1, 40, 128), (2, 5, 8)].into_iter().enumerate() {
+        let s = 300 + 3 * i as u64;
+        let q = input::<E, D>(dev, &[n, t, d], s, 1.0);
+        let k = input::<E, D>(dev, &[n, t, d], s + 1, 1.0);
+        let v = input::<E, D>(dev, &[n, t, d], s + 2, 1.0);
+        record(&mut out, &format!("causal_attention {n}x{t}x{d}"), &q.causal_attention(&k, &v), &[&q, &k, &v]);
+    }
+    out
+});
+
 parity!(softmax_and_norms, |dev, E| {
     let mut out = Vec::new();
     let x = input::<E, D>(dev, &[6, 40], 26, 2.0);

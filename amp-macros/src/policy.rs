@@ -114,6 +114,12 @@ pub(crate) const TABLE: &[Op] = &[
     op("matmul", Lower, &[T], "tensor-core shaped: low-precision inputs, f32 accumulation in the kernel"),
     op("linear", Lower, &[T, OptT], "x Wᵀ + b: a matmul with the bias added before the single rounding"),
     op(
+        "causal_attention",
+        Lower,
+        &[T, T],
+        "two matmuls around a softmax, fused: low-precision inputs, the scores and softmax in f32 inside the kernel",
+    ),
+    op(
         "conv2d",
         Lower,
         &[T, OptT, O],

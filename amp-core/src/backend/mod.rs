@@ -103,6 +103,21 @@ pub struct CrossEntropySpec<'a> {
     pub smoothing: f64,
 }
 
+/// A fused causal attention's sizes: `q`, `k`, `v` and the output are `[n, t, d]` (`n` =
+/// batch × heads, `t` positions, `d` features per head), the scores scaled by `scale`
+/// (`1/√d` for GPT's attention).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Batch × heads.
+    pub n: usize,
+    /// Positions (queries and keys).
+    pub t: usize,
+    /// Features per head.
+    pub d: usize,
+    /// The factor of the scores `q·k`.
+    pub scale: f64,
+}
+
 /// A 2-D convolution with every size resolved (the op checks them): input
 /// `[batch, in_channels, input.0, input.1]`, weight
 /// `[out_channels, in_channels / groups, kernel.0, kernel.1]`, output
@@ -501,6 +516,33 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         g: (&Self::Storage<E>, &Layout),
         counted: usize,
     ) -> Self::Storage<E>;
+    /// Causal self-attention of the `[n, t, d]` views `q`, `k`, `v` ([`AttentionSpec`]): row
+    /// `i` of each head's output is `Σ_{j ≤ i} p_ij v_j` with `p_ij = softmax_j(scale q_i·k_j)`,
+    /// in `E::Acc`, the softmax taken online over blocks of keys so no `t × t` scores are
+    /// stored, and rounded once into `E` (`[n, t, d]`, contiguous). The stats are each row's
+    /// log-sum-exp of its scaled scores, for the backward.
+    fn causal_attention<E: Precision>(
+        &self,
+        q: (&Self::Storage<E>, &Layout),
+        k: (&Self::Storage<E>, &Layout),
+        v: (&Self::Storage<E>, &Layout),
+        spec: AttentionSpec,
+    ) -> (Self::Storage<E>, Self::RowStats<E>);
+    /// [`Device::causal_attention`]'s backward from `g`, the gradient of its output `out`:
+    /// `(dq, dk, dv)`, `[n, t, d]` each, in `E::Acc` with one rounding, the probabilities
+    /// recomputed from the stats (`dq_i = scale Σ_j p_ij (g_i·v_j − g_i·out_i) k_j`, `dk_j`
+    /// likewise over `i ≥ j` with `q_i`, `dv_j = Σ_{i ≥ j} p_ij g_i`).
+    #[allow(clippy::too_many_arguments)]
+    fn causal_attention_backward<E: Precision>(
+        &self,
+        q: (&Self::Storage<E>, &Layout),
+        k: (&Self::Storage<E>, &Layout),
+        v: (&Self::Storage<E>, &Layout),
+        out: (&Self::Storage<E>, &Layout),
+        g: (&Self::Storage<E>, &Layout),
+        stats: &Self::RowStats<E>,
+        spec: AttentionSpec,
+    ) -> (Self::Storage<E>, Self::Storage<E>, Self::Storage<E>);
     /// `mean((a - b)²)` over two views of one shape, as a 0-dim storage rounded once into `E`.
     fn mse<E: Precision>(&self, a: (&Self::Storage<E>, &Layout), b: (&Self::Storage<E>, &Layout)) -> Self::Storage<E>;
     /// The mean squared error's backward for `a`: `(a - b) * (2 g / n)` over two views of one

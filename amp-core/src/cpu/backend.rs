@@ -7,11 +7,11 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::alloc::{self, PooledVec};
-use super::{amp, batch_norm, conv, dropout, index, loss, matmul, norm, optim, pool, reduce, softmax};
+use super::{amp, attention, batch_norm, conv, dropout, index, loss, matmul, norm, optim, pool, reduce, softmax};
 use crate::backend::Cpu;
 use crate::backend::{
-    AdamArgs, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit, Outcomes,
-    Pool2dSpec, ReduceOp, Scalar, ScaleRule, ScaleSlot, SgdArgs, UnaryOp, outcome_row,
+    AdamArgs, AttentionSpec, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, Device, DimSplit,
+    Outcomes, Pool2dSpec, ReduceOp, Scalar, ScaleRule, ScaleSlot, SgdArgs, UnaryOp, outcome_row,
 };
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
@@ -287,6 +287,33 @@ impl Device for Cpu {
             norm::backward::<E, false>(&x, &g, d, w.as_deref(), stats, needs)
         };
         (store(gx), gw.map(store), gb.map(store))
+    }
+    fn causal_attention<E: Precision>(
+        &self,
+        q: (&Storage<E>, &Layout),
+        k: (&Storage<E>, &Layout),
+        v: (&Storage<E>, &Layout),
+        spec: AttentionSpec,
+    ) -> (Storage<E>, RowStats<E::Acc>) {
+        let (out, lse) = attention::forward(&view(q.0, q.1), &view(k.0, k.1), &view(v.0, v.1), spec);
+        (store(out), RowStats::LogSumExp(lse))
+    }
+    fn causal_attention_backward<E: Precision>(
+        &self,
+        q: (&Storage<E>, &Layout),
+        k: (&Storage<E>, &Layout),
+        v: (&Storage<E>, &Layout),
+        out: (&Storage<E>, &Layout),
+        g: (&Storage<E>, &Layout),
+        stats: &RowStats<E::Acc>,
+        spec: AttentionSpec,
+    ) -> (Storage<E>, Storage<E>, Storage<E>) {
+        let RowStats::LogSumExp(lse) = stats else {
+            unreachable!("backend invariant: attention stats are log-sum-exps")
+        };
+        let (q, k, v) = (view(q.0, q.1), view(k.0, k.1), view(v.0, v.1));
+        let (dq, dk, dv) = attention::backward((&q, &k, &v), &view(out.0, out.1), &view(g.0, g.1), lse, spec);
+        (store(dq), store(dk), store(dv))
     }
     fn cross_entropy<E: Precision>(
         &self,

@@ -8,7 +8,10 @@ use crate::{Cpu, Device, Precision, Rng, Tensor};
 ///
 /// Scores `q kᵀ/√d` and the value product run in `L`; the masked softmax runs in f32 (the
 /// policy table's fp32 category), and the probabilities are cast back to `L` for `p v`.
-/// Its weights are `W` (f32 by default).
+/// With [`CausalSelfAttention::with_fused`] the three steps are one
+/// [`Tensor::causal_attention`] kernel instead (scores and softmax in f32 inside it, no
+/// `t × t` tensor stored: what a long sequence on a GPU needs). Its weights are `W` (f32 by
+/// default).
 #[derive(Params, Debug, Clone)]
 pub struct CausalSelfAttention<W: Precision = f32, D: Device = Cpu> {
     /// `[3 d, d]`: queries, keys and values in one GEMM.
@@ -22,6 +25,9 @@ pub struct CausalSelfAttention<W: Precision = f32, D: Device = Cpu> {
     /// Number of heads.
     #[param(skip)]
     pub n_heads: usize,
+    /// Whether the scores, softmax and value product run as one fused kernel.
+    #[param(skip)]
+    fused: bool,
 }
 
 impl CausalSelfAttention {
@@ -38,6 +44,7 @@ impl CausalSelfAttention {
             attn_dropout: Dropout::new(dropout),
             resid_dropout: Dropout::new(dropout),
             n_heads,
+            fused: false,
         }
     }
 }
@@ -51,7 +58,30 @@ impl<W: Precision, D: Device> CausalSelfAttention<W, D> {
             attn_dropout: self.attn_dropout.clone(),
             resid_dropout: self.resid_dropout.clone(),
             n_heads: self.n_heads,
+            fused: self.fused,
         }
+    }
+    /// The same attention computed by the fused [`Tensor::causal_attention`] kernel (`true`)
+    /// or by separate ops (`false`, the default). The fused kernel keeps no probabilities to
+    /// drop out, so it refuses a nonzero attention dropout.
+    pub fn with_fused(mut self, fused: bool) -> crate::Result<Self> {
+        if fused && self.attn_dropout.p > 0.0 {
+            return Err(crate::Error::InvalidArgument {
+                op: "CausalSelfAttention::with_fused",
+                name: "fused",
+                detail: format!(
+                    "the fused kernel stores no attention probabilities, so it cannot apply the attention dropout \
+                     (p = {}): build the model with dropout 0 to fuse",
+                    self.attn_dropout.p
+                ),
+            });
+        }
+        self.fused = fused;
+        Ok(self)
+    }
+    /// Whether the fused kernel computes this attention.
+    pub fn is_fused(&self) -> bool {
+        self.fused
     }
     /// `x: [B, T, d]` to `[B, T, d]` in precision `L`.
     pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>, rng: &mut Rng) -> Tensor<L, D> {
@@ -64,12 +94,23 @@ impl<W: Precision, D: Device> CausalSelfAttention<W, D> {
         // full-size copies, so the fused projection's backward is one GEMM on one gradient.
         let part = |i: usize| qkv.narrow(0, i, 1).reshape(&[b, h, t, hd]);
         let (q, k, v) = (part(0), part(1), part(2));
+        let y = if self.fused { q.causal_attention(&k, &v) } else { self.unfused(&q, &k, &v, rng) };
+        let y = y.permute(&[0, 2, 1, 3]).reshape(&[b, t, d]);
+        self.resid_dropout.forward(&self.proj.forward::<L, L>(&y), rng)
+    }
+    /// Scores, mask, f32 softmax, dropout and the value product as separate ops.
+    fn unfused<L: Precision>(
+        &self,
+        q: &Tensor<L, D>,
+        k: &Tensor<L, D>,
+        v: &Tensor<L, D>,
+        rng: &mut Rng,
+    ) -> Tensor<L, D> {
+        let (t, hd) = (q.shape()[2], q.shape()[3]);
         let scores = q.matmul(&k.t()).mul_scalar(1.0 / (hd as f64).sqrt());
         let scores = scores.masked_fill(&Mask::causal(t), f64::NEG_INFINITY);
         let probs = scores.cast::<f32>().softmax(3);
         let probs = self.attn_dropout.forward(&probs, rng);
-        let y = probs.cast::<L>().matmul(&v); // [B, H, T, hd]
-        let y = y.permute(&[0, 2, 1, 3]).reshape(&[b, t, d]);
-        self.resid_dropout.forward(&self.proj.forward::<L, L>(&y), rng)
+        probs.cast::<L>().matmul(v) // [B, H, T, hd]
     }
 }

@@ -144,6 +144,15 @@ impl<W: Precision, D: Device> Gpt<W, D> {
             config: self.config.clone(),
         }
     }
+    /// The same model with every block's attention computed by the fused
+    /// [`Tensor::causal_attention`] kernel (or, with `false`, by separate ops): see
+    /// [`CausalSelfAttention::with_fused`]. Errs when the model has attention dropout.
+    pub fn with_fused_attention(mut self, fused: bool) -> Result<Self> {
+        for b in &mut self.blocks {
+            b.attn = b.attn.clone().with_fused(fused)?;
+        }
+        Ok(self)
+    }
     /// Logits `[B, T, vocab]` in precision `L` for token ids `[B, T]`.
     #[track_caller]
     pub fn forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Tensor<L, D> {

@@ -6,6 +6,7 @@
 //! ([`crate::Device`]) and records its backward. Nothing here touches memory; the CPU kernels
 //! are in `crate::cpu`, the CUDA ones in `amp-cuda`.
 
+pub mod attention;
 pub mod batch_norm;
 pub mod binary;
 pub mod conv;

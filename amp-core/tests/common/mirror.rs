@@ -8,8 +8,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use amp_core::backend::{
-    AdamArgs, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Lazy, Outcomes, Pool2dSpec,
-    ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
+    AdamArgs, AttentionSpec, BatchNormStats, Bf16Write, BinaryOp, Conv2dSpec, CrossEntropySpec, DimSplit, Lazy,
+    Outcomes, Pool2dSpec, ReduceOp, Scalar, ScaleRule, SgdArgs, UnaryOp,
 };
 use amp_core::layout::Layout;
 use amp_core::{Cpu, Device, Precision, bf16};
@@ -217,6 +217,31 @@ impl Device for Mirror {
         hit();
         let (gx, gw, gb) = Cpu.norm_backward(v(x), v(g), d, weight.map(v), stats, needs, rms);
         (Buf(gx), gw.map(Buf), gb.map(Buf))
+    }
+    fn causal_attention<E: Precision>(
+        &self,
+        q: (&Buf<E>, &Layout),
+        k: (&Buf<E>, &Layout),
+        vals: (&Buf<E>, &Layout),
+        spec: AttentionSpec,
+    ) -> (Buf<E>, Self::RowStats<E>) {
+        hit();
+        let (y, stats) = Cpu.causal_attention(v(q), v(k), v(vals), spec);
+        (Buf(y), stats)
+    }
+    fn causal_attention_backward<E: Precision>(
+        &self,
+        q: (&Buf<E>, &Layout),
+        k: (&Buf<E>, &Layout),
+        vals: (&Buf<E>, &Layout),
+        out: (&Buf<E>, &Layout),
+        g: (&Buf<E>, &Layout),
+        stats: &Self::RowStats<E>,
+        spec: AttentionSpec,
+    ) -> (Buf<E>, Buf<E>, Buf<E>) {
+        hit();
+        let (dq, dk, dv) = Cpu.causal_attention_backward(v(q), v(k), v(vals), v(out), v(g), stats, spec);
+        (Buf(dq), Buf(dk), Buf(dv))
     }
     fn cross_entropy<E: Precision>(
         &self,

@@ -25,6 +25,7 @@ pub const PRELUDE: &str = include_str!("prelude.cuh");
 const MAP: &str = include_str!("map.cu");
 const REDUCE: &str = include_str!("reduce.cu");
 const ROWS: &str = include_str!("rows.cu");
+const ATTENTION: &str = include_str!("attention.cu");
 const INDEX: &str = include_str!("index.cu");
 const CONV: &str = include_str!("conv.cu");
 const POOL: &str = include_str!("pool.cu");
@@ -60,6 +61,8 @@ pub enum Family {
     Norm,
     /// Cross-entropy forward and backward, the squared-error sum, the f64 mean.
     Loss,
+    /// Fused causal attention, forward and backward (dq; dk and dv).
+    Attention,
     /// The embedding gather and scatter-add, concatenation.
     Index,
     /// im2col, col2im, the bias fill and the per-channel bias gradient.
@@ -79,12 +82,13 @@ pub enum Family {
 
 impl Family {
     /// Every family.
-    pub const ALL: [Family; 12] = [
+    pub const ALL: [Family; 13] = [
         Family::Copy,
         Family::Reduce,
         Family::Softmax,
         Family::Norm,
         Family::Loss,
+        Family::Attention,
         Family::Index,
         Family::Conv,
         Family::Pool,
@@ -102,6 +106,7 @@ impl Family {
             Family::Softmax => "softmax",
             Family::Norm => "norm",
             Family::Loss => "loss",
+            Family::Attention => "attention",
             Family::Index => "index",
             Family::Conv => "conv",
             Family::Pool => "pool",
@@ -125,6 +130,7 @@ impl Family {
             Family::Copy => MAP,
             Family::Reduce => REDUCE,
             Family::Softmax | Family::Norm | Family::Loss => ROWS,
+            Family::Attention => ATTENTION,
             Family::Index => INDEX,
             Family::Conv => CONV,
             Family::Pool => POOL,
@@ -142,6 +148,7 @@ impl Family {
             Family::Softmax => "AMP_SOFTMAX_KERNELS",
             Family::Norm => "AMP_NORM_KERNELS",
             Family::Loss => "AMP_LOSS_KERNELS",
+            Family::Attention => "AMP_ATTENTION_KERNELS",
             Family::Index => "AMP_INDEX_KERNELS",
             Family::Conv => "AMP_CONV_KERNELS",
             Family::Pool => "AMP_POOL_KERNELS",
@@ -167,6 +174,7 @@ impl Family {
                 "norm_params_bwd",
             ],
             Family::Loss => &["cross_entropy_fwd", "cross_entropy_bwd", "mse_fwd", "mse_bwd", "mean_f64_fwd"],
+            Family::Attention => &["causal_attention_fwd", "causal_attention_dq_bwd", "causal_attention_bwd"],
             Family::Index => &["gather_rows_fwd", "scatter_add_rows_bwd", "cat_fwd"],
             Family::Conv => &["im2col_fwd", "col2im_bwd", "bias_fill_fwd", "channel_sum_bwd"],
             Family::Pool => &["max_pool2d_fwd", "max_pool2d_bwd", "avg_pool2d_fwd", "avg_pool2d_bwd"],

@@ -303,6 +303,7 @@ impl Cuda {
             return out;
         }
         let st = self.st();
+        st.waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: `ptr` addresses at least `n` initialised elements of `T` written by earlier
         // work on this stream; `out` is valid for `n` writes and lives until the stream is
         // synchronised below.

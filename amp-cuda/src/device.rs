@@ -25,7 +25,7 @@
 use std::any::TypeId;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use amp_core::{DType, Error};
@@ -142,9 +142,19 @@ impl Cuda {
         self.state().tf32.load(Ordering::Relaxed)
     }
 
+    /// The blocking host-device calls made on this GPU since it was opened (by every handle):
+    /// device-to-host copies (each waits for the stream), stream synchronisations, and the
+    /// driver's allocations and frees (the caching allocator's misses and releases). A
+    /// training step that reads nothing back adds none; reading a step's loss or skipped flag
+    /// adds one.
+    pub fn blocking_calls(&self) -> u64 {
+        self.state().waits.load(Ordering::Relaxed)
+    }
+
     /// Waits until every kernel and copy queued on the device's stream has finished.
     pub fn synchronize(&self) {
         let st = self.state();
+        st.waits.fetch_add(1, Ordering::Relaxed);
         st.check("synchronize", st.stream.synchronize());
     }
 }
@@ -194,23 +204,28 @@ pub(crate) fn shared_state(ordinal: usize) -> Result<Arc<State>, Error> {
 pub(crate) struct DriverMemory {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The device's count of blocking calls ([`Cuda::blocking_calls`]).
+    waits: Arc<AtomicU64>,
 }
 
 impl RawMemory for DriverMemory {
     type Error = DriverError;
     fn alloc(&self, bytes: usize) -> Result<u64, DriverError> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         self.ctx.bind_to_thread()?;
         // SAFETY: the context is current on this thread; the block is owned by the allocator
         // until it frees it.
         unsafe { result::malloc_sync(bytes) }
     }
     fn free(&self, ptr: u64) {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         self.ctx.record_err(self.ctx.bind_to_thread());
         // SAFETY: `ptr` came from `alloc`, is freed once (the allocator forgets it), and the
         // stream was synchronised so no queued work still uses it.
         self.ctx.record_err(unsafe { result::free_sync(ptr) });
     }
     fn synchronize(&self) {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         self.ctx.record_err(self.stream.synchronize());
     }
     fn is_out_of_memory(e: &DriverError) -> bool {
@@ -251,6 +266,8 @@ pub(crate) struct State {
     pub(crate) blas: Mutex<CudaBlas>,
     modules: Mutex<HashMap<ModuleKey, Loaded>>,
     pub(crate) tf32: AtomicBool,
+    /// Blocking calls so far ([`Cuda::blocking_calls`]).
+    pub(crate) waits: Arc<AtomicU64>,
 }
 
 impl State {
@@ -292,7 +309,8 @@ impl State {
         unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), math) }
             .result()
             .map_err(|e| err(format!("cublasSetMathMode failed: {e:?}")))?;
-        let mem = DriverMemory { ctx: ctx.clone(), stream: stream.clone() };
+        let waits = Arc::new(AtomicU64::new(0));
+        let mem = DriverMemory { ctx: ctx.clone(), stream: stream.clone(), waits: waits.clone() };
         Ok(State {
             ordinal,
             device_name: name,
@@ -302,6 +320,7 @@ impl State {
             blas: Mutex::new(blas),
             modules: Mutex::new(HashMap::new()),
             tf32: AtomicBool::new(false),
+            waits,
         })
     }
 

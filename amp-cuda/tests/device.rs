@@ -99,3 +99,42 @@ fn a_cloned_state_vector_is_a_copy() {
     assert_ne!(cuda.state_to_host(&m), vec![1.0, 2.0, 3.0]);
     assert_eq!(cuda.state_len(&b), 3);
 }
+
+#[test]
+fn ten_amp_steps_make_no_blocking_call_until_a_value_is_read() {
+    use amp_core::backend::HostValue;
+    use amp_core::nn::{Gpt, GptConfig};
+    use amp_core::param::ToDevice;
+    use amp_core::scaler::GradScaler;
+    use amp_core::{Indices, Rng};
+    let Some(cuda) = cuda_or_skip("ten_amp_steps_make_no_blocking_call_until_a_value_is_read") else { return };
+    let config = GptConfig { vocab_size: 29, block_size: 16, d_model: 64, n_layers: 2, n_heads: 4, dropout: 0.0 };
+    let mut model = Gpt::new(config, &mut Rng::seed(0)).with_fused_attention(true).unwrap().to_device(&cuda);
+    let mut opt = amp_core::optim::AdamW::new(1e-3).weight_decay(0.1).build().unwrap();
+    let mut scaler = GradScaler::new();
+    let ids = Indices::from_vec((0..64).map(|i| (i * 7) % 29).collect(), &[4, 16]);
+    let targets = Indices::from_vec((0..64).map(|i| (i * 3 + 1) % 29).collect(), &[4, 16]);
+    let mut step = |model: &mut Gpt<f32, Cuda>| {
+        let loss = model.loss::<half::f16>(&ids, &targets, &mut Rng::seed(1));
+        let mut grads = scaler.scale(loss).backward().unscale();
+        let norm = grads.clip_grad_norm(1.0);
+        let report = grads.step(&mut opt, model).update().unwrap();
+        (report, norm)
+    };
+    // Warm-up: kernels compiled, the allocator's cache filled, the optimizer's state made.
+    for _ in 0..3 {
+        step(&mut model);
+    }
+    cuda.synchronize();
+    let before = cuda.blocking_calls();
+    let mut last = None;
+    for _ in 0..10 {
+        last = Some(step(&mut model));
+    }
+    let during = cuda.blocking_calls() - before;
+    println!("blocking calls in 10 steps: {during}");
+    assert_eq!(during, 0, "an AMP step waited for the GPU");
+    let (report, norm) = last.unwrap();
+    let _ = (report.skipped.get(), norm.get());
+    assert!(cuda.blocking_calls() > before, "reading a value is a blocking call, counted");
+}

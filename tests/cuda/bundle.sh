@@ -44,5 +44,6 @@ for ex in examples/gpu_*.rs; do
     cp "$CARGO_TARGET_DIR/release/examples/$name" "$out/bin/$name"
 done
 cp tests/cuda/run.sh "$out/run.sh"
+cp tests/python/gpu_gpt.py "$out/gpu_gpt.py" # PyTorch's side of examples/gpu_gpt.rs
 chmod +x "$out/run.sh"
 du -sh "$out"

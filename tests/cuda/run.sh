@@ -38,9 +38,14 @@ run() { # name, then the command
 }
 run train-f16 "$here/bin/train" --device cuda --precision f16 --out "$logs/run-f16" --overwrite
 run train-bf16 "$here/bin/train" --device cuda --precision bf16 --out "$logs/run-bf16" --overwrite
-for g in "$here"/bin/gpu_*; do
-    [ -e "$g" ] && run "$(basename "$g")" "$g"
-done
+# The GPU-scale GPT: both precisions at batch 16 beside PyTorch eager on the same GPU (when the
+# image's PyTorch is there), then bf16 at the batch that fills about 40 GiB.
+if [ -x "$here/bin/gpu_gpt" ]; then
+    run gpu_gpt "$here/bin/gpu_gpt" --batch 16
+    torch_py=/opt/torch/.venv/bin/python
+    [ -x "$torch_py" ] && run gpu_gpt-torch "$torch_py" "$here/gpu_gpt.py" --batch 16
+    run gpu_gpt-40gib "$here/bin/gpu_gpt" --precision bf16
+fi
 
 echo
 echo "| test binary | passed | failed | skipped (SKIPPED: lines) | exit |"

@@ -832,3 +832,13 @@ fn on_a_device_a_collapsed_scale_is_caught_at_the_next_state_read() {
     assert_eq!(scaler.get_scale(), 1.0);
     assert_eq!(opt.steps(), 0, "no step was taken");
 }
+
+#[test]
+fn a_gpt_with_fused_attention_keeps_it_on_another_device_and_matches_the_cpu_bit_for_bit() {
+    let config = GptConfig { vocab_size: 17, block_size: 8, d_model: 16, n_layers: 2, n_heads: 2, dropout: 0.0 };
+    let cpu = Gpt::new(config, &mut Rng::seed(4)).with_fused_attention(true).unwrap();
+    let dev = cpu.to_device(&Mirror);
+    assert!(dev.blocks.iter().all(|b| b.attn.is_fused()), "moving the model keeps the fused attention");
+    let (a, b) = (gpt_step::<bf16, Cpu>(&cpu), gpt_step::<bf16, Mirror>(&dev));
+    assert_eq!(a, b);
+}

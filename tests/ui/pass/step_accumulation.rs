@@ -1,5 +1,5 @@
 // Gradient accumulation: several micro-batches before one unscale and one step.
-use amp::optim::{Optimizer, Sgd};
+use amp::optim::Sgd;
 use amp::scaler::GradScaler;
 use amp::{Param, Rng, Tensor};
 

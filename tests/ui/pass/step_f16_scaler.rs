@@ -1,5 +1,5 @@
 // The f16 chain with a dynamic loss scaler: scale, backward, unscale, clip, step, update.
-use amp::optim::{AdamW, Optimizer};
+use amp::optim::AdamW;
 use amp::scaler::GradScaler;
 use amp::{Param, Rng, Tensor, f16};
 

@@ -519,3 +519,19 @@ fn twenty_gpt_steps_match_the_cpu_in_f16_with_a_grad_scaler_and_in_bf16() {
         gpt_steps::<bf16, _, _>(&mut gpu, &mut ns()),
     );
 }
+
+#[test]
+fn twenty_gpt_steps_with_fused_attention_match_the_cpu_in_bf16() {
+    let Some(cuda) = cuda_or_skip("twenty_gpt_steps_with_fused_attention_match_the_cpu_in_bf16") else { return };
+    // Dropout 0: the fused kernel has no attention dropout.
+    let config = GptConfig { vocab_size: 29, block_size: 8, d_model: 32, n_layers: 2, n_heads: 4, dropout: 0.0 };
+    let init = Gpt::new(config, &mut Rng::seed(3)).with_fused_attention(true).unwrap();
+    let (mut cpu, mut gpu): (Gpt, Gpt<f32, Cuda>) = (init.clone(), init.to_device(&cuda));
+    let ns = amp_core::scaler::NoScale::new;
+    check(
+        "gpt_bf16_fused_attention",
+        DType::BF16,
+        gpt_steps::<bf16, _, _>(&mut cpu, &mut ns()),
+        gpt_steps::<bf16, _, _>(&mut gpu, &mut ns()),
+    );
+}

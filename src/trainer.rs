@@ -962,11 +962,18 @@ fn check_optimizer_state(opt: &Optim<AdamW>, step: u64) -> std::result::Result<(
 }
 
 /// Names the first parameter or Adam moment holding an inf or NaN, if any. On the CPU the
-/// moments are read in place; on another device in one copy of the optimizer state.
+/// parameters and moments are read in place; on another device they are copied (the
+/// optimizer state in one copy).
 fn non_finite_state<D: Device>(model: &Gpt<f32, D>, opt: &Optim<AdamW>) -> Option<String> {
     let copied = (!D::HOST_MEMORY).then(|| opt.state_dict());
     for (name, p) in model.named_params() {
-        if any_non_finite(&p.to_vec()) {
+        // In place on the CPU (this runs after every step there); a copy from another device.
+        let in_place = (p as &dyn std::any::Any).downcast_ref::<crate::Param<f32, Cpu>>();
+        let bad = match in_place {
+            Some(p) => any_non_finite(p.data()),
+            None => any_non_finite(&p.to_vec()),
+        };
+        if bad {
             return Some(format!("parameter `{name}`"));
         }
         let st = match &copied {

@@ -1688,7 +1688,8 @@ impl Cuda {
     }
 }
 
-/// Rows per block of the attention kernels (`AMP_ATT_ROWS` in `attention.cu`).
+/// Rows per block of the attention kernels (`AMP_ATT_ROWS` in `attention.cu`; a test checks
+/// both constants against the source).
 const ATTENTION_ROWS: usize = 64;
 /// Rows per shared-memory tile of the attention kernels (`AMP_ATT_TILE`).
 const ATTENTION_TILE: usize = 16;
@@ -1711,5 +1712,19 @@ fn attention_grid(spec: AttentionSpec, acc: usize) -> cudarc::driver::LaunchConf
         grid_dim: (spec.t.div_ceil(ATTENTION_ROWS) as u32, spec.n as u32, 1),
         block_dim: (ATTENTION_ROWS as u32, 1, 1),
         shared_mem_bytes: (2 * ATTENTION_TILE * spec.d * acc) as u32,
+    }
+}
+
+#[cfg(test)]
+mod attention_tests {
+    #[test]
+    fn the_attention_launch_matches_the_kernels_constants() {
+        let source = include_str!("kernels/attention.cu");
+        for define in [
+            format!("#define AMP_ATT_ROWS {}\n", super::ATTENTION_ROWS),
+            format!("#define AMP_ATT_TILE {}\n", super::ATTENTION_TILE),
+        ] {
+            assert!(source.contains(&define), "attention.cu must say {define:?}");
+        }
     }
 }

@@ -52,6 +52,31 @@ fn masked_softmax_fwd_bwd<E: Precision>(b: Bencher<'_, '_>) {
     });
 }
 
+/// Causal attention of `[B·H, T, D/H]` heads, forward and backward: the fused kernel
+/// (`causal_attention`) next to the ops it replaces (scores, scale, mask, softmax, values),
+/// in the same run.
+#[divan::bench(types = [f32, bf16], sample_count = 20)]
+fn causal_attention_fwd_bwd<E: Precision>(b: Bencher<'_, '_>) {
+    let [q, k, v] = [0, 1, 2].map(|s| randn::<E>(&[B * H, T, D / H], s).requires_grad_());
+    let w = randn::<E>(&[B * H, T, D / H], 3);
+    b.counter(ItemsCount::new(B * H * T * T))
+        .bench_local(|| divan::black_box(q.causal_attention(&k, &v).mul(&w).sum_all().backward()));
+}
+
+/// The same attention from separate ops, forward and backward.
+#[divan::bench(types = [f32, bf16], sample_count = 20)]
+fn causal_attention_unfused_fwd_bwd<E: Precision>(b: Bencher<'_, '_>) {
+    let [q, k, v] = [0, 1, 2].map(|s| randn::<E>(&[B * H, T, D / H], s).requires_grad_());
+    let w = randn::<E>(&[B * H, T, D / H], 3);
+    let mask = Mask::causal(T);
+    let scale = 1.0 / ((D / H) as f64).sqrt();
+    b.counter(ItemsCount::new(B * H * T * T)).bench_local(|| {
+        let scores = q.matmul(&k.transpose(1, 2)).mul_scalar(scale).masked_fill(&mask, f64::NEG_INFINITY);
+        let y = scores.softmax(2).matmul(&v);
+        divan::black_box(y.mul(&w).sum_all().backward())
+    });
+}
+
 /// Pre-LayerNorm over `[B * T, D]` with affine parameters, forward only.
 #[divan::bench(types = [f32, f16, bf16], sample_count = 20)]
 fn layer_norm<E: Precision>(b: Bencher<'_, '_>) {

@@ -18,7 +18,7 @@ use num_traits::{Float, One, Zero};
 
 use crate::precision::{Accum, Precision};
 
-/// Keys scored at a time in the forward pass.
+/// Keys (forward, and `dq`) or queries (`dk`, `dv`) scored at a time.
 const KEYS: usize = 64;
 
 /// All of `x` in the accumulation type.
@@ -111,7 +111,17 @@ pub(crate) fn backward<E: Precision>(
     // D_i = g_i · out_i: the softmax backward's row term.
     let delta: Vec<E::Acc> = (0..rows).map(|r| dot(&g[r * d..(r + 1) * d], &out[r * d..(r + 1) * d])).collect();
     drop(out);
-    let p = |r: usize, kj: &[E::Acc]| (dot(&q[r * d..(r + 1) * d], kj) * scale - lse[r]).exp();
+    // p_ij = exp(q_i·k_j scale − lse_i) for one block of pairs at a time, so the exponentials
+    // run through the same vectorised `exp_in_place` as the forward pass (one libm call per
+    // pair took most of the backward's time).
+    // Pair `x` of a block is query row `r0 + x·dr` with key row `j0 + x·dj`.
+    let probs = |ps: &mut [E::Acc], (r0, dr): (usize, usize), (j0, dj): (usize, usize)| {
+        for (x, pij) in ps.iter_mut().enumerate() {
+            let (r, j) = (r0 + x * dr, j0 + x * dj);
+            *pij = dot(&q[r * d..(r + 1) * d], &k[j * d..(j + 1) * d]) * scale - lse[r];
+        }
+        exp_in_place(ps);
+    };
 
     // dq_i = scale Σ_{j ≤ i} p_ij (g_i·v_j − D_i) k_j
     let mut dq = super::alloc::take::<E>(rows * d);
@@ -122,15 +132,21 @@ pub(crate) fn backward<E: Precision>(
         #[inline(always)]
         |r0, chunk| {
             let mut acc = vec![E::Acc::zero(); d];
+            let mut ps = [E::Acc::zero(); KEYS];
             for (r, y) in (r0..).zip(chunk.chunks_mut(d)) {
                 let (h, i) = (r / t, r % t);
                 let gi = &g[r * d..(r + 1) * d];
                 acc.fill(E::Acc::zero());
-                for j in 0..=i {
-                    let hj = (h * t + j) * d;
-                    let kj = &k[hj..hj + d];
-                    let ds = p(r, kj) * (dot(gi, &v[hj..hj + d]) - delta[r]);
-                    axpy(&mut acc, ds, kj);
+                for j0 in (0..=i).step_by(KEYS) {
+                    let j1 = (j0 + KEYS).min(i + 1);
+                    let ps = &mut ps[..j1 - j0];
+                    probs(ps, (r, 0), (h * t + j0, 1));
+                    for (pij, j) in ps.iter().zip(j0..j1) {
+                        let hj = (h * t + j) * d;
+                        let kj = &k[hj..hj + d];
+                        let ds = *pij * (dot(gi, &v[hj..hj + d]) - delta[r]);
+                        axpy(&mut acc, ds, kj);
+                    }
                 }
                 for a in acc.iter_mut() {
                     *a *= scale;
@@ -150,17 +166,22 @@ pub(crate) fn backward<E: Precision>(
         #[inline(always)]
         |r0, chunk| {
             let (mut dk, mut dv) = (vec![E::Acc::zero(); d], vec![E::Acc::zero(); d]);
+            let mut ps = [E::Acc::zero(); KEYS];
             for (rj, y) in (r0..).zip(chunk.chunks_mut(2 * d)) {
                 let (h, j) = (rj / t, rj % t);
-                let (kj, vj) = (&k[rj * d..(rj + 1) * d], &v[rj * d..(rj + 1) * d]);
+                let vj = &v[rj * d..(rj + 1) * d];
                 dk.fill(E::Acc::zero());
                 dv.fill(E::Acc::zero());
-                for i in j..t {
-                    let r = h * t + i;
-                    let gi = &g[r * d..(r + 1) * d];
-                    let pij = p(r, kj);
-                    axpy(&mut dv, pij, gi);
-                    axpy(&mut dk, pij * (dot(gi, vj) - delta[r]), &q[r * d..(r + 1) * d]);
+                for i0 in (j..t).step_by(KEYS) {
+                    let i1 = (i0 + KEYS).min(t);
+                    let ps = &mut ps[..i1 - i0];
+                    probs(ps, (h * t + i0, 1), (rj, 0));
+                    for (pij, i) in ps.iter().zip(i0..i1) {
+                        let r = h * t + i;
+                        let gi = &g[r * d..(r + 1) * d];
+                        axpy(&mut dv, *pij, gi);
+                        axpy(&mut dk, *pij * (dot(gi, vj) - delta[r]), &q[r * d..(r + 1) * d]);
+                    }
                 }
                 for a in dk.iter_mut() {
                     *a *= scale;

@@ -1,13 +1,16 @@
 //! Step time of the fixed workloads W1 (MLP) and W2 (GPT) from
 //! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table.
 //!
-//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor]`.
+//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor] [--fused-attention]`.
 //! Cells left out by `--only` or `--precision` print as `-`. With `--torch PYTHON` (a Python
 //! with PyTorch), PyTorch's step times are measured in the same run by
 //! `tests/python/bench_steps.py` (the same workloads and step, on the same threads) and
 //! printed beside ours with the ratios; without it the PyTorch columns print as `-`.
 //! The run starts by naming the CPU (model, the SIMD and AMX flags it reports) and the kernels
 //! this build runs on it.
+//! `--fused-attention` runs W2's attention as the fused kernel (`Gpt::with_fused_attention`)
+//! instead of the separate ops of the workload's definition (scores, scale, mask, softmax,
+//! values); PyTorch's side keeps the separate ops.
 //! Each step is a full AMP step: forward, scaled backward, unscale, clip_grad_norm(1.0),
 //! AdamW step, scaler update. Median of `--steps` timed steps after one warm-up step.
 //! A second table gives the minor page faults per timed step (the kernel's count for this
@@ -118,10 +121,10 @@ fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> Timing {
     time_steps(&mut model, scaler, steps, |m| m.loss::<L>(&x, &y))
 }
 
-fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> Timing {
+fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize, fused: bool) -> Timing {
     let mut rng = Rng::seed(0);
     let config = GptConfig { vocab_size: 128, block_size: 128, d_model: 256, n_layers: 4, n_heads: 4, dropout: 0.0 };
-    let mut model = Gpt::new(config, &mut rng);
+    let mut model = Gpt::new(config, &mut rng).with_fused_attention(fused).expect("W2 has no attention dropout");
     let ids = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
     let targets = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
     let mut drop_rng = Rng::seed(1);
@@ -233,6 +236,7 @@ fn main() {
         assert!(["f32", "bf16", "f16"].contains(&p.as_str()), "--precision takes f32, bf16 or f16, got {p:?}");
     }
     let want = |p: &str| precision.as_deref().is_none_or(|q| q == p);
+    let fused = std::env::args().any(|a| a == "--fused-attention");
     // Runs `f` when precision `p` is selected; NaN marks a cell left out.
     // Each cell starts with an empty cache and a fresh peak, so its figures are its own.
     let cell = |p: &str, f: &dyn Fn() -> Timing| {
@@ -266,11 +270,11 @@ fn main() {
     }
     if run("w2") {
         let ours = [
-            cell("f32", &|| w2::<f32, _>(&mut NoScale, steps)),
-            cell("bf16", &|| w2::<bf16, _>(&mut NoScale, steps)),
-            cell("f16", &|| w2::<f16, _>(&mut GradScaler::new(), steps)),
+            cell("f32", &|| w2::<f32, _>(&mut NoScale, steps, fused)),
+            cell("bf16", &|| w2::<bf16, _>(&mut NoScale, steps, fused)),
+            cell("f16", &|| w2::<f16, _>(&mut GradScaler::new(), steps, fused)),
         ];
-        rows.push(("W2 GPT step", ours));
+        rows.push((if fused { "W2 GPT step, fused attention" } else { "W2 GPT step" }, ours));
     }
     // PyTorch after ours, in the same run, on the same threads.
     let (torch, torch_version) = match &torch_python {

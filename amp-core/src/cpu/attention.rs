@@ -2,24 +2,67 @@
 //! in the accumulation type with one rounding per output.
 //!
 //! Design notes:
-//! - Forward: each query row walks its keys `0..=i` in blocks of [`KEYS`], scoring a block,
-//!   then rescaling its running max, sum and output accumulator once per block (the online
-//!   softmax). A task holds one block of scores and one row: never `t × t` scores.
-//! - Backward: the probabilities are recomputed from the saved log-sum-exps. `dq` is computed
-//!   per query row (over `j ≤ i`), `dk` and `dv` per key row (over `i ≥ j`), so every output
-//!   row is written by one task, and the tasks (grouped by shape, as in `rows`) sum in a fixed
-//!   order: results do not depend on the thread count.
+//! - One task per head (heads grouped into tasks by size, as in `rows`), walking its queries
+//!   in blocks of [`QUERIES`] rows. A block's scores against the keys up to its last row are a
+//!   small GEMM in the accumulation type (`matmul_into` on this thread), the softmax runs over
+//!   each row's live keys (`j ≤ i`; the rest are zero), and the values are another GEMM. A task
+//!   holds one block of scores, `QUERIES × t`: never a head's `t × t`.
+//! - Backward: the probabilities are recomputed from the saved log-sum-exps, block by block;
+//!   `dq` of a block, and the block's share of `dk` and `dv` (summed into the head's
+//!   accumulators in block order), are GEMMs too. Every output is written by one task in a
+//!   fixed order, so results do not depend on the thread count.
 //! - The inputs are loaded into `E::Acc` once, whole, before the tasks start (a strided view
 //!   is gathered at the same time).
 
-use super::rows::{dot, exp_in_place, max_buf, par_rows};
+use std::any::TypeId;
+
+use super::matmul::matmul_into;
+use super::rows::{dot, exp_in_place, max_buf, par_rows, sum_map};
 use crate::backend::AttentionSpec;
+use crate::layout::Layout;
 use num_traits::{Float, One, Zero};
 
 use crate::precision::{Accum, Precision};
 
-/// Keys (forward, and `dq`) or queries (`dk`, `dv`) scored at a time.
-const KEYS: usize = 64;
+/// Query rows per block.
+const QUERIES: usize = 64;
+
+/// `x` seen as `&[T]` when `A` is `T` (the accumulation types f32 and f64 are precisions too).
+fn acc_as<A: Accum, T: Precision>(x: &[A]) -> Option<&[T]> {
+    (TypeId::of::<A>() == TypeId::of::<T>()).then(|| {
+        // SAFETY: A and T are the same type (same TypeId), so the slice is valid as `[T]`.
+        unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<T>(), x.len()) }
+    })
+}
+
+/// `x` seen as `&mut [T]` when `A` is `T`.
+fn acc_as_mut<A: Accum, T: Precision>(x: &mut [A]) -> Option<&mut [T]> {
+    (TypeId::of::<A>() == TypeId::of::<T>()).then(|| {
+        // SAFETY: as in `acc_as`.
+        unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<T>(), x.len()) }
+    })
+}
+
+/// `out = a · b` for 2-D views of accumulation-type buffers, on this thread (the tasks are
+/// the parallelism).
+fn product<A: Accum>(a: &[A], la: &Layout, b: &[A], lb: &Layout, out: &mut [A]) {
+    fn run<T: Precision>(a: &[T], la: &Layout, b: &[T], lb: &Layout, out: &mut [T]) {
+        matmul_into(a, la, b, lb, &[], out, false)
+    }
+    match (acc_as::<A, f32>(a), acc_as::<A, f32>(b), acc_as_mut::<A, f32>(out)) {
+        (Some(a), Some(b), Some(out)) => run(a, la, b, lb, out),
+        _ => {
+            let (a, b) = (acc_as::<A, f64>(a), acc_as::<A, f64>(b));
+            let out = acc_as_mut::<A, f64>(out);
+            run(a.expect("f32 or f64"), la, b.expect("f32 or f64"), lb, out.expect("f32 or f64"))
+        }
+    }
+}
+
+/// A `[rows, cols]` view starting at `offset` with row stride `rs` and column stride `cs`.
+fn view(rows: usize, cols: usize, offset: usize, (rs, cs): (usize, usize)) -> Layout {
+    Layout { shape: vec![rows, cols], strides: vec![rs, cs], offset }
+}
 
 /// All of `x` in the accumulation type.
 fn load_all<E: Precision>(x: &[E]) -> Vec<E::Acc> {
@@ -28,66 +71,53 @@ fn load_all<E: Precision>(x: &[E]) -> Vec<E::Acc> {
     out
 }
 
-/// `y += a x`.
-#[inline(always)]
-fn axpy<A: Accum>(y: &mut [A], a: A, x: &[A]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * *x;
-    }
-}
-
 /// The attention output (`[n, t, d]`, rounded into `E`) and each row's log-sum-exp.
 pub(crate) fn forward<E: Precision>(q: &[E], k: &[E], v: &[E], spec: AttentionSpec) -> (Vec<E>, Vec<E::Acc>) {
     let AttentionSpec { n, t, d, scale } = spec;
     let (q, k, v) = (load_all(q), load_all(k), load_all(v));
     let scale = E::Acc::c(scale);
-    let mut out = super::alloc::take::<E>(n * t * d); // every row is stored
+    let head = t * d;
+    let mut out = super::alloc::take::<E>(n * head); // every row is stored
     let lse_parts = par_rows(
         &mut out,
-        d,
-        (t / 2).max(1) * d,
+        head,
+        t * head,
         #[inline(always)]
-        |r0, chunk| {
-            let mut acc = vec![E::Acc::zero(); d];
-            let mut s = [E::Acc::zero(); KEYS];
+        |h0, chunk| {
+            let mut s = vec![E::Acc::zero(); QUERIES.min(t) * t];
+            let mut o = vec![E::Acc::zero(); QUERIES.min(t) * d];
             let mut lse = Vec::with_capacity(chunk.len() / d.max(1));
-            for (r, y) in (r0..).zip(chunk.chunks_mut(d)) {
-                let (h, i) = (r / t, r % t);
-                let qi = &q[r * d..(r + 1) * d];
-                let (kh, vh) = (&k[h * t * d..(h + 1) * t * d], &v[h * t * d..(h + 1) * t * d]);
-                acc.fill(E::Acc::zero());
-                let (mut m, mut l) = (E::Acc::neg_infinity(), E::Acc::zero());
-                for j0 in (0..=i).step_by(KEYS) {
-                    let j1 = (j0 + KEYS).min(i + 1);
-                    let s = &mut s[..j1 - j0];
-                    for (sj, j) in s.iter_mut().zip(j0..j1) {
-                        *sj = dot(qi, &kh[j * d..(j + 1) * d]) * scale;
-                    }
-                    let m_new = m.max(max_buf(s));
-                    if m_new > m {
-                        // exp(-inf) = 0 clears the empty start; a NaN max propagates below.
-                        let c = (m - m_new).exp();
-                        l *= c;
-                        for a in acc.iter_mut() {
-                            *a *= c;
+            for (h, y) in (h0..).zip(chunk.chunks_mut(head)) {
+                for i0 in (0..t).step_by(QUERIES) {
+                    // Queries i0..i1 against keys 0..i1.
+                    let (i1, base) = ((i0 + QUERIES).min(t), h * head);
+                    let (rows, keys) = (i1 - i0, i1);
+                    let s = &mut s[..rows * keys];
+                    let q_blk = view(rows, d, base + i0 * d, (d, 1));
+                    product(&q, &q_blk, &k, &view(d, keys, base, (1, d)), s);
+                    for (i, row) in (i0..).zip(s.chunks_mut(keys)) {
+                        let (live, masked) = row.split_at_mut(i + 1);
+                        for x in live.iter_mut() {
+                            *x *= scale;
                         }
-                        m = m_new;
+                        // A NaN max propagates through every probability of the row.
+                        let m = max_buf(live);
+                        for x in live.iter_mut() {
+                            *x = *x - m;
+                        }
+                        exp_in_place(live);
+                        let l = sum_map(live, |p| p);
+                        let inv = E::Acc::one() / l;
+                        for x in live.iter_mut() {
+                            *x *= inv;
+                        }
+                        masked.fill(E::Acc::zero());
+                        lse.push(m + l.ln());
                     }
-                    for sj in s.iter_mut() {
-                        *sj = *sj - m;
-                    }
-                    exp_in_place(s);
-                    for (p, j) in s.iter().zip(j0..j1) {
-                        l += *p;
-                        axpy(&mut acc, *p, &vh[j * d..(j + 1) * d]);
-                    }
+                    let o = &mut o[..rows * d];
+                    product(s, &view(rows, keys, 0, (keys, 1)), &v, &view(keys, d, base, (d, 1)), o);
+                    E::store(o, &mut y[i0 * d..i1 * d]);
                 }
-                let inv = E::Acc::one() / l;
-                for a in acc.iter_mut() {
-                    *a *= inv;
-                }
-                E::store(&acc, y);
-                lse.push(m + l.ln());
             }
             lse
         },
@@ -107,95 +137,88 @@ pub(crate) fn backward<E: Precision>(
     let (q, k, v, g) = (load_all(q), load_all(k), load_all(v), load_all(g));
     let out = load_all(out);
     let scale = E::Acc::c(scale);
-    let rows = n * t;
+    let (rows, head) = (n * t, t * d);
     // D_i = g_i · out_i: the softmax backward's row term.
     let delta: Vec<E::Acc> = (0..rows).map(|r| dot(&g[r * d..(r + 1) * d], &out[r * d..(r + 1) * d])).collect();
     drop(out);
-    // p_ij = exp(q_i·k_j scale − lse_i) for one block of pairs at a time, so the exponentials
-    // run through the same vectorised `exp_in_place` as the forward pass (one libm call per
-    // pair took most of the backward's time).
-    // Pair `x` of a block is query row `r0 + x·dr` with key row `j0 + x·dj`.
-    let probs = |ps: &mut [E::Acc], (r0, dr): (usize, usize), (j0, dj): (usize, usize)| {
-        for (x, pij) in ps.iter_mut().enumerate() {
-            let (r, j) = (r0 + x * dr, j0 + x * dj);
-            *pij = dot(&q[r * d..(r + 1) * d], &k[j * d..(j + 1) * d]) * scale - lse[r];
-        }
-        exp_in_place(ps);
-    };
 
-    // dq_i = scale Σ_{j ≤ i} p_ij (g_i·v_j − D_i) k_j
-    let mut dq = super::alloc::take::<E>(rows * d);
+    // Per head, [dq | dk | dv] side by side in one buffer, so one task writes all three.
+    let mut grads = super::alloc::take::<E>(n * 3 * head);
     par_rows(
-        &mut dq,
-        d,
-        (t / 2).max(1) * 2 * d,
+        &mut grads,
+        3 * head,
+        2 * t * head,
         #[inline(always)]
-        |r0, chunk| {
-            let mut acc = vec![E::Acc::zero(); d];
-            let mut ps = [E::Acc::zero(); KEYS];
-            for (r, y) in (r0..).zip(chunk.chunks_mut(d)) {
-                let (h, i) = (r / t, r % t);
-                let gi = &g[r * d..(r + 1) * d];
-                acc.fill(E::Acc::zero());
-                for j0 in (0..=i).step_by(KEYS) {
-                    let j1 = (j0 + KEYS).min(i + 1);
-                    let ps = &mut ps[..j1 - j0];
-                    probs(ps, (r, 0), (h * t + j0, 1));
-                    for (pij, j) in ps.iter().zip(j0..j1) {
-                        let hj = (h * t + j) * d;
-                        let kj = &k[hj..hj + d];
-                        let ds = *pij * (dot(gi, &v[hj..hj + d]) - delta[r]);
-                        axpy(&mut acc, ds, kj);
-                    }
-                }
-                for a in acc.iter_mut() {
-                    *a *= scale;
-                }
-                E::store(&acc, y);
-            }
-        },
-    );
-
-    // dk_j = scale Σ_{i ≥ j} p_ij (g_i·v_j − D_i) q_i and dv_j = Σ_{i ≥ j} p_ij g_i, side by
-    // side in one [rows, 2d] buffer so one task writes both rows of a key.
-    let mut dkv = super::alloc::take::<E>(rows * 2 * d);
-    par_rows(
-        &mut dkv,
-        2 * d,
-        (t / 2).max(1) * 2 * d,
-        #[inline(always)]
-        |r0, chunk| {
-            let (mut dk, mut dv) = (vec![E::Acc::zero(); d], vec![E::Acc::zero(); d]);
-            let mut ps = [E::Acc::zero(); KEYS];
-            for (rj, y) in (r0..).zip(chunk.chunks_mut(2 * d)) {
-                let (h, j) = (rj / t, rj % t);
-                let vj = &v[rj * d..(rj + 1) * d];
-                dk.fill(E::Acc::zero());
-                dv.fill(E::Acc::zero());
-                for i0 in (j..t).step_by(KEYS) {
-                    let i1 = (i0 + KEYS).min(t);
-                    let ps = &mut ps[..i1 - i0];
-                    probs(ps, (h * t + i0, 1), (rj, 0));
-                    for (pij, i) in ps.iter().zip(i0..i1) {
+        |h0, chunk| {
+            let zero = E::Acc::zero();
+            let (mut p, mut ds) = (vec![zero; QUERIES.min(t) * t], vec![zero; QUERIES.min(t) * t]);
+            let mut dq = vec![zero; QUERIES.min(t) * d];
+            let (mut dk, mut dv, mut part) = (vec![zero; head], vec![zero; head], vec![zero; head]);
+            for (h, y) in (h0..).zip(chunk.chunks_mut(3 * head)) {
+                let base = h * head;
+                dk.fill(zero);
+                dv.fill(zero);
+                for i0 in (0..t).step_by(QUERIES) {
+                    let i1 = (i0 + QUERIES).min(t);
+                    let (rows, keys) = (i1 - i0, i1);
+                    let (p, ds) = (&mut p[..rows * keys], &mut ds[..rows * keys]);
+                    let blk = view(rows, d, base + i0 * d, (d, 1));
+                    // p_ij = exp(q_i·k_j scale − lse_i) for j ≤ i, zero past the diagonal.
+                    product(&q, &blk, &k, &view(d, keys, base, (1, d)), p);
+                    // dp_ij = g_i · v_j, then ds_ij = p_ij (dp_ij − D_i).
+                    product(&g, &blk, &v, &view(d, keys, base, (1, d)), ds);
+                    for (i, (pr, dr)) in (i0..).zip(p.chunks_mut(keys).zip(ds.chunks_mut(keys))) {
                         let r = h * t + i;
-                        let gi = &g[r * d..(r + 1) * d];
-                        axpy(&mut dv, *pij, gi);
-                        axpy(&mut dk, *pij * (dot(gi, vj) - delta[r]), &q[r * d..(r + 1) * d]);
+                        let (live, masked) = pr.split_at_mut(i + 1);
+                        for x in live.iter_mut() {
+                            *x = *x * scale - lse[r];
+                        }
+                        exp_in_place(live);
+                        masked.fill(zero);
+                        let (dlive, dmasked) = dr.split_at_mut(i + 1);
+                        for (x, &pij) in dlive.iter_mut().zip(live.iter()) {
+                            *x = pij * (*x - delta[r]);
+                        }
+                        dmasked.fill(zero);
+                    }
+                    let by_rows = view(rows, keys, 0, (keys, 1));
+                    let by_keys = view(keys, rows, 0, (1, keys));
+                    // dq_i = scale Σ_j ds_ij k_j.
+                    let dq = &mut dq[..rows * d];
+                    product(ds, &by_rows, &k, &view(keys, d, base, (d, 1)), dq);
+                    for x in dq.iter_mut() {
+                        *x *= scale;
+                    }
+                    E::store(dq, &mut y[i0 * d..i1 * d]);
+                    // The block's share of dv_j = Σ_i p_ij g_i and dk_j = scale Σ_i ds_ij q_i.
+                    let part = &mut part[..keys * d];
+                    product(p, &by_keys, &g, &blk, part);
+                    for (a, b) in dv.iter_mut().zip(part.iter()) {
+                        *a += *b;
+                    }
+                    product(ds, &by_keys, &q, &blk, part);
+                    for (a, b) in dk.iter_mut().zip(part.iter()) {
+                        *a += *b;
                     }
                 }
-                for a in dk.iter_mut() {
-                    *a *= scale;
+                for x in dk.iter_mut() {
+                    *x *= scale;
                 }
-                let (yk, yv) = y.split_at_mut(d);
+                let (_, kv) = y.split_at_mut(head);
+                let (yk, yv) = kv.split_at_mut(head);
                 E::store(&dk, yk);
                 E::store(&dv, yv);
             }
         },
     );
-    let (mut dk, mut dv) = (super::alloc::take::<E>(rows * d), super::alloc::take::<E>(rows * d));
-    for ((row, yk), yv) in dkv.chunks(2 * d).zip(dk.chunks_mut(d)).zip(dv.chunks_mut(d)) {
-        yk.copy_from_slice(&row[..d]);
-        yv.copy_from_slice(&row[d..]);
+    let (mut dq, mut dk, mut dv) =
+        (super::alloc::take::<E>(rows * d), super::alloc::take::<E>(rows * d), super::alloc::take::<E>(rows * d));
+    for (((hd, yq), yk), yv) in
+        grads.chunks(3 * head).zip(dq.chunks_mut(head)).zip(dk.chunks_mut(head)).zip(dv.chunks_mut(head))
+    {
+        yq.copy_from_slice(&hd[..head]);
+        yk.copy_from_slice(&hd[head..2 * head]);
+        yv.copy_from_slice(&hd[2 * head..]);
     }
     (dq, dk, dv)
 }

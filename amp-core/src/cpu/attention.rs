@@ -11,6 +11,11 @@
 //!   `dq` of a block, and the block's share of `dk` and `dv` (summed into the head's
 //!   accumulators in block order), are GEMMs too. Every output is written by one task in a
 //!   fixed order, so results do not depend on the thread count.
+//! - The GEMMs cover a block's masked pairs (`i < j` within the block) too, and their
+//!   probabilities are then set to zero. So a non-finite key or value at row `j` can reach an
+//!   earlier row through `0 · inf` in a GEMM, as it does through the unfused ops (masked
+//!   softmax, then matmul). Such a step's loss is non-finite anyway, since row `j` itself
+//!   attends to them, and GradScaler skips it either way.
 //! - The inputs are loaded into `E::Acc` once, whole, before the tasks start (a strided view
 //!   is gathered at the same time).
 

@@ -89,7 +89,13 @@ impl Cpu {
         format!(
             "GEMM f32: gemm crate (run-time dispatch); bf16: {}; f16: {}; elementwise/rows/optimizer loops: run-time \
              dispatch, running {simd}",
-            gemm(super::gemm_half::available::<bf16>(), "AVX-512 BF16 vdpbf16ps"),
+            gemm(
+                super::gemm_half::available::<bf16>(),
+                &match super::amx::status() {
+                    None => "AMX-BF16 tiles, AVX-512 BF16 vdpbf16ps for k tails".to_string(),
+                    Some(why) => format!("AVX-512 BF16 vdpbf16ps; AMX {why}"),
+                }
+            ),
             gemm(super::gemm_half::available::<half::f16>(), "AVX-512F, f16 widened by F16C in the pack")
         )
     }

@@ -94,6 +94,10 @@ pub(crate) fn gemm_into<E: Precision, O: Precision>(
     parallel: bool,
 ) -> bool {
     match E::DTYPE {
+        DType::BF16 if use_amx() => {
+            run_amx::<O>(dims, retype(a), retype(b), bias, out, parallel);
+            true
+        }
         DType::BF16 if Bf16Pairs::available() => {
             run::<O, Bf16Pairs>(dims, retype(a), retype(b), bias, out, parallel);
             true
@@ -444,6 +448,219 @@ fn multiply<E: Precision, K: Kernel>(
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: turn the AMX kernel off on this thread, to test the `vdpbf16ps` kernel on a CPU
+    /// with AMX (the choice is made on the calling thread, before any parallel task).
+    static NO_AMX: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether bf16 products run on AMX tiles ([`super::amx`]).
+fn use_amx() -> bool {
+    #[cfg(test)]
+    if NO_AMX.with(|c| c.get()) {
+        return false;
+    }
+    super::amx::available()
+}
+
+/// Most rows per parallel task of the AMX kernel (a multiple of its 32-row block).
+const MC_AMX: usize = 128;
+
+/// [`run`] for bf16 on AMX tiles: the kept pack buffers of the `vdpbf16ps` kernel (B's layout
+/// is shared; A's buffer holds row-major pairs here).
+fn run_amx<E: Precision>(
+    dims: (usize, usize, usize),
+    a: Operand<'_, bf16>,
+    b: Operand<'_, bf16>,
+    bias: Option<&[f32]>,
+    out: &mut [E],
+    parallel: bool,
+) {
+    Bf16Pairs::pack_buffers().with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buffers) => {
+            let [pa, pb] = &mut *buffers;
+            multiply_amx::<E>(dims, a, b, bias, out, parallel, pa, pb)
+        }
+        Err(_) => multiply_amx::<E>(dims, a, b, bias, out, parallel, &mut Vec::new(), &mut Vec::new()),
+    })
+}
+
+/// The blocked bf16 product on AMX tiles: [`multiply`]'s blocking with 32-row blocks of C
+/// computed by [`super::amx::Tiles::block`] over whole tiles of 16 k pairs, and the last
+/// `steps % 16` pairs of a k block by the `vdpbf16ps` kernel on the same f32 block of C. A is
+/// read in place when its rows are contiguous and k is even, its last `m % 32` rows (and all
+/// of it otherwise) from row-major pairs packed zero-padded to 32 rows.
+#[allow(clippy::too_many_arguments)] // the product's operands plus its two scratch buffers
+fn multiply_amx<E: Precision>(
+    (m, k, n): (usize, usize, usize),
+    a: Operand<'_, bf16>,
+    b: Operand<'_, bf16>,
+    bias: Option<&[f32]>,
+    out: &mut [E],
+    parallel: bool,
+    pa: &mut Vec<u32>,
+    pb: &mut Vec<u32>,
+) {
+    use super::amx::{BLOCK_ROWS, PAIRS};
+    assert_eq!(out.len(), m * n);
+    if m * n == 0 {
+        return;
+    }
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), n);
+    }
+    let steps = k.div_ceil(2);
+    let big = parallel && 2 * m * n * k >= PAR_FLOPS;
+    let in_place = a.cs == 1 && k.is_multiple_of(2);
+    let full = if in_place { m / BLOCK_ROWS * BLOCK_ROWS } else { 0 };
+    pack_pair_rows(m - full, k, Operand { offset: a.offset + full * a.rs, ..a }, big, pa);
+    pack::<Bf16Pairs, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
+    let (pa, pb) = (&pa[..], &pb[..]);
+    if full > 0 {
+        // Every row the tiles read in place: 64·(steps / 16) bytes from each row start.
+        assert!(a.offset + (full - 1) * a.rs + k <= a.data.len(), "native GEMM operand out of bounds");
+    }
+    let threads = if big { rayon::current_num_threads() } else { 1 };
+    let rows = (m.div_ceil(2 * threads).div_ceil(BLOCK_ROWS) * BLOCK_ROWS).clamp(BLOCK_ROWS, MC_AMX);
+    let nc_max = NC.min(n.div_ceil(NR) * NR);
+    let task = |t: usize, dst: &mut [E]| {
+        let r0 = t * rows;
+        let mc = dst.len() / n;
+        let mc_pad = mc.div_ceil(BLOCK_ROWS) * BLOCK_ROWS;
+        // SAFETY: `use_amx` saw `amx::available()` on this process before choosing this path,
+        // and the guard lives only within this task, which runs no other task inside it.
+        let tiles = unsafe { super::amx::Tiles::configure() };
+        with_tile(mc_pad * nc_max, |c| {
+            for jc in (0..n).step_by(NC) {
+                let nc = NC.min(n - jc);
+                let nc_pad = nc.div_ceil(NR) * NR;
+                let c = &mut c[..mc_pad * nc_pad];
+                match bias {
+                    Some(bias) => c.chunks_mut(nc_pad).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
+                    None => c.fill(0.0),
+                }
+                for pc in (0..steps).step_by(KC) {
+                    let kc = KC.min(steps - pc);
+                    let chunks = kc / PAIRS;
+                    let tail = kc % PAIRS;
+                    for jr in 0..nc_pad / NR {
+                        let bp = &pb[((jc / NR + jr) * steps + pc) * NR..][..kc * NR];
+                        for ir in 0..mc_pad / BLOCK_ROWS {
+                            let row = r0 + ir * BLOCK_ROWS;
+                            // A's rows for this block as bytes: row pointer and stride.
+                            let (a_ptr, a_row) = if row < full {
+                                (a.data[a.offset + row * a.rs + 2 * pc..].as_ptr().cast::<u8>(), 2 * a.rs)
+                            } else {
+                                (pa[(row - full) * steps + pc..].as_ptr().cast::<u8>(), 4 * steps)
+                            };
+                            let tile = &mut c[ir * BLOCK_ROWS * nc_pad + jr * NR..];
+                            assert!(tile.len() >= (BLOCK_ROWS - 1) * nc_pad + NR);
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: A's 32 rows hold kc pairs from `a_ptr` (the in-place rows
+                            // were bounds-checked above; packed rows are `steps` pairs and
+                            // zero-padded to 32 rows); bp holds kc·32 pairs; the tile's 32 rows
+                            // of 32 floats are inside `c` (asserted). The tail kernel needs
+                            // AVX-512 BF16, which `amx::available()` checked.
+                            unsafe {
+                                if chunks > 0 {
+                                    tiles.block(chunks, a_ptr, a_row, bp.as_ptr(), tile.as_mut_ptr(), nc_pad);
+                                }
+                                if tail > 0 {
+                                    let done = chunks * PAIRS;
+                                    for g in 0..BLOCK_ROWS / MR {
+                                        micro_bf16(
+                                            tail,
+                                            a_ptr.add(g * MR * a_row + 4 * done),
+                                            a_row,
+                                            4,
+                                            bp[done * NR..].as_ptr(),
+                                            tile.as_mut_ptr().add(g * MR * nc_pad),
+                                            nc_pad,
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                for r in 0..mc {
+                    E::from_f32_slice(&c[r * nc_pad..r * nc_pad + nc], &mut dst[r * n + jc..r * n + jc + nc]);
+                }
+            }
+        });
+        drop(tiles);
+    };
+    if big {
+        out.par_chunks_mut(rows * n).enumerate().for_each(|(t, dst)| task(t, dst));
+    } else {
+        out.chunks_mut(rows * n).enumerate().for_each(|(t, dst)| task(t, dst));
+    }
+}
+
+/// Packs `rows × k` of `x` into the front of `out` (grown if short) as row-major bf16 pairs,
+/// row r's pair s at `[r * steps + s]`, rows zero-padded to a multiple of 32 and an odd k's
+/// last pair padded with a zero: the layout AMX tiles of A load.
+fn pack_pair_rows(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, out: &mut Vec<u32>) {
+    const W: usize = super::amx::BLOCK_ROWS;
+    let steps = k.div_ceil(2);
+    let len = rows.div_ceil(W) * W * steps;
+    if out.len() < len {
+        out.resize(len, 0);
+    }
+    let out = &mut out[..len];
+    if rows == 0 || steps == 0 {
+        return;
+    }
+    let last = x.offset + (rows - 1) * x.rs + (k - 1) * x.cs;
+    assert!(last < x.data.len(), "native GEMM operand out of bounds");
+    let fill = |i: usize, panel: &mut [u32]| {
+        crate::simd::dispatch(
+            #[inline(always)]
+            || {
+                let live = W.min(rows - i * W);
+                let first = x.offset + i * W * x.rs;
+                panel[live * steps..].fill(0);
+                if x.cs == 1 {
+                    for (r, dst) in panel.chunks_exact_mut(steps).take(live).enumerate() {
+                        Bf16Pairs::pack_row(&x.data[first + r * x.rs..][..k], dst, 1);
+                    }
+                } else if x.rs == 1 {
+                    // Rows adjacent in memory (a transposed view): interleave 16 rows' pairs
+                    // of one step at a time, then spread them across the rows.
+                    let mut pairs = [0u32; 16];
+                    for r0 in (0..live).step_by(16) {
+                        let w = 16.min(live - r0);
+                        for s in 0..steps {
+                            let lo = &x.data[first + r0 + 2 * s * x.cs..][..w];
+                            let pairs = &mut pairs[..w];
+                            if 2 * s + 1 < k {
+                                interleave_pairs(lo, &x.data[first + r0 + (2 * s + 1) * x.cs..][..w], pairs);
+                            } else {
+                                Bf16Pairs::pack_run(lo, None, pairs);
+                            }
+                            for (r, &p) in pairs.iter().enumerate() {
+                                panel[(r0 + r) * steps + s] = p;
+                            }
+                        }
+                    }
+                } else {
+                    for (r, dst) in panel.chunks_exact_mut(steps).take(live).enumerate() {
+                        for (s, d) in dst.iter_mut().enumerate() {
+                            *d = Bf16Pairs::pack_one(x.data, first + r * x.rs, x.cs, s, k);
+                        }
+                    }
+                }
+            },
+        )
+    };
+    if parallel {
+        out.par_chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+    } else {
+        out.chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+    }
+}
+
 /// Packs `rows × k` of `x` into the front of `out` (grown if short; every element of the
 /// front written, so stale contents do not matter) as panels of `W` rows: panel i, step s, row r at `[(i * steps + s) * W + r]`.
 /// Rows past `rows` and the pad of a last odd pair are zero.
@@ -658,7 +875,14 @@ mod tests {
         };
         let mut paths = vec![("fallback", run(false))];
         if available::<E>() {
-            paths.push(("native", run(true)));
+            if E::DTYPE == DType::BF16 && super::super::amx::available() {
+                paths.push(("amx", run(true)));
+                NO_AMX.with(|c| c.set(true));
+                paths.push(("avx512-bf16", run(true)));
+                NO_AMX.with(|c| c.set(false));
+            } else {
+                paths.push(("native", run(true)));
+            }
         }
         for (name, got) in paths {
             assert_eq!(got.len(), m * n);
@@ -698,6 +922,12 @@ mod tests {
             (257, 129, 67),
             (1, 300, 600),
             (100, 257, 1),
+            // AMX: whole 32-row blocks, ragged ones, k with and without a tail of pairs
+            // past the last 16, k past one cache block of 128 pairs.
+            (64, 32, 32),
+            (96, 66, 64),
+            (33, 288, 40),
+            (128, 576, 64),
         ];
         for &(m, k, n) in &shapes {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -724,6 +954,24 @@ mod tests {
         case::<bf16>(130, 301, 520, true, true, true);
         case::<f16>(203, 300, 1100, false, false, false);
         case::<f16>(130, 301, 520, true, true, true);
+    }
+
+    /// Says which native kernels this CPU runs in these tests and which it skips.
+    #[test]
+    fn reports_the_kernels_tested_here() {
+        let amx = super::super::amx::available();
+        let bf16 = Bf16Pairs::available();
+        let f16 = F16Widened::available();
+        for (name, runs) in [("AMX-BF16 tiles", amx), ("AVX-512 BF16 vdpbf16ps", bf16), ("f16 widened, AVX-512F", f16)]
+        {
+            if runs {
+                eprintln!("tested: {name}");
+            } else {
+                eprintln!("SKIPPED: {name} kernel (this CPU or OS does not offer it)");
+            }
+        }
+        // A kernel the CPU reports is one the tests ran: AMX needs the vdpbf16ps tails.
+        assert!(!amx || bf16);
     }
 
     /// Batched, broadcast matmul through the native path matches the fallback per batch.

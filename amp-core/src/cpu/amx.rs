@@ -1,0 +1,226 @@
+//! AMX-BF16 tiles for the bf16 GEMM ([`super::gemm_half`]): detection, the Linux permission
+//! request, the tile configuration and the 32×32 block kernel.
+//!
+//! Design notes:
+//! - AMX has eight tile registers of up to 16 rows × 64 bytes. `tdpbf16ps` multiplies a
+//!   16 × 32 bf16 tile of A (16 rows, 16 pairs of k each) by a tile of B holding 16 k pairs ×
+//!   16 columns (row p: the pairs (B[2p][j], B[2p+1][j]) for 16 columns j) and adds the
+//!   products, paired in f32 as `vdpbf16ps` does, into a 16 × 16 f32 tile. B's layout is the
+//!   one the `vdpbf16ps` kernel already packs (a panel of 32 columns per step), so the two
+//!   kernels share B's packing, and A is read in place from row-major rows (a tile row is 64
+//!   contiguous bytes of one row of A).
+//! - The block kernel keeps a 32 × 32 f32 block of C in four tiles (tmm0–3), loads two A tiles
+//!   (tmm4–5) and two B tiles (tmm6–7) per 16 k pairs and issues four `tdpbf16ps`: four
+//!   loads per four products. All eight tiles are 16 rows × 64 bytes, one configuration per
+//!   thread for a whole product.
+//! - Linux keeps tile data disabled for a process until it asks (`arch_prctl` with
+//!   `ARCH_REQ_XCOMP_PERM`); without the grant the first tile instruction faults. The request
+//!   is made once per process, by [`available`], and a refusal means the AMX kernel is not
+//!   used. Other operating systems are not asked and get the `vdpbf16ps` kernel.
+//! - `AMP_CPU_AMX=off` turns the tiles off for the process (A/B benchmarks); the `vdpbf16ps`
+//!   kernel then runs.
+//! - Tile registers are not part of the Rust/LLVM register model: no compiled code touches
+//!   them unless it uses AMX, which this crate does only here, between [`Tiles::configure`]
+//!   and the drop of the returned guard (`tilerelease`), on one thread.
+//! - Numerics: `tdpbf16ps` treats denormal bf16 inputs as zero, flushes denormal results and
+//!   rounds each f32 addition to nearest even, as `vdpbf16ps` does.
+
+use std::sync::OnceLock;
+
+/// Whether the bf16 GEMM runs on AMX tiles here: the CPU has AMX-BF16 and AMX-TILE (and
+/// AVX-512 BF16 for the k tails), the OS enabled tile state and granted this process tile
+/// data, and `AMP_CPU_AMX` is not `off`. Decided once per process.
+pub(crate) fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let off = std::env::var("AMP_CPU_AMX").is_ok_and(|v| v == "off" || v == "0");
+        !off && detect()
+    })
+}
+
+/// Why AMX is or is not used, for reports: `None` when it runs.
+pub(crate) fn status() -> Option<&'static str> {
+    if available() {
+        return None;
+    }
+    if std::env::var("AMP_CPU_AMX").is_ok_and(|v| v == "off" || v == "0") {
+        return Some("turned off by AMP_CPU_AMX");
+    }
+    Some("not on this CPU or not granted by the OS")
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    // Leaves 1 and 7 exist when the maximum leaf (leaf 0's eax) says so.
+    if __cpuid_count(0, 0).eax < 7 {
+        return false;
+    }
+    let (leaf1, leaf7) = (__cpuid_count(1, 0), __cpuid_count(7, 0));
+    let amx_bf16 = leaf7.edx >> 22 & 1 == 1;
+    let amx_tile = leaf7.edx >> 24 & 1 == 1;
+    let osxsave = leaf1.ecx >> 27 & 1 == 1;
+    if !(amx_bf16 && amx_tile && osxsave) || !is_x86_feature_detected!("avx512bf16") {
+        return false;
+    }
+    // SAFETY: osxsave (checked above) means xgetbv is enabled.
+    let xcr0 = unsafe { xcr0() };
+    // XTILECFG (bit 17) and XTILEDATA (bit 18) enabled by the OS.
+    if xcr0 >> 17 & 3 != 3 {
+        return false;
+    }
+    request_tile_data()
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// XCR0, the OS-enabled state components.
+///
+/// # Safety
+/// The CPU must report OSXSAVE.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+#[target_feature(enable = "xsave")]
+unsafe fn xcr0() -> u64 {
+    // SAFETY: the caller guarantees OSXSAVE, so xgetbv does not fault.
+    unsafe { std::arch::x86_64::_xgetbv(0) }
+}
+
+/// Asks Linux for permission to use tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`): true when granted (or already granted).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn request_tile_data() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: a plain Linux x86_64 system call: arguments in rdi/rsi, number and result in
+    // rax, rcx and r11 clobbered by `syscall`; it reads and writes no memory of ours.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+/// Rows of C (and of A) one block covers: two tiles of 16.
+pub(crate) const BLOCK_ROWS: usize = 32;
+/// k pairs one tile of A covers (64 bytes per row).
+pub(crate) const PAIRS: usize = 16;
+
+/// The tile configuration this kernel uses: palette 1, all eight tiles 16 rows × 64 bytes.
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+const CONFIG: Config = {
+    let mut c = [0u8; 64];
+    c[0] = 1; // palette 1
+    let mut t = 0;
+    while t < 8 {
+        c[16 + 2 * t] = 64; // bytes per row (u16, little endian)
+        c[48 + t] = 16; // rows
+        t += 1;
+    }
+    Config(c)
+};
+
+/// The tiles configured on this thread; released (`tilerelease`) on drop. Not `Send`: the
+/// configuration belongs to the thread that loaded it.
+pub(crate) struct Tiles(std::marker::PhantomData<*const ()>);
+
+impl Tiles {
+    /// Loads the tile configuration on this thread.
+    ///
+    /// # Safety
+    /// [`available`] must have returned true (the CPU has AMX and the process holds the
+    /// permission), and no other `Tiles` may be live on this thread.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) unsafe fn configure() -> Tiles {
+        // SAFETY: the caller guarantees AMX is usable; CONFIG is a valid 64-byte palette-1
+        // configuration (reserved bytes zero, each tile within 16 rows × 64 bytes).
+        unsafe { std::arch::asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly)) };
+        Tiles(std::marker::PhantomData)
+    }
+
+    /// `c[32 × 32] += a[32 rows × 16·chunks pairs] · b[16·chunks pairs × 32 columns]`: C's f32
+    /// rows `ldc` floats apart, A's rows `a_row` bytes apart (pair q of a row at byte 4q), B a
+    /// packed panel of 32 columns (step s at `b[32 s]`).
+    ///
+    /// # Safety
+    /// `a` must be readable for 64·chunks bytes at each of the 32 rows, `b` for 512·chunks u32,
+    /// and `c` readable and writable for 32 floats at each of its 32 rows.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    pub(crate) unsafe fn block(
+        &self,
+        chunks: usize,
+        a: *const u8,
+        a_row: usize,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+    ) {
+        use std::arch::asm;
+        let c_row = ldc * 4;
+        const B_ROW: usize = 32 * 4;
+        // SAFETY (every block below): the tiles are configured (`self` exists), and each load
+        // and store stays inside the regions the caller guarantees: C rows 0–15 and 16–31 at
+        // columns 0–15 and 16–31; A rows 0–15 and 16–31 at bytes 64q..64q + 64 of chunk q; B
+        // steps 16q..16q + 16 at columns 0–15 and 16–31.
+        unsafe {
+            let c16 = c.add(16 * ldc);
+            asm!(
+                "tileloadd tmm0, [{c} + {s}*1]",
+                "tileloadd tmm1, [{c} + {s}*1 + 64]",
+                "tileloadd tmm2, [{c16} + {s}*1]",
+                "tileloadd tmm3, [{c16} + {s}*1 + 64]",
+                c = in(reg) c, c16 = in(reg) c16, s = in(reg) c_row,
+                options(nostack, readonly),
+            );
+            let a16 = a.add(16 * a_row);
+            for q in 0..chunks {
+                asm!(
+                    "tileloadd tmm4, [{a} + {sa}*1]",
+                    "tileloadd tmm5, [{a16} + {sa}*1]",
+                    "tileloadd tmm6, [{b} + {sb}*1]",
+                    "tileloadd tmm7, [{b} + {sb}*1 + 64]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a = in(reg) a.add(64 * q), a16 = in(reg) a16.add(64 * q), sa = in(reg) a_row,
+                    b = in(reg) b.add(512 * q), sb = in(reg) B_ROW,
+                    options(nostack, readonly),
+                );
+            }
+            asm!(
+                "tilestored [{c} + {s}*1], tmm0",
+                "tilestored [{c} + {s}*1 + 64], tmm1",
+                "tilestored [{c16} + {s}*1], tmm2",
+                "tilestored [{c16} + {s}*1 + 64], tmm3",
+                c = in(reg) c, c16 = in(reg) c16, s = in(reg) c_row,
+                options(nostack),
+            );
+        }
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Tiles` exists only after `configure` succeeded on this thread;
+        // `tilerelease` returns the tile state to its initial (unconfigured) state.
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem))
+        };
+    }
+}

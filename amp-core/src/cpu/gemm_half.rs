@@ -3,7 +3,9 @@
 //!
 //! - **bf16** runs `vdpbf16ps` (AVX-512 BF16): it multiplies pairs of bf16 exactly (8-bit
 //!   significands, so each product fits f32) and adds them into f32 lanes, at twice the f32
-//!   FMA rate.
+//!   FMA rate on Zen 4 (at the f32 FMA rate on a Xeon). Where the CPU has AMX-BF16 and the OS
+//!   grants tile data, the same pairs run on AMX tiles instead ([`super::amx`];
+//!   [`multiply_amx`]), 4-7× `vdpbf16ps` on one Xeon core.
 //! - **f16** has no arithmetic on this class of CPU (no AVX-512 FP16), so packing widens each
 //!   f16 to f32 (exact) and the kernel runs f32 FMAs. Widening inside the pack, rather than
 //!   into full f32 copies of both operands handed to an f32 GEMM, saves two passes over memory
@@ -339,18 +341,34 @@ thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Byte alignment of every buffer the kernels load from: a cache line. AMX tile loads from
+/// rows that straddle two lines ran 6× slower (3 against 17 ns a tile on a Xeon with AMX).
+const ALIGN: usize = 64;
+
+/// The front of `v`, from its first [`ALIGN`]ed element, `len` long; `v` grows (filled with
+/// `zero`) so that this fits. [`aligned`] finds the same front again while `v` is not grown.
+fn aligned_front<T: Copy>(v: &mut Vec<T>, len: usize, zero: T) -> &mut [T] {
+    let extra = ALIGN / std::mem::size_of::<T>();
+    if v.len() < len + extra {
+        v.resize(len + extra, zero);
+    }
+    let start = v.as_ptr().align_offset(ALIGN);
+    assert!(start < extra, "cannot align a buffer of {}", std::any::type_name::<T>());
+    &mut v[start..start + len]
+}
+
+/// `v` from its first [`ALIGN`]ed element: what [`aligned_front`] last filled.
+fn aligned<T>(v: &[T]) -> &[T] {
+    &v[v.as_ptr().align_offset(ALIGN).min(v.len())..]
+}
+
 /// Runs `f` on a buffer of `len` f32 (contents unspecified): the thread's kept buffer, or a
 /// fresh one if that is in use further up this thread's stack (rayon may run a task inside a
 /// wait).
 fn with_tile<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     TILE.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < len {
-                buf.resize(len, 0.0);
-            }
-            f(&mut buf[..len])
-        }
-        Err(_) => f(&mut vec![0.0; len]),
+        Ok(mut buf) => f(aligned_front(&mut buf, len, 0.0)),
+        Err(_) => f(aligned_front(&mut Vec::new(), len, 0.0)),
     })
 }
 
@@ -401,7 +419,7 @@ fn multiply<E: Precision, K: Kernel>(
     let full = if in_place { m / MR * MR } else { 0 };
     pack::<K, MR>(m - full, k, Operand { offset: a.offset + full * a.rs, ..a }, big, pa);
     pack::<K, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
-    let (pa, pb) = (&pa[..], &pb[..]);
+    let (pa, pb) = (aligned(pa), aligned(pb));
     // Rows per task: enough tasks for every thread when m allows, a multiple of MR.
     let threads = if big { rayon::current_num_threads() } else { 1 };
     let rows = (m.div_ceil(2 * threads).div_ceil(MR) * MR).clamp(MR, MC);
@@ -464,6 +482,12 @@ fn use_amx() -> bool {
     super::amx::available()
 }
 
+/// k pairs per cache block of the AMX kernel: a B panel is 256·32·4 bytes = 32 KiB.
+const KC_AMX: usize = 256;
+/// Floats between the rows of the AMX kernel's f32 block of C beyond its width: a row
+/// stride of a power of two (2 KiB for 512 columns) puts a tile's 16 rows in the same few
+/// L1 sets.
+const C_PAD: usize = 16;
 /// Most rows per parallel task of the AMX kernel (a multiple of its 32-row block).
 const MC_AMX: usize = 128;
 
@@ -489,8 +513,8 @@ fn run_amx<E: Precision>(
 /// The blocked bf16 product on AMX tiles: [`multiply`]'s blocking with 32-row blocks of C
 /// computed by [`super::amx::Tiles::block`] over whole tiles of 16 k pairs, and the last
 /// `steps % 16` pairs of a k block by the `vdpbf16ps` kernel on the same f32 block of C. A is
-/// read in place when its rows are contiguous and k is even, its last `m % 32` rows (and all
-/// of it otherwise) from row-major pairs packed zero-padded to 32 rows.
+/// always packed ([`pack_pair_tiles`]): tile loads need cache-line-aligned rows to run at
+/// speed, which a tensor's rows rarely are; the pack costs one pass over A per product.
 #[allow(clippy::too_many_arguments)] // the product's operands plus its two scratch buffers
 fn multiply_amx<E: Precision>(
     (m, k, n): (usize, usize, usize),
@@ -512,15 +536,10 @@ fn multiply_amx<E: Precision>(
     }
     let steps = k.div_ceil(2);
     let big = parallel && 2 * m * n * k >= PAR_FLOPS;
-    let in_place = a.cs == 1 && k.is_multiple_of(2);
-    let full = if in_place { m / BLOCK_ROWS * BLOCK_ROWS } else { 0 };
-    pack_pair_rows(m - full, k, Operand { offset: a.offset + full * a.rs, ..a }, big, pa);
+    let chunks_all = steps.div_ceil(PAIRS);
+    pack_pair_tiles(m, k, a, big, pa);
     pack::<Bf16Pairs, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
-    let (pa, pb) = (&pa[..], &pb[..]);
-    if full > 0 {
-        // Every row the tiles read in place: 64·(steps / 16) bytes from each row start.
-        assert!(a.offset + (full - 1) * a.rs + k <= a.data.len(), "native GEMM operand out of bounds");
-    }
+    let (pa, pb) = (aligned(pa), aligned(pb));
     let threads = if big { rayon::current_num_threads() } else { 1 };
     let rows = (m.div_ceil(2 * threads).div_ceil(BLOCK_ROWS) * BLOCK_ROWS).clamp(BLOCK_ROWS, MC_AMX);
     let nc_max = NC.min(n.div_ceil(NR) * NR);
@@ -531,52 +550,49 @@ fn multiply_amx<E: Precision>(
         // SAFETY: `use_amx` saw `amx::available()` on this process before choosing this path,
         // and the guard lives only within this task, which runs no other task inside it.
         let tiles = unsafe { super::amx::Tiles::configure() };
-        with_tile(mc_pad * nc_max, |c| {
+        with_tile(mc_pad * (nc_max + C_PAD), |c| {
             for jc in (0..n).step_by(NC) {
                 let nc = NC.min(n - jc);
                 let nc_pad = nc.div_ceil(NR) * NR;
-                let c = &mut c[..mc_pad * nc_pad];
+                let ldc = nc_pad + C_PAD;
+                let c = &mut c[..mc_pad * ldc];
                 match bias {
-                    Some(bias) => c.chunks_mut(nc_pad).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
+                    Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
                     None => c.fill(0.0),
                 }
-                for pc in (0..steps).step_by(KC) {
-                    let kc = KC.min(steps - pc);
+                for pc in (0..steps).step_by(KC_AMX) {
+                    let kc = KC_AMX.min(steps - pc);
                     let chunks = kc / PAIRS;
                     let tail = kc % PAIRS;
                     for jr in 0..nc_pad / NR {
                         let bp = &pb[((jc / NR + jr) * steps + pc) * NR..][..kc * NR];
                         for ir in 0..mc_pad / BLOCK_ROWS {
                             let row = r0 + ir * BLOCK_ROWS;
-                            // A's rows for this block as bytes: row pointer and stride.
-                            let (a_ptr, a_row) = if row < full {
-                                (a.data[a.offset + row * a.rs + 2 * pc..].as_ptr().cast::<u8>(), 2 * a.rs)
-                            } else {
-                                (pa[(row - full) * steps + pc..].as_ptr().cast::<u8>(), 4 * steps)
-                            };
-                            let tile = &mut c[ir * BLOCK_ROWS * nc_pad + jr * NR..];
-                            assert!(tile.len() >= (BLOCK_ROWS - 1) * nc_pad + NR);
+                            // Chunk pc / 16 of A's block on: rows 64 bytes apart, chunks 2 KiB.
+                            let a_tiles = &pa[(row / BLOCK_ROWS * chunks_all + pc / PAIRS) * BLOCK_ROWS * PAIRS..];
+                            assert!(a_tiles.len() >= kc.div_ceil(PAIRS) * BLOCK_ROWS * PAIRS);
+                            let tile = &mut c[ir * BLOCK_ROWS * ldc + jr * NR..];
+                            assert!(tile.len() >= (BLOCK_ROWS - 1) * ldc + NR);
                             #[cfg(target_arch = "x86_64")]
-                            // SAFETY: A's 32 rows hold kc pairs from `a_ptr` (the in-place rows
-                            // were bounds-checked above; packed rows are `steps` pairs and
-                            // zero-padded to 32 rows); bp holds kc·32 pairs; the tile's 32 rows
+                            // SAFETY: `a_tiles` holds the kc pairs of the block's 32 rows in
+                            // whole chunks (asserted); bp holds kc·32 pairs; the tile's 32 rows
                             // of 32 floats are inside `c` (asserted). The tail kernel needs
                             // AVX-512 BF16, which `amx::available()` checked.
                             unsafe {
                                 if chunks > 0 {
-                                    tiles.block(chunks, a_ptr, a_row, bp.as_ptr(), tile.as_mut_ptr(), nc_pad);
+                                    tiles.block(chunks, a_tiles.as_ptr().cast(), bp.as_ptr(), tile.as_mut_ptr(), ldc);
                                 }
                                 if tail > 0 {
                                     let done = chunks * PAIRS;
                                     for g in 0..BLOCK_ROWS / MR {
                                         micro_bf16(
                                             tail,
-                                            a_ptr.add(g * MR * a_row + 4 * done),
-                                            a_row,
+                                            a_tiles[(chunks * BLOCK_ROWS + g * MR) * PAIRS..].as_ptr().cast(),
+                                            4 * PAIRS,
                                             4,
                                             bp[done * NR..].as_ptr(),
-                                            tile.as_mut_ptr().add(g * MR * nc_pad),
-                                            nc_pad,
+                                            tile.as_mut_ptr().add(g * MR * ldc),
+                                            ldc,
                                         );
                                     }
                                 }
@@ -585,7 +601,7 @@ fn multiply_amx<E: Precision>(
                     }
                 }
                 for r in 0..mc {
-                    E::from_f32_slice(&c[r * nc_pad..r * nc_pad + nc], &mut dst[r * n + jc..r * n + jc + nc]);
+                    E::from_f32_slice(&c[r * ldc..r * ldc + nc], &mut dst[r * n + jc..r * n + jc + nc]);
                 }
             }
         });
@@ -598,17 +614,19 @@ fn multiply_amx<E: Precision>(
     }
 }
 
-/// Packs `rows × k` of `x` into the front of `out` (grown if short) as row-major bf16 pairs,
-/// row r's pair s at `[r * steps + s]`, rows zero-padded to a multiple of 32 and an odd k's
-/// last pair padded with a zero: the layout AMX tiles of A load.
-fn pack_pair_rows(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, out: &mut Vec<u32>) {
-    const W: usize = super::amx::BLOCK_ROWS;
+/// Packs `rows × k` of `x` into the front of `out` (grown if short) in the AMX kernel's
+/// tiled layout: per block of 32 rows, per chunk of 16 k pairs, the 32 rows' 16 pairs
+/// contiguous (block i, chunk q, row r, pair p at `[((i·chunks + q)·32 + r)·16 + p]`), so each
+/// tile of A loads 1 KiB at a 64-byte stride, free of the cache-set conflicts a row stride
+/// of a power of two bytes causes. Rows past `rows`, pairs past k / 2 and an odd k's last
+/// pad are zero.
+fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, out: &mut Vec<u32>) {
+    use super::amx::{BLOCK_ROWS as W, PAIRS};
     let steps = k.div_ceil(2);
-    let len = rows.div_ceil(W) * W * steps;
-    if out.len() < len {
-        out.resize(len, 0);
-    }
-    let out = &mut out[..len];
+    let chunks = steps.div_ceil(PAIRS);
+    let block = chunks * W * PAIRS;
+    let len = rows.div_ceil(W) * block;
+    let out = aligned_front(out, len, 0);
     if rows == 0 || steps == 0 {
         return;
     }
@@ -620,10 +638,17 @@ fn pack_pair_rows(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, o
             || {
                 let live = W.min(rows - i * W);
                 let first = x.offset + i * W * x.rs;
-                panel[live * steps..].fill(0);
+                let at = |r: usize, s: usize| (s / PAIRS * W + r) * PAIRS + s % PAIRS;
+                if live < W || !steps.is_multiple_of(PAIRS) {
+                    panel.fill(0);
+                }
                 if x.cs == 1 {
-                    for (r, dst) in panel.chunks_exact_mut(steps).take(live).enumerate() {
-                        Bf16Pairs::pack_row(&x.data[first + r * x.rs..][..k], dst, 1);
+                    // Each row's k values are contiguous: 16 pairs (32 values) per chunk row.
+                    for r in 0..live {
+                        let row = &x.data[first + r * x.rs..][..k];
+                        for (q, part) in row.chunks(2 * PAIRS).enumerate() {
+                            Bf16Pairs::pack_row(part, &mut panel[at(r, q * PAIRS)..][..PAIRS], 1);
+                        }
                     }
                 } else if x.rs == 1 {
                     // Rows adjacent in memory (a transposed view): interleave 16 rows' pairs
@@ -640,14 +665,14 @@ fn pack_pair_rows(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, o
                                 Bf16Pairs::pack_run(lo, None, pairs);
                             }
                             for (r, &p) in pairs.iter().enumerate() {
-                                panel[(r0 + r) * steps + s] = p;
+                                panel[at(r0 + r, s)] = p;
                             }
                         }
                     }
                 } else {
-                    for (r, dst) in panel.chunks_exact_mut(steps).take(live).enumerate() {
-                        for (s, d) in dst.iter_mut().enumerate() {
-                            *d = Bf16Pairs::pack_one(x.data, first + r * x.rs, x.cs, s, k);
+                    for r in 0..live {
+                        for s in 0..steps {
+                            panel[at(r, s)] = Bf16Pairs::pack_one(x.data, first + r * x.rs, x.cs, s, k);
                         }
                     }
                 }
@@ -655,9 +680,9 @@ fn pack_pair_rows(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, o
         )
     };
     if parallel {
-        out.par_chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+        out.par_chunks_mut(block).enumerate().for_each(|(i, p)| fill(i, p));
     } else {
-        out.chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+        out.chunks_mut(block).enumerate().for_each(|(i, p)| fill(i, p));
     }
 }
 
@@ -675,10 +700,7 @@ fn pack<K: Kernel, const W: usize>(
     // Grow only: shrinking and regrowing would zero-fill the regrown part on every product
     // whose shapes alternate (training steps do).
     let len = rows.div_ceil(W) * W * steps;
-    if out.len() < len {
-        out.resize(len, K::ZERO);
-    }
-    let out = &mut out[..len];
+    let out = aligned_front(out, len, K::ZERO);
     if rows == 0 || steps == 0 {
         return;
     }

@@ -651,12 +651,24 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, 
                         }
                     }
                 } else if x.rs == 1 {
-                    // Rows adjacent in memory (a transposed view): interleave 16 rows' pairs
-                    // of one step at a time, then spread them across the rows.
+                    // Rows adjacent in memory (a transposed view, the weight gradient's dyᵀ).
+                    // Whole chunks of a full block: interleave the 32 rows' pairs of each of
+                    // the chunk's 16 steps, then transpose the 16 × 32 pairs in registers.
+                    let whole = if live == W { k / (2 * PAIRS) } else { 0 };
+                    let mut by_step = [[0u32; W]; PAIRS];
+                    for q in 0..whole {
+                        for (p, dst) in by_step.iter_mut().enumerate() {
+                            let j = 2 * (q * PAIRS + p);
+                            let lo = &x.data[first + j * x.cs..][..W];
+                            interleave_pairs(lo, &x.data[first + (j + 1) * x.cs..][..W], dst);
+                        }
+                        transpose_pairs(&by_step, &mut panel[q * W * PAIRS..][..W * PAIRS]);
+                    }
+                    // The rest step by step: 16 rows' pairs of one step, spread across the rows.
                     let mut pairs = [0u32; 16];
                     for r0 in (0..live).step_by(16) {
                         let w = 16.min(live - r0);
-                        for s in 0..steps {
+                        for s in whole * PAIRS..steps {
                             let lo = &x.data[first + r0 + 2 * s * x.cs..][..w];
                             let pairs = &mut pairs[..w];
                             if 2 * s + 1 < k {
@@ -683,6 +695,77 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, 
         out.par_chunks_mut(block).enumerate().for_each(|(i, p)| fill(i, p));
     } else {
         out.chunks_mut(block).enumerate().for_each(|(i, p)| fill(i, p));
+    }
+}
+
+/// `out[r·16 + p] = by_step[p][r]`: one chunk of a 32-row block in the AMX tiled layout from
+/// its pairs gathered step by step. AVX2 8 × 8 transposes of 32-bit lanes where the CPU has
+/// AVX2 (every CPU with AMX does), a scalar loop elsewhere.
+#[inline(always)]
+fn transpose_pairs(by_step: &[[u32; 32]; 16], out: &mut [u32]) {
+    assert_eq!(out.len(), 32 * 16);
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked); `out` holds 32 rows of 16 (asserted), the
+        // kernel's only writes, and `by_step` is read within its 16 × 32 bounds.
+        unsafe { transpose_pairs_avx2(by_step, out) };
+        return;
+    }
+    for (r, row) in out.chunks_exact_mut(16).enumerate() {
+        for (p, d) in row.iter_mut().enumerate() {
+            *d = by_step[p][r];
+        }
+    }
+}
+
+/// [`transpose_pairs`] in 8 × 8 blocks of 32-bit lanes: unpack 32-bit, unpack 64-bit, swap
+/// 128-bit halves.
+///
+/// # Safety
+/// The CPU must support AVX2; `out` must hold 32 × 16 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose_pairs_avx2(by_step: &[[u32; 32]; 16], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    for p0 in (0..16).step_by(8) {
+        for r0 in (0..32).step_by(8) {
+            // SAFETY: rows p0..p0 + 8 < 16 of `by_step`, lanes r0..r0 + 8 <= 32 of each; the
+            // stores write rows r0..r0 + 8 < 32 of `out`, lanes p0..p0 + 8 <= 16 (the caller
+            // guarantees 32 × 16 values).
+            unsafe {
+                let v: [__m256i; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_si256(by_step[p0 + i][r0..].as_ptr().cast()));
+                let t0 = _mm256_unpacklo_epi32(v[0], v[1]);
+                let t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+                let t2 = _mm256_unpacklo_epi32(v[2], v[3]);
+                let t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+                let t4 = _mm256_unpacklo_epi32(v[4], v[5]);
+                let t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+                let t6 = _mm256_unpacklo_epi32(v[6], v[7]);
+                let t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+                let u0 = _mm256_unpacklo_epi64(t0, t2);
+                let u1 = _mm256_unpackhi_epi64(t0, t2);
+                let u2 = _mm256_unpacklo_epi64(t1, t3);
+                let u3 = _mm256_unpackhi_epi64(t1, t3);
+                let u4 = _mm256_unpacklo_epi64(t4, t6);
+                let u5 = _mm256_unpackhi_epi64(t4, t6);
+                let u6 = _mm256_unpacklo_epi64(t5, t7);
+                let u7 = _mm256_unpackhi_epi64(t5, t7);
+                let rows = [
+                    _mm256_permute2x128_si256(u0, u4, 0x20),
+                    _mm256_permute2x128_si256(u1, u5, 0x20),
+                    _mm256_permute2x128_si256(u2, u6, 0x20),
+                    _mm256_permute2x128_si256(u3, u7, 0x20),
+                    _mm256_permute2x128_si256(u0, u4, 0x31),
+                    _mm256_permute2x128_si256(u1, u5, 0x31),
+                    _mm256_permute2x128_si256(u2, u6, 0x31),
+                    _mm256_permute2x128_si256(u3, u7, 0x31),
+                ];
+                for (i, row) in rows.into_iter().enumerate() {
+                    _mm256_storeu_si256(out.as_mut_ptr().add((r0 + i) * 16 + p0).cast(), row);
+                }
+            }
+        }
     }
 }
 

@@ -161,12 +161,22 @@ impl Tiles {
     /// `b[32 s]`, 128 bytes a step). Every pointer and `4·ldc` should be multiples of 64: the
     /// result does not depend on it, the speed does.
     ///
+    /// With `zero_c`, C's block is taken as zero and only written (`c = a · b`).
+    ///
     /// # Safety
     /// `a` must be readable for 2048·chunks bytes, `b` for 512·chunks u32, and `c` readable
     /// and writable for 32 floats at each of its 32 rows.
     #[cfg(target_arch = "x86_64")]
     #[inline]
-    pub(crate) unsafe fn block(&self, chunks: usize, a: *const u8, b: *const u32, c: *mut f32, ldc: usize) {
+    pub(crate) unsafe fn block(
+        &self,
+        chunks: usize,
+        a: *const u8,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        zero_c: bool,
+    ) {
         use std::arch::asm;
         let c_row = ldc * 4;
         const A_ROW: usize = 64;
@@ -178,14 +188,18 @@ impl Tiles {
         // 0–15 and 16–31.
         unsafe {
             let c16 = c.add(16 * ldc);
-            asm!(
+            if zero_c {
+                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+            } else {
+                asm!(
                 "tileloadd tmm0, [{c} + {s}*1]",
                 "tileloadd tmm1, [{c} + {s}*1 + 64]",
                 "tileloadd tmm2, [{c16} + {s}*1]",
                 "tileloadd tmm3, [{c16} + {s}*1 + 64]",
                 c = in(reg) c, c16 = in(reg) c16, s = in(reg) c_row,
                 options(nostack, readonly),
-            );
+                );
+            }
             let a16 = a.add(16 * A_ROW);
             for q in 0..chunks {
                 asm!(

@@ -556,9 +556,13 @@ fn multiply_amx<E: Precision>(
                 let nc_pad = nc.div_ceil(NR) * NR;
                 let ldc = nc_pad + C_PAD;
                 let c = &mut c[..mc_pad * ldc];
+                // Without a bias, the first k block's tiles start from zero (its first chunk
+                // exists when k has a whole chunk); otherwise C starts as the bias or zero.
+                let zero_first = bias.is_none() && steps >= PAIRS;
                 match bias {
                     Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
-                    None => c.fill(0.0),
+                    None if !zero_first => c.fill(0.0),
+                    None => {}
                 }
                 for pc in (0..steps).step_by(KC_AMX) {
                     let kc = KC_AMX.min(steps - pc);
@@ -580,7 +584,14 @@ fn multiply_amx<E: Precision>(
                             // AVX-512 BF16, which `amx::available()` checked.
                             unsafe {
                                 if chunks > 0 {
-                                    tiles.block(chunks, a_tiles.as_ptr().cast(), bp.as_ptr(), tile.as_mut_ptr(), ldc);
+                                    tiles.block(
+                                        chunks,
+                                        a_tiles.as_ptr().cast(),
+                                        bp.as_ptr(),
+                                        tile.as_mut_ptr(),
+                                        ldc,
+                                        zero_first && pc == 0,
+                                    );
                                 }
                                 if tail > 0 {
                                     let done = chunks * PAIRS;

@@ -654,11 +654,18 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, 
                     panel.fill(0);
                 }
                 if x.cs == 1 {
-                    // Each row's k values are contiguous: 16 pairs (32 values) per chunk row.
+                    // Each row's k values are contiguous: 16 pairs (32 values) per chunk row,
+                    // a pair being two adjacent values (a plain copy, which this loop compiles to).
                     for r in 0..live {
                         let row = &x.data[first + r * x.rs..][..k];
                         for (q, part) in row.chunks(2 * PAIRS).enumerate() {
-                            Bf16Pairs::pack_row(part, &mut panel[at(r, q * PAIRS)..][..PAIRS], 1);
+                            let dst = &mut panel[at(r, q * PAIRS)..][..PAIRS];
+                            for (d, pair) in dst.iter_mut().zip(part.chunks_exact(2)) {
+                                *d = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+                            }
+                            if part.len() % 2 == 1 {
+                                dst[part.len() / 2] = part[part.len() - 1].to_bits() as u32;
+                            }
                         }
                     }
                 } else if x.rs == 1 {

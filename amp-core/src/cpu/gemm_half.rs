@@ -559,6 +559,9 @@ fn multiply_amx<E: Precision>(
                 // Without a bias, the first k block's tiles start from zero (its first chunk
                 // exists when k has a whole chunk); otherwise C starts as the bias or zero.
                 let zero_first = bias.is_none() && steps >= PAIRS;
+                // With a whole chunk, every output was last written by `tdpbf16ps` or
+                // `vdpbf16ps`, which flush subnormal results: no output is subnormal.
+                let ftz = steps >= PAIRS;
                 match bias {
                     Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
                     None if !zero_first => c.fill(0.0),
@@ -612,7 +615,7 @@ fn multiply_amx<E: Precision>(
                     }
                 }
                 for r in 0..mc {
-                    E::from_f32_slice(&c[r * ldc..r * ldc + nc], &mut dst[r * n + jc..r * n + jc + nc]);
+                    round_ftz_output(&c[r * ldc..r * ldc + nc], &mut dst[r * n + jc..r * n + jc + nc], ftz);
                 }
             }
         });
@@ -623,6 +626,58 @@ fn multiply_amx<E: Precision>(
     } else {
         out.chunks_mut(rows * n).enumerate().for_each(|(t, dst)| task(t, dst));
     }
+}
+
+/// `dst = round(src)` into `E`, where `ftz` says no value of `src` is subnormal: bf16 then
+/// rounds with `vcvtne2ps2bf16` (32 values an instruction), whose result equals the software
+/// rounding except that it flushes subnormal inputs, which `ftz` rules out.
+fn round_ftz_output<E: Precision>(src: &[f32], dst: &mut [E], ftz: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if ftz && E::DTYPE == DType::BF16 && Bf16Pairs::available() {
+        assert_eq!(src.len(), dst.len());
+        // SAFETY: E is bf16 (checked by DTYPE; `Precision` is sealed, one type per DTYPE),
+        // a plain wrapper of u16; the CPU has AVX-512 BF16 (checked); lengths are equal.
+        unsafe {
+            let bits = std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u16>(), dst.len());
+            let done = f32_to_bf16_cvtne(src, bits);
+            E::from_f32_slice(&src[done..], &mut dst[done..]);
+        }
+        return;
+    }
+    let _ = ftz;
+    E::from_f32_slice(src, dst)
+}
+
+/// Rounds the first multiple of 16 values of `src` into `dst` with `vcvtne2ps2bf16` /
+/// `vcvtneps2bf16` (round to nearest even, NaN quieted as `(bits >> 16) | 0x40`, subnormal
+/// inputs flushed); returns how many it rounded.
+///
+/// # Safety
+/// The CPU must support avx512f and avx512bf16; `dst` must be as long as `src`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn f32_to_bf16_cvtne(src: &[f32], dst: &mut [u16]) -> usize {
+    use std::arch::x86_64::*;
+    let n = src.len();
+    let mut i = 0;
+    // SAFETY: every load reads src[i..i + 16 or 32] and every store writes dst[i..] of the
+    // same length, inside both slices (i + width <= n = dst.len()); __m512bh / __m256bh are
+    // 64- / 32-byte vectors for which every bit pattern is valid.
+    unsafe {
+        while i + 32 <= n {
+            let lo = _mm512_loadu_ps(src.as_ptr().add(i));
+            let hi = _mm512_loadu_ps(src.as_ptr().add(i + 16));
+            let r: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(dst.as_mut_ptr().add(i).cast(), r);
+            i += 32;
+        }
+        if i + 16 <= n {
+            let r: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr().add(i))));
+            _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), r);
+            i += 16;
+        }
+    }
+    i
 }
 
 /// Packs `rows × k` of `x` into the front of `out` (grown if short) in the AMX kernel's
@@ -1139,6 +1194,44 @@ mod tests {
             interleave_pairs(&lo[..n], &hi[..n], &mut got);
             let want: Vec<u32> = (0..n).map(|i| lo[i].to_bits() as u32 | (hi[i].to_bits() as u32) << 16).collect();
             assert_eq!(got, want, "{n} pairs");
+        }
+    }
+
+    /// The instruction rounding of AMX outputs gives the software rounding's bits on every
+    /// value that is not subnormal: ties both ways, values that round up to infinity,
+    /// infinities, NaNs (quieted alike), zeros, random normals, every tail length.
+    #[test]
+    fn instruction_rounding_matches_software_off_subnormals() {
+        if !Bf16Pairs::available() {
+            eprintln!("SKIPPED: vcvtne2ps2bf16 rounding (no AVX-512 BF16 on this CPU)");
+            return;
+        }
+        let mut src: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            f32::from_bits(0x3F80_8000),
+            f32::from_bits(0x3F81_8000),
+            f32::from_bits(0x3F80_8001),
+            f32::MAX,
+            -f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7F80_0001),
+            f32::from_bits(0xFFC1_2345),
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+        ];
+        src.extend(values::<f32>(200, 5).iter().map(|x| x * 1e3));
+        for len in [src.len(), 47, 32, 31, 16, 15, 0] {
+            let src = &src[..len];
+            let mut fast = vec![bf16::ZERO; len];
+            let mut soft = vec![bf16::ZERO; len];
+            round_ftz_output(src, &mut fast, true);
+            <bf16 as Precision>::from_f32_slice(src, &mut soft);
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&soft), "{len} values");
         }
     }
 

@@ -98,8 +98,10 @@ fn gelu_fwd_bwd_16m<E: amp_core::Precision>(b: Bencher<'_, '_>) {
     b.counter(ItemsCount::new(N)).bench_local(|| divan::black_box(x.gelu().sum_all().backward()));
 }
 
-/// 1024³ matmul; the items counter is FLOPs (2·n³), so items/s is FLOP/s.
-#[divan::bench(types = [f32, f16, bf16], sample_count = 10)]
+/// 1024³ matmul; the items counter is FLOPs (2·n³), so items/s is FLOP/s. 100 samples: on
+/// AMX the product takes ~1.5 ms, and 10 samples left its median at twice that (the first
+/// calls wake the threads and grow the pack buffers).
+#[divan::bench(types = [f32, f16, bf16], sample_count = 100)]
 fn matmul_1024<E: amp_core::Precision>(b: Bencher<'_, '_>) {
     let mut rng = Rng::seed(1);
     let x = Tensor::<f32>::randn(&[M, M], &mut rng).cast::<E>();

@@ -22,7 +22,8 @@
 //!   is made once per process, by [`available`], and a refusal means the AMX kernel is not
 //!   used. Other operating systems are not asked and get the `vdpbf16ps` kernel.
 //! - `AMP_CPU_AMX=off` turns the tiles off for the process (A/B benchmarks); the `vdpbf16ps`
-//!   kernel then runs.
+//!   kernel then runs. `AMP_CPU_ISA` does not: it caps the SIMD level of the loops around the
+//!   GEMMs, and the GEMM kernels are chosen by their own features, as `vdpbf16ps` always was.
 //! - Tile registers are not part of the Rust/LLVM register model: no compiled code touches
 //!   them unless it uses AMX, which this crate does only here, between [`Tiles::configure`]
 //!   and the drop of the returned guard (`tilerelease`), on one thread.

@@ -37,21 +37,21 @@ use std::sync::OnceLock;
 /// data, and `AMP_CPU_AMX` is not `off`. Decided once per process.
 pub(crate) fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        let off = std::env::var("AMP_CPU_AMX").is_ok_and(|v| v == "off" || v == "0");
-        !off && detect()
-    })
+    *AVAILABLE.get_or_init(|| !turned_off() && detect())
+}
+
+/// Whether `AMP_CPU_AMX` is `off` (or `0`).
+fn turned_off() -> bool {
+    std::env::var("AMP_CPU_AMX").is_ok_and(|v| v == "off" || v == "0")
 }
 
 /// Why AMX is or is not used, for reports: `None` when it runs.
 pub(crate) fn status() -> Option<&'static str> {
-    if available() {
-        return None;
+    match (available(), turned_off()) {
+        (true, _) => None,
+        (false, true) => Some("turned off by AMP_CPU_AMX"),
+        (false, false) => Some("not on this CPU or not granted by the OS"),
     }
-    if std::env::var("AMP_CPU_AMX").is_ok_and(|v| v == "off" || v == "0") {
-        return Some("turned off by AMP_CPU_AMX");
-    }
-    Some("not on this CPU or not granted by the OS")
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

@@ -492,7 +492,7 @@ const C_PAD: usize = 16;
 const MC_AMX: usize = 128;
 
 /// [`run`] for bf16 on AMX tiles: the kept pack buffers of the `vdpbf16ps` kernel (B's layout
-/// is shared; A's buffer holds row-major pairs here).
+/// is shared; A's buffer holds [`pack_pair_tiles`]' layout here).
 fn run_amx<E: Precision>(
     dims: (usize, usize, usize),
     a: Operand<'_, bf16>,
@@ -543,6 +543,12 @@ fn multiply_amx<E: Precision>(
     let threads = if big { rayon::current_num_threads() } else { 1 };
     let rows = (m.div_ceil(2 * threads).div_ceil(BLOCK_ROWS) * BLOCK_ROWS).clamp(BLOCK_ROWS, MC_AMX);
     let nc_max = NC.min(n.div_ceil(NR) * NR);
+    // Without a bias, the first k block's tiles start from zero (its first chunk exists when
+    // k has a whole chunk); otherwise C starts as the bias or zero.
+    let zero_first = bias.is_none() && steps >= PAIRS;
+    // With a whole chunk, every output was last written by `tdpbf16ps` or `vdpbf16ps`, which
+    // flush subnormal results: no output is subnormal.
+    let ftz = steps >= PAIRS;
     let task = |t: usize, dst: &mut [E]| {
         let r0 = t * rows;
         let mc = dst.len() / n;
@@ -556,12 +562,6 @@ fn multiply_amx<E: Precision>(
                 let nc_pad = nc.div_ceil(NR) * NR;
                 let ldc = nc_pad + C_PAD;
                 let c = &mut c[..mc_pad * ldc];
-                // Without a bias, the first k block's tiles start from zero (its first chunk
-                // exists when k has a whole chunk); otherwise C starts as the bias or zero.
-                let zero_first = bias.is_none() && steps >= PAIRS;
-                // With a whole chunk, every output was last written by `tdpbf16ps` or
-                // `vdpbf16ps`, which flush subnormal results: no output is subnormal.
-                let ftz = steps >= PAIRS;
                 match bias {
                     Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
                     None if !zero_first => c.fill(0.0),
@@ -1101,7 +1101,7 @@ mod tests {
             (1, 300, 600),
             (100, 257, 1),
             // AMX: whole 32-row blocks, ragged ones, k with and without a tail of pairs
-            // past the last 16, k past one cache block of 128 pairs.
+            // past the last 16, k past one cache block of 256 pairs.
             (64, 32, 32),
             (96, 66, 64),
             (33, 288, 40),

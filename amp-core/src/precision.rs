@@ -178,6 +178,21 @@ pub trait Precision:
     fn load(src: &[Self], dst: &mut [Self::Acc]);
     /// Rounds a slice of accumulation values into this format.
     fn store(src: &[Self::Acc], dst: &mut [Self]);
+    /// The slice itself when this format is its own accumulation type (f32, f64), so a kernel
+    /// reads it in place rather than copying it into a scratch buffer with [`Precision::load`];
+    /// `None` for f16 and bf16.
+    #[inline(always)]
+    fn as_acc(src: &[Self]) -> Option<&[Self::Acc]> {
+        let _ = src;
+        None
+    }
+    /// [`Precision::as_acc`] for an output: a kernel writes accumulation values straight into
+    /// it rather than through [`Precision::store`].
+    #[inline(always)]
+    fn as_acc_mut(dst: &mut [Self]) -> Option<&mut [Self::Acc]> {
+        let _ = dst;
+        None
+    }
     /// Converts a slice to f32 (f64 rounds).
     fn to_f32_slice(src: &[Self], dst: &mut [f32]);
     /// Rounds a slice of f32 into this format.
@@ -252,6 +267,14 @@ impl Precision for f32 {
     fn store(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src)
     }
+    #[inline(always)]
+    fn as_acc(src: &[Self]) -> Option<&[f32]> {
+        Some(src)
+    }
+    #[inline(always)]
+    fn as_acc_mut(dst: &mut [Self]) -> Option<&mut [f32]> {
+        Some(dst)
+    }
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src)
     }
@@ -289,6 +312,14 @@ impl Precision for f64 {
     #[inline]
     fn store(src: &[f64], dst: &mut [Self]) {
         dst.copy_from_slice(src)
+    }
+    #[inline(always)]
+    fn as_acc(src: &[Self]) -> Option<&[f64]> {
+        Some(src)
+    }
+    #[inline(always)]
+    fn as_acc_mut(dst: &mut [Self]) -> Option<&mut [f64]> {
+        Some(dst)
     }
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {

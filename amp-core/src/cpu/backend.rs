@@ -149,7 +149,11 @@ impl Device for Cpu {
     // ---- elementwise maps
 
     fn unary<E: Precision, O: UnaryOp>(&self, op: O, x: &Storage<E>, l: &Layout) -> Storage<E> {
-        store(super::map_unary(&view(x, l), |v| op.forward(v)))
+        store(super::map_unary(
+            &view(x, l),
+            #[inline(always)]
+            |v| op.forward(v),
+        ))
     }
     fn unary_backward<E: Precision, O: UnaryOp>(
         &self,
@@ -159,7 +163,13 @@ impl Device for Cpu {
         g: (&Storage<E>, &Layout),
     ) -> Storage<E> {
         let (x, y, g) = (view(x.0, x.1), view(y.0, y.1), view(g.0, g.1));
-        store(super::map_ternary(&x, &y, &g, |x, y, g| g * op.derivative(x, y)))
+        store(super::map_ternary(
+            &x,
+            &y,
+            &g,
+            #[inline(always)]
+            |x, y, g| g * op.derivative(x, y),
+        ))
     }
     fn binary<E: Precision, O: BinaryOp>(
         &self,
@@ -168,7 +178,15 @@ impl Device for Cpu {
         b: (&Storage<E>, &Layout),
         shape: &[usize],
     ) -> Storage<E> {
-        store(super::map_binary(a.0, a.1, b.0, b.1, shape, |x, y| op.apply(x, y)))
+        store(super::map_binary(
+            a.0,
+            a.1,
+            b.0,
+            b.1,
+            shape,
+            #[inline(always)]
+            |x, y| op.apply(x, y),
+        ))
     }
     fn select<E: Precision>(
         &self,

@@ -186,6 +186,47 @@ pub(crate) fn load_strided<E: Precision>(src: &[E], off: usize, stride: usize, d
     }
 }
 
+/// `src` in the accumulation type: the slice itself for f32 and f64 (no copy), else converted
+/// into `buf` (as long as `src`).
+#[inline(always)]
+pub(crate) fn acc_in<'a, E: Precision>(src: &'a [E], buf: &'a mut [E::Acc]) -> &'a [E::Acc] {
+    match E::as_acc(src) {
+        Some(src) => src,
+        None => {
+            E::load(src, buf);
+            buf
+        }
+    }
+}
+
+/// Runs `f` on `dst` as accumulation values: on `dst` itself for f32 and f64, else on `buf`
+/// (as long as `dst`), then rounded into `dst`. Pass `f` as `#[inline(always)]`: inside a
+/// [`dispatch`]ed loop, code that is not inlined is compiled for the baseline ISA.
+#[inline(always)]
+pub(crate) fn acc_out<E: Precision>(dst: &mut [E], buf: &mut [E::Acc], f: impl FnOnce(&mut [E::Acc])) {
+    let direct = E::as_acc(dst).is_some();
+    f(match E::as_acc_mut(dst) {
+        Some(d) => d,
+        None => buf,
+    });
+    if !direct {
+        E::store(buf, dst);
+    }
+}
+
+/// `buf.len()` elements of `src` from `off` with `stride` in the accumulation type: in place
+/// for a contiguous f32 or f64 run, else loaded into `buf` ([`load_strided`]).
+#[inline(always)]
+fn load_run<'a, E: Precision>(src: &'a [E], off: usize, stride: usize, buf: &'a mut [E::Acc]) -> &'a [E::Acc] {
+    if stride == 1
+        && let Some(run) = E::as_acc(&src[off..off + buf.len()])
+    {
+        return run;
+    }
+    load_strided(src, off, stride, buf);
+    buf
+}
+
 /// A contiguous copy of a strided view.
 pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
     let n = layout.numel();
@@ -227,14 +268,21 @@ pub(crate) fn map_unary<E: Precision>(x: &[E], f: impl Fn(E::Acc) -> E::Acc + Sy
         |ci, chunk| {
             let start = ci * CHUNK;
             let mut bx = [E::Acc::default(); BUF];
+            let mut by = [E::Acc::default(); BUF];
             for (j, o) in chunk.chunks_mut(BUF).enumerate() {
                 let s = start + j * BUF;
-                let bx = &mut bx[..o.len()];
-                E::load(&x[s..s + o.len()], bx);
-                for v in bx.iter_mut() {
-                    *v = f(*v);
-                }
-                E::store(bx, o);
+                let n = o.len();
+                let x = acc_in(&x[s..s + n], &mut bx[..n]);
+                acc_out(
+                    o,
+                    &mut by[..n],
+                    #[inline(always)]
+                    |o| {
+                        for (o, v) in o.iter_mut().zip(x) {
+                            *o = f(*v);
+                        }
+                    },
+                );
             }
         },
     );
@@ -257,16 +305,23 @@ pub(crate) fn map_ternary<E: Precision>(
             let mut ba = [E::Acc::default(); BUF];
             let mut bb = [E::Acc::default(); BUF];
             let mut bc = [E::Acc::default(); BUF];
+            let mut bo = [E::Acc::default(); BUF];
             for (j, o) in chunk.chunks_mut(BUF).enumerate() {
                 let s = start + j * BUF;
                 let n = o.len();
-                E::load(&a[s..s + n], &mut ba[..n]);
-                E::load(&b[s..s + n], &mut bb[..n]);
-                E::load(&c[s..s + n], &mut bc[..n]);
-                for i in 0..n {
-                    ba[i] = f(ba[i], bb[i], bc[i]);
-                }
-                E::store(&ba[..n], o);
+                let a = acc_in(&a[s..s + n], &mut ba[..n]);
+                let b = acc_in(&b[s..s + n], &mut bb[..n]);
+                let c = acc_in(&c[s..s + n], &mut bc[..n]);
+                acc_out(
+                    o,
+                    &mut bo[..n],
+                    #[inline(always)]
+                    |o| {
+                        for (((o, x), y), z) in o.iter_mut().zip(a).zip(b).zip(c) {
+                            *o = f(*x, *y, *z);
+                        }
+                    },
+                );
             }
         },
     );
@@ -294,6 +349,7 @@ pub(crate) fn map_binary<E: Precision>(
             let start = ci * CHUNK;
             let mut ba = [E::Acc::default(); BUF];
             let mut bb = [E::Acc::default(); BUF];
+            let mut bo = [E::Acc::default(); BUF];
             for_each_run(
                 &shape,
                 &strides,
@@ -304,14 +360,19 @@ pub(crate) fn map_binary<E: Precision>(
                     let mut done = 0;
                     while done < len {
                         let m = (len - done).min(BUF);
-                        let (xa, xb) = (&mut ba[..m], &mut bb[..m]);
-                        load_strided(a, oa + done * sa, sa, xa);
-                        load_strided(b, ob + done * sb, sb, xb);
-                        for i in 0..m {
-                            xa[i] = f(xa[i], xb[i]);
-                        }
                         let p = pos - start + done;
-                        E::store(xa, &mut chunk[p..p + m]);
+                        let xa = load_run(a, oa + done * sa, sa, &mut ba[..m]);
+                        let xb = load_run(b, ob + done * sb, sb, &mut bb[..m]);
+                        acc_out(
+                            &mut chunk[p..p + m],
+                            &mut bo[..m],
+                            #[inline(always)]
+                            |o| {
+                                for ((o, x), y) in o.iter_mut().zip(xa).zip(xb) {
+                                    *o = f(*x, *y);
+                                }
+                            },
+                        );
                         done += m;
                     }
                 },

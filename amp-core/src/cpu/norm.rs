@@ -26,6 +26,33 @@ fn load_opt<E: Precision>(v: Option<&[E]>) -> Option<Vec<E::Acc>> {
     })
 }
 
+/// `y = (x - mean) * rstd`, times `w` and plus `b` where given, for one row.
+#[inline(always)]
+fn normalize<A: Accum>(x: &[A], y: &mut [A], mean: A, rstd: A, w: Option<&[A]>, b: Option<&[A]>) {
+    match (w, b) {
+        (Some(w), Some(b)) => {
+            for (((y, v), w), b) in y.iter_mut().zip(x).zip(w).zip(b) {
+                *y = (*v - mean) * rstd * *w + *b;
+            }
+        }
+        (Some(w), None) => {
+            for ((y, v), w) in y.iter_mut().zip(x).zip(w) {
+                *y = (*v - mean) * rstd * *w;
+            }
+        }
+        (None, Some(b)) => {
+            for ((y, v), b) in y.iter_mut().zip(x).zip(b) {
+                *y = (*v - mean) * rstd + *b;
+            }
+        }
+        (None, None) => {
+            for (y, v) in y.iter_mut().zip(x) {
+                *y = (*v - mean) * rstd;
+            }
+        }
+    }
+}
+
 /// Normalises each row of `x` (`rows * d`): layer norm `(x - mean) * rstd * w + b`, or with
 /// `RMS`, `x * rstd * w` where `rstd = 1 / sqrt(mean(x²) + eps)`.
 pub(crate) fn forward<E: Precision, const RMS: bool>(
@@ -45,38 +72,29 @@ pub(crate) fn forward<E: Precision, const RMS: bool>(
         d,
         #[inline(always)]
         |r0, chunk| {
-            let mut buf = vec![E::Acc::default(); d];
+            let (mut buf, mut by) = (vec![E::Acc::default(); d], vec![E::Acc::default(); d]);
             let mut st = Vec::with_capacity(chunk.len() / d);
             for (k, y) in chunk.chunks_mut(d).enumerate() {
                 let r = r0 + k;
-                E::load(&x[r * d..(r + 1) * d], &mut buf);
-                let mean = if RMS { E::Acc::zero() } else { sum_map(&buf, |v| v) * inv_d };
-                let var = sum_map(&buf, |v| (v - mean) * (v - mean)) * inv_d;
+                let xr = &x[r * d..(r + 1) * d];
+                // f32 and f64 rows in place; f16 and bf16 rows through an f32 scratch row.
+                let xa = match E::as_acc(xr) {
+                    Some(xa) => xa,
+                    None => {
+                        E::load(xr, &mut buf);
+                        &buf
+                    }
+                };
+                let mean = if RMS { E::Acc::zero() } else { sum_map(xa, |v| v) * inv_d };
+                let var = sum_map(xa, |v| (v - mean) * (v - mean)) * inv_d;
                 let rstd = E::Acc::one() / (var + eps).sqrt();
-                match (&wa, &ba) {
-                    (Some(w), Some(b)) => {
-                        for ((v, w), b) in buf.iter_mut().zip(w).zip(b) {
-                            *v = (*v - mean) * rstd * *w + *b;
-                        }
-                    }
-                    (Some(w), None) => {
-                        for (v, w) in buf.iter_mut().zip(w) {
-                            *v = (*v - mean) * rstd * *w;
-                        }
-                    }
-                    (None, Some(b)) => {
-                        for (v, b) in buf.iter_mut().zip(b) {
-                            *v = (*v - mean) * rstd + *b;
-                        }
-                    }
-                    (None, None) => {
-                        for v in buf.iter_mut() {
-                            *v = (*v - mean) * rstd;
-                        }
-                    }
-                }
-                E::store(&buf, y);
                 st.push((mean, rstd));
+                if let Some(ya) = E::as_acc_mut(y) {
+                    normalize(xa, ya, mean, rstd, wa.as_deref(), ba.as_deref());
+                } else {
+                    normalize(xa, &mut by, mean, rstd, wa.as_deref(), ba.as_deref());
+                    E::store(&by, y);
+                }
             }
             st
         },
@@ -114,35 +132,63 @@ pub(crate) fn backward<E: Precision, const RMS: bool>(
             for (k, out) in chunk.chunks_mut(d).enumerate() {
                 let r = r0 + k;
                 let (mean, rstd) = (stats.mean[r], stats.rstd[r]);
-                E::load(&x[r * d..(r + 1) * d], &mut bx);
-                E::load(&g[r * d..(r + 1) * d], &mut bg);
-                for v in bx.iter_mut() {
-                    *v = (*v - mean) * rstd; // x̂
+                let (xr, gr) = (&x[r * d..(r + 1) * d], &g[r * d..(r + 1) * d]);
+                // f32 and f64 rows are read and written in place; f16 and bf16 rows go through
+                // f32 scratch rows.
+                match E::as_acc(xr) {
+                    Some(xa) => {
+                        for (h, v) in bx.iter_mut().zip(xa) {
+                            *h = (*v - mean) * rstd; // x̂
+                        }
+                    }
+                    None => {
+                        E::load(xr, &mut bx);
+                        for v in bx.iter_mut() {
+                            *v = (*v - mean) * rstd; // x̂
+                        }
+                    }
                 }
+                let ga = match E::as_acc(gr) {
+                    Some(ga) => ga,
+                    None => {
+                        E::load(gr, &mut bg);
+                        &bg
+                    }
+                };
                 if need_w {
-                    for ((p, gv), h) in pw.iter_mut().zip(&bg).zip(&bx) {
+                    for ((p, gv), h) in pw.iter_mut().zip(ga).zip(&bx) {
                         *p += *gv * *h;
                     }
                 }
                 if need_b {
-                    for (p, gv) in pb.iter_mut().zip(&bg) {
+                    for (p, gv) in pb.iter_mut().zip(ga) {
                         *p += *gv;
                     }
                 }
                 match &wa {
                     Some(w) => {
-                        for ((h, gv), w) in bh.iter_mut().zip(&bg).zip(w) {
+                        for ((h, gv), w) in bh.iter_mut().zip(ga).zip(w) {
                             *h = *gv * *w;
                         }
                     }
-                    None => bh.copy_from_slice(&bg),
+                    None => bh.copy_from_slice(ga),
                 }
                 let mean_gh = if RMS { E::Acc::zero() } else { sum_map(&bh, |v| v) * inv_d };
                 let mean_ghx = dot(&bh, &bx) * inv_d;
-                for (h, xh) in bh.iter_mut().zip(&bx) {
-                    *h = rstd * (*h - mean_gh - *xh * mean_ghx);
+                let dx = |h: E::Acc, xh: E::Acc| rstd * (h - mean_gh - xh * mean_ghx);
+                match E::as_acc_mut(out) {
+                    Some(o) => {
+                        for ((o, h), xh) in o.iter_mut().zip(&bh).zip(&bx) {
+                            *o = dx(*h, *xh);
+                        }
+                    }
+                    None => {
+                        for (h, xh) in bh.iter_mut().zip(&bx) {
+                            *h = dx(*h, *xh);
+                        }
+                        E::store(&bh, out);
+                    }
                 }
-                E::store(&bh, out);
             }
             (pw, pb)
         },

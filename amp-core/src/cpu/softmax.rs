@@ -5,7 +5,6 @@
 use super::BUF;
 use super::rows::{dot, exp_in_place, max_buf, par_rows, sum_map};
 use crate::precision::{Accum, Precision};
-use num_traits::One;
 
 /// `log(sum(exp(row - m))) + m` for a row already in the accumulation type, where `m` is the
 /// row's max: the log-sum-exp, exact for rows with a large max.
@@ -25,6 +24,27 @@ pub(crate) fn log_sum_exp<A: Accum>(row: &[A]) -> (A, A) {
     (m, m + s.ln())
 }
 
+/// Softmax (or, with `LOG`, log-softmax) of one row `x` into `y`, in the accumulation type.
+#[inline(always)]
+fn row<A: Accum, const LOG: bool>(x: &[A], y: &mut [A]) {
+    if LOG {
+        let (_, lse) = log_sum_exp(x);
+        for (y, v) in y.iter_mut().zip(x) {
+            *y = *v - lse;
+        }
+    } else {
+        let m = max_buf(x);
+        for (y, v) in y.iter_mut().zip(x) {
+            *y = *v - m;
+        }
+        exp_in_place(y);
+        let inv = A::one() / sum_map(y, |v| v);
+        for v in y.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
 /// Softmax (or, with `LOG`, log-softmax) of each row of `x` (`rows * d` elements).
 pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E> {
     let mut out = super::alloc::take::<E>(x.len()); // every row is stored
@@ -34,31 +54,39 @@ pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E
         d,
         #[inline(always)]
         |r0, chunk| {
-            let mut buf = vec![E::Acc::default(); d];
-            for (k, y) in chunk.chunks_mut(d).enumerate() {
-                let r = r0 + k;
-                E::load(&x[r * d..(r + 1) * d], &mut buf);
-                if LOG {
-                    let (_, lse) = log_sum_exp(&buf);
-                    for v in buf.iter_mut() {
-                        *v = *v - lse;
-                    }
-                } else {
-                    let m = max_buf(&buf);
-                    for v in buf.iter_mut() {
-                        *v = *v - m;
-                    }
-                    exp_in_place(&mut buf);
-                    let inv = E::Acc::one() / sum_map(&buf, |v| v);
-                    for v in buf.iter_mut() {
-                        *v *= inv;
-                    }
+            let xs = &x[r0 * d..r0 * d + chunk.len()];
+            // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
+            if let (Some(xs), Some(ys)) = (E::as_acc(xs), E::as_acc_mut(chunk)) {
+                for (x, y) in xs.chunks(d).zip(ys.chunks_mut(d)) {
+                    row::<_, LOG>(x, y);
                 }
-                E::store(&buf, y);
+                return;
+            }
+            let (mut bx, mut by) = (vec![E::Acc::default(); d], vec![E::Acc::default(); d]);
+            for (x, y) in xs.chunks(d).zip(chunk.chunks_mut(d)) {
+                E::load(x, &mut bx);
+                row::<_, LOG>(&bx, &mut by);
+                E::store(&by, y);
             }
         },
     );
     out
+}
+
+/// The input gradient of one row from its output `y` and output gradient `g`, into `gx`.
+#[inline(always)]
+fn row_backward<A: Accum, const LOG: bool>(y: &[A], g: &[A], gx: &mut [A]) {
+    if LOG {
+        let sg = sum_map(g, |v| v);
+        for ((o, p), gv) in gx.iter_mut().zip(y).zip(g) {
+            *o = *gv - p.vexp() * sg;
+        }
+    } else {
+        let s = dot(g, y);
+        for ((o, p), gv) in gx.iter_mut().zip(y).zip(g) {
+            *o = *p * (*gv - s);
+        }
+    }
 }
 
 /// The input gradient from the output `y` and its gradient `g` (both `rows * d`):
@@ -71,25 +99,23 @@ pub(crate) fn backward<E: Precision, const LOG: bool>(y: &[E], g: &[E], d: usize
         d,
         #[inline(always)]
         |r0, chunk| {
+            let r = r0 * d..r0 * d + chunk.len();
+            let (ys, gs) = (&y[r.clone()], &g[r]);
+            // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
+            if let (Some(ys), Some(gs), Some(out)) = (E::as_acc(ys), E::as_acc(gs), E::as_acc_mut(chunk)) {
+                for ((y, g), o) in ys.chunks(d).zip(gs.chunks(d)).zip(out.chunks_mut(d)) {
+                    row_backward::<_, LOG>(y, g, o);
+                }
+                return;
+            }
             let mut by = vec![E::Acc::default(); d];
             let mut bg = vec![E::Acc::default(); d];
-            for (k, gx) in chunk.chunks_mut(d).enumerate() {
-                let r = r0 + k;
-                E::load(&y[r * d..(r + 1) * d], &mut by);
-                E::load(&g[r * d..(r + 1) * d], &mut bg);
-                if LOG {
-                    let sg = sum_map(&bg, |v| v);
-                    exp_in_place(&mut by);
-                    for (gv, p) in bg.iter_mut().zip(&by) {
-                        *gv = *gv - *p * sg;
-                    }
-                } else {
-                    let s = dot(&bg, &by);
-                    for (gv, p) in bg.iter_mut().zip(&by) {
-                        *gv = *p * (*gv - s);
-                    }
-                }
-                E::store(&bg, gx);
+            let mut bo = vec![E::Acc::default(); d];
+            for ((y, g), gx) in ys.chunks(d).zip(gs.chunks(d)).zip(chunk.chunks_mut(d)) {
+                E::load(y, &mut by);
+                E::load(g, &mut bg);
+                row_backward::<_, LOG>(&by, &bg, &mut bo);
+                E::store(&bo, gx);
             }
         },
     );

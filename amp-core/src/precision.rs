@@ -85,7 +85,7 @@ pub trait Accum:
     /// To f64.
     fn f64(self) -> f64;
     /// The error function: branch-free and inlined for f32 (so elementwise loops over it
-    /// vectorise, within 1.5 ulp), libm for f64.
+    /// vectorise, within 1.7 ulp), libm for f64.
     fn erf(self) -> Self;
     /// `e^self`: branch-free and inlined for f32 (so elementwise loops over it vectorise,
     /// within 1 ulp), libm for f64. Use it instead of `Float::exp`, which is a libm call per

@@ -16,8 +16,10 @@
 //!   added in place when the running sum owns its buffer alone (nothing else can see it), and
 //!   a narrow's gradient is added into its window of that buffer ([`Backward::Window`]), so
 //!   `q`, `k` and `v` cut from one `qkv` tensor share one gradient buffer instead of three
-//!   zero-padded full-size copies (PyTorch's `split` backward). Same sums in the same order as
-//!   adding separate tensors: the values are unchanged.
+//!   zero-padded full-size copies; windows that tile the parent exactly (and nothing else
+//!   contributes) are concatenated instead, with no zero fill (PyTorch's `split` backward).
+//!   Same sums in the same order as adding separate tensors: the values are unchanged, but
+//!   for the sign of a zero (a concatenated -0 stays -0, where 0 + -0 gave +0).
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -333,9 +335,18 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
         }
     }
     let mut pending: HashMap<TensorId, AnyTensor<D>> = HashMap::new();
+    // Narrows' gradients not yet added into their parent's gradient, in arrival order: they
+    // are added when the parent's gradient is needed or another contribution to it arrives,
+    // so windows that tile the parent exactly (q, k and v of one qkv) become one
+    // concatenation instead of a zero fill and a write per window.
+    let mut windows: HashMap<TensorId, Vec<Window<D>>> = HashMap::new();
     pending.insert(root.id, seed);
     let mut out = Grads::empty();
     for node in order.iter().rev() {
+        if let Some(ws) = windows.remove(&node.id) {
+            let acc = pending.remove(&node.id);
+            pending.insert(node.id, add_windows(acc, ws, &node.shape));
+        }
         let Some(grad) = pending.remove(&node.id) else { continue };
         debug_assert_eq!(grad.shape(), &node.shape[..], "gradient shape of {} node", node.op);
         let Some(backward) = &node.backward else {
@@ -347,8 +358,7 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
             Backward::Window { dim, start } => {
                 let Some(parent) = &node.parents[0] else { continue };
                 assert_eq!(grad.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
-                let acc = pending.remove(&parent.id);
-                pending.insert(parent.id, add_window(acc, grad, &parent.shape, *dim, *start));
+                windows.entry(parent.id).or_default().push(Window { dim: *dim, start: *start, grad });
                 continue;
             }
         };
@@ -365,6 +375,11 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
                 parent.shape
             );
             assert_eq!(g.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
+            // Earlier windows first: the contributions are summed in arrival order.
+            if let Some(ws) = windows.remove(&parent.id) {
+                let acc = pending.remove(&parent.id);
+                pending.insert(parent.id, add_windows(acc, ws, &parent.shape));
+            }
             let merged = match pending.remove(&parent.id) {
                 Some(acc) => accumulate(acc, g),
                 None => g,
@@ -416,6 +431,58 @@ fn owns_whole<E: Precision, D: Device>(t: &Tensor<E, D>) -> bool {
 fn add_into<E: Precision, D: Device>(dst: &mut Tensor<E, D>, src: &Tensor<E, D>) {
     let dl = dst.layout.clone();
     dst.device.clone().write_into(&mut dst.storage, &dl, &src.storage, &src.layout, true);
+}
+
+/// A narrow's gradient waiting to be added into its parent's: entries `start..` of `dim`.
+struct Window<D: Device> {
+    dim: usize,
+    start: usize,
+    grad: AnyTensor<D>,
+}
+
+/// Adds the windows `ws` (in arrival order) into the running gradient `acc` of a tensor of
+/// `shape`. With no running gradient and windows of one dim that tile it exactly, that is
+/// their concatenation (no zero fill); otherwise each is added in turn ([`add_window`]).
+fn add_windows<D: Device>(acc: Option<AnyTensor<D>>, mut ws: Vec<Window<D>>, shape: &[usize]) -> AnyTensor<D> {
+    let dim = ws[0].dim;
+    let mut by_start: Vec<&Window<D>> = ws.iter().collect();
+    by_start.sort_by_key(|w| w.start);
+    let mut end = 0;
+    let tiles = by_start.iter().all(|w| {
+        let ok = w.dim == dim && w.start == end;
+        end += w.grad.shape()[dim];
+        ok
+    }) && end == shape[dim];
+    if acc.is_none() && tiles {
+        ws.sort_by_key(|w| w.start);
+        let parts: Vec<AnyTensor<D>> = ws.into_iter().map(|w| w.grad).collect();
+        return cat_parts(parts, shape, dim);
+    }
+    ws.into_iter()
+        .fold(acc, |acc, w| Some(add_window(acc, w.grad, shape, w.dim, w.start)))
+        .expect("at least one window")
+}
+
+/// The concatenation along `dim` of `parts` (one precision), a tensor of `shape`.
+fn cat_parts<D: Device>(parts: Vec<AnyTensor<D>>, shape: &[usize], dim: usize) -> AnyTensor<D> {
+    fn typed<E: Precision, D: Device>(
+        first: Tensor<E, D>,
+        rest: Vec<AnyTensor<D>>,
+        shape: &[usize],
+        dim: usize,
+    ) -> AnyTensor<D> {
+        let rest: Vec<Tensor<E, D>> =
+            rest.into_iter().map(|p| p.downcast::<E>().unwrap_or_else(|e| panic!("narrow backward: {e}"))).collect();
+        let all: Vec<&Tensor<E, D>> = std::iter::once(&first).chain(&rest).collect();
+        let (outer, _, inner) = crate::layout::outer_dim_inner(shape, dim);
+        let views: Vec<_> = all.iter().map(|t| (&t.storage, &t.layout, t.shape()[dim])).collect();
+        let dev = first.device.clone();
+        Tensor::from_storage(&dev, dev.cat(&views, outer, inner), shape).into()
+    }
+    let mut parts = parts.into_iter();
+    let first = parts.next().expect("at least one window");
+    let rest: Vec<_> = parts.collect();
+    with_any!(first, first => typed(first, rest, shape, dim))
 }
 
 /// Adds `g`, the gradient of the window `start..start + len` of `dim` of a tensor of `shape`,

@@ -246,8 +246,9 @@ fn linear_with_and_without_bias() {
     gradcheck(&[randn(&[3, 4], 43), randn(&[4, 5], 44)], |t| t[0].linear(&t[1].t(), None).square().sum_all());
 }
 
-/// Narrows of one tensor share one gradient buffer (each window added in place): splits into
-/// chunks, overlapping windows, windows of a middle dim, narrows mixed with dense uses of the
+/// Narrows of one tensor share one gradient buffer (each window added in place, or windows
+/// that tile the tensor concatenated): splits into chunks (arriving in reverse order, so the
+/// concatenation must sort them), overlapping windows, windows of a middle dim, narrows mixed with dense uses of the
 /// same tensor in either order, and a running gradient that another tensor still shares (it
 /// must be copied, not written into).
 #[test]

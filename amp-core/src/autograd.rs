@@ -445,18 +445,16 @@ struct Window<D: Device> {
 /// their concatenation (no zero fill); otherwise each is added in turn ([`add_window`]).
 fn add_windows<D: Device>(acc: Option<AnyTensor<D>>, mut ws: Vec<Window<D>>, shape: &[usize]) -> AnyTensor<D> {
     let dim = ws[0].dim;
-    let mut by_start: Vec<&Window<D>> = ws.iter().collect();
-    by_start.sort_by_key(|w| w.start);
+    // (start, len) of each window along `dim`, in order: a tiling has no gap or overlap.
+    let mut spans: Vec<(usize, usize)> = ws.iter().map(|w| (w.start, w.grad.shape()[dim])).collect();
+    spans.sort_unstable();
     let mut end = 0;
-    let tiles = by_start.iter().all(|w| {
-        let ok = w.dim == dim && w.start == end;
-        end += w.grad.shape()[dim];
-        ok
-    }) && end == shape[dim];
+    let tiles = ws.iter().all(|w| w.dim == dim)
+        && spans.iter().all(|&(start, len)| std::mem::replace(&mut end, start + len) == start)
+        && end == shape[dim];
     if acc.is_none() && tiles {
         ws.sort_by_key(|w| w.start);
-        let parts: Vec<AnyTensor<D>> = ws.into_iter().map(|w| w.grad).collect();
-        return cat_parts(parts, shape, dim);
+        return cat_parts(ws.into_iter().map(|w| w.grad).collect(), shape, dim);
     }
     ws.into_iter()
         .fold(acc, |acc, w| Some(add_window(acc, w.grad, shape, w.dim, w.start)))

@@ -7,6 +7,7 @@
 //! added in task order (deterministic for any thread count).
 
 use super::rows::{dot, par_rows, sum_map};
+use super::{acc_in, acc_out};
 use crate::precision::{Accum, Precision};
 use num_traits::{Float, One, Zero};
 
@@ -76,25 +77,18 @@ pub(crate) fn forward<E: Precision, const RMS: bool>(
             let mut st = Vec::with_capacity(chunk.len() / d);
             for (k, y) in chunk.chunks_mut(d).enumerate() {
                 let r = r0 + k;
-                let xr = &x[r * d..(r + 1) * d];
-                // f32 and f64 rows in place; f16 and bf16 rows through an f32 scratch row.
-                let xa = match E::as_acc(xr) {
-                    Some(xa) => xa,
-                    None => {
-                        E::load(xr, &mut buf);
-                        &buf
-                    }
-                };
+                // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
+                let xa = acc_in(&x[r * d..(r + 1) * d], &mut buf);
                 let mean = if RMS { E::Acc::zero() } else { sum_map(xa, |v| v) * inv_d };
                 let var = sum_map(xa, |v| (v - mean) * (v - mean)) * inv_d;
                 let rstd = E::Acc::one() / (var + eps).sqrt();
                 st.push((mean, rstd));
-                if let Some(ya) = E::as_acc_mut(y) {
-                    normalize(xa, ya, mean, rstd, wa.as_deref(), ba.as_deref());
-                } else {
-                    normalize(xa, &mut by, mean, rstd, wa.as_deref(), ba.as_deref());
-                    E::store(&by, y);
-                }
+                acc_out(
+                    y,
+                    &mut by,
+                    #[inline(always)]
+                    |y| normalize(xa, y, mean, rstd, wa.as_deref(), ba.as_deref()),
+                );
             }
             st
         },
@@ -124,37 +118,20 @@ pub(crate) fn backward<E: Precision, const RMS: bool>(
         d,
         #[inline(always)]
         |r0, chunk| {
-            let mut bx = vec![E::Acc::default(); d];
-            let mut bg = vec![E::Acc::default(); d];
-            let mut bh = vec![E::Acc::default(); d];
+            // Scratch rows: the loaded input, x̂, the loaded gradient, g * w and the output.
+            let [mut bl, mut bx, mut bg, mut bh, mut bo] = std::array::from_fn(|_| vec![E::Acc::default(); d]);
             let mut pw = if need_w { vec![E::Acc::zero(); d] } else { Vec::new() };
             let mut pb = if need_b { vec![E::Acc::zero(); d] } else { Vec::new() };
             for (k, out) in chunk.chunks_mut(d).enumerate() {
                 let r = r0 + k;
                 let (mean, rstd) = (stats.mean[r], stats.rstd[r]);
-                let (xr, gr) = (&x[r * d..(r + 1) * d], &g[r * d..(r + 1) * d]);
                 // f32 and f64 rows are read and written in place; f16 and bf16 rows go through
                 // f32 scratch rows.
-                match E::as_acc(xr) {
-                    Some(xa) => {
-                        for (h, v) in bx.iter_mut().zip(xa) {
-                            *h = (*v - mean) * rstd; // x̂
-                        }
-                    }
-                    None => {
-                        E::load(xr, &mut bx);
-                        for v in bx.iter_mut() {
-                            *v = (*v - mean) * rstd; // x̂
-                        }
-                    }
+                let xa = acc_in(&x[r * d..(r + 1) * d], &mut bl);
+                for (h, v) in bx.iter_mut().zip(xa) {
+                    *h = (*v - mean) * rstd; // x̂
                 }
-                let ga = match E::as_acc(gr) {
-                    Some(ga) => ga,
-                    None => {
-                        E::load(gr, &mut bg);
-                        &bg
-                    }
-                };
+                let ga = acc_in(&g[r * d..(r + 1) * d], &mut bg);
                 if need_w {
                     for ((p, gv), h) in pw.iter_mut().zip(ga).zip(&bx) {
                         *p += *gv * *h;
@@ -175,20 +152,16 @@ pub(crate) fn backward<E: Precision, const RMS: bool>(
                 }
                 let mean_gh = if RMS { E::Acc::zero() } else { sum_map(&bh, |v| v) * inv_d };
                 let mean_ghx = dot(&bh, &bx) * inv_d;
-                let dx = |h: E::Acc, xh: E::Acc| rstd * (h - mean_gh - xh * mean_ghx);
-                match E::as_acc_mut(out) {
-                    Some(o) => {
+                acc_out(
+                    out,
+                    &mut bo,
+                    #[inline(always)]
+                    |o| {
                         for ((o, h), xh) in o.iter_mut().zip(&bh).zip(&bx) {
-                            *o = dx(*h, *xh);
+                            *o = rstd * (*h - mean_gh - *xh * mean_ghx);
                         }
-                    }
-                    None => {
-                        for (h, xh) in bh.iter_mut().zip(&bx) {
-                            *h = dx(*h, *xh);
-                        }
-                        E::store(&bh, out);
-                    }
-                }
+                    },
+                );
             }
             (pw, pb)
         },

@@ -2,8 +2,8 @@
 //! and backward. Each row is loaded once into an `E::Acc` scratch row (f32 for f16/bf16),
 //! max-subtracted, exponentiated and normalised there, and rounded once on store.
 
-use super::BUF;
 use super::rows::{dot, exp_in_place, max_buf, par_rows, sum_map};
+use super::{BUF, acc_in, acc_out};
 use crate::precision::{Accum, Precision};
 
 /// `log(sum(exp(row - m))) + m` for a row already in the accumulation type, where `m` is the
@@ -54,19 +54,16 @@ pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E
         d,
         #[inline(always)]
         |r0, chunk| {
-            let xs = &x[r0 * d..r0 * d + chunk.len()];
             // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
-            if let (Some(xs), Some(ys)) = (E::as_acc(xs), E::as_acc_mut(chunk)) {
-                for (x, y) in xs.chunks(d).zip(ys.chunks_mut(d)) {
-                    row::<_, LOG>(x, y);
-                }
-                return;
-            }
             let (mut bx, mut by) = (vec![E::Acc::default(); d], vec![E::Acc::default(); d]);
-            for (x, y) in xs.chunks(d).zip(chunk.chunks_mut(d)) {
-                E::load(x, &mut bx);
-                row::<_, LOG>(&bx, &mut by);
-                E::store(&by, y);
+            for (x, y) in x[r0 * d..r0 * d + chunk.len()].chunks(d).zip(chunk.chunks_mut(d)) {
+                let x = acc_in(x, &mut bx);
+                acc_out(
+                    y,
+                    &mut by,
+                    #[inline(always)]
+                    |y| row::<_, LOG>(x, y),
+                );
             }
         },
     );
@@ -100,22 +97,18 @@ pub(crate) fn backward<E: Precision, const LOG: bool>(y: &[E], g: &[E], d: usize
         #[inline(always)]
         |r0, chunk| {
             let r = r0 * d..r0 * d + chunk.len();
-            let (ys, gs) = (&y[r.clone()], &g[r]);
             // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
-            if let (Some(ys), Some(gs), Some(out)) = (E::as_acc(ys), E::as_acc(gs), E::as_acc_mut(chunk)) {
-                for ((y, g), o) in ys.chunks(d).zip(gs.chunks(d)).zip(out.chunks_mut(d)) {
-                    row_backward::<_, LOG>(y, g, o);
-                }
-                return;
-            }
             let mut by = vec![E::Acc::default(); d];
             let mut bg = vec![E::Acc::default(); d];
             let mut bo = vec![E::Acc::default(); d];
-            for ((y, g), gx) in ys.chunks(d).zip(gs.chunks(d)).zip(chunk.chunks_mut(d)) {
-                E::load(y, &mut by);
-                E::load(g, &mut bg);
-                row_backward::<_, LOG>(&by, &bg, &mut bo);
-                E::store(&bo, gx);
+            for ((y, g), gx) in y[r.clone()].chunks(d).zip(g[r].chunks(d)).zip(chunk.chunks_mut(d)) {
+                let (y, g) = (acc_in(y, &mut by), acc_in(g, &mut bg));
+                acc_out(
+                    gx,
+                    &mut bo,
+                    #[inline(always)]
+                    |gx| row_backward::<_, LOG>(y, g, gx),
+                );
             }
         },
     );

@@ -1,7 +1,7 @@
 //! Step time of the fixed workloads W1 (MLP) and W2 (GPT) from
 //! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table.
 //!
-//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor] [--fused-attention]`.
+//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor] [--fused-attention] [--caller-waits]`.
 //! Cells left out by `--only` or `--precision` print as `-`. With `--torch PYTHON` (a Python
 //! with PyTorch), PyTorch's step times are measured in the same run by
 //! `tests/python/bench_steps.py` (the same workloads and step, on the same threads) and
@@ -11,6 +11,9 @@
 //! `--fused-attention` runs W2's attention as the fused kernel (`Gpt::with_fused_attention`)
 //! instead of the separate ops of the workload's definition (scores, scale, mask, softmax,
 //! values); PyTorch's side keeps the separate ops.
+//! The main thread is made one of the compute threads first (`cpu_threads::init`), as a
+//! training program should; `--caller-waits` leaves rayon's default pool instead, where the
+//! main thread hands every parallel op to the pool and sleeps until it is done.
 //! Each step is a full AMP step: forward, scaled backward, unscale, clip_grad_norm(1.0),
 //! AdamW step, scaler update. Median of `--steps` timed steps after one warm-up step.
 //! A second table gives the minor page faults per timed step (the kernel's count for this
@@ -225,6 +228,17 @@ fn torch_times(
 }
 
 fn main() {
+    // Before any op: the main thread becomes one of the compute threads.
+    let caller_waits = std::env::args().any(|a| a == "--caller-waits");
+    let available = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (threads, arrangement) = if caller_waits {
+        (available, "rayon's default pool, the main thread waiting on it (--caller-waits)")
+    } else {
+        match amp::cpu_threads::init(0) {
+            Ok(n) => (n, "the main thread one of them (cpu_threads::init)"),
+            Err(e) => panic!("{e}"),
+        }
+    };
     let steps: usize = arg_value("--steps").map(|s| s.parse().expect("--steps takes a positive integer")).unwrap_or(5);
     let only = arg_value("--only");
     if let Some(w) = &only {
@@ -247,12 +261,11 @@ fn main() {
         amp::cpu_memory::reset_peak_memory_stats();
         f()
     };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("{}", cpu_description());
     println!("Kernels: {}", amp::Cpu.kernel_report());
     let torch_python = arg_value("--torch");
     println!(
-        "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, median of {steps} steps",
+        "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, {arrangement}, median of {steps} steps",
         { Mlp::new(&mut Rng::seed(0)).num_params() },
         {
             let c = GptConfig { vocab_size: 128, block_size: 128, d_model: 256, n_layers: 4, n_heads: 4, dropout: 0.0 };

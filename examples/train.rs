@@ -106,6 +106,10 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // Before any op: the main thread, which runs the training loop, is a compute thread.
+    if let Err(e) = amp::cpu_threads::init(0) {
+        eprintln!("warning: {e}");
+    }
     let args = Args::parse();
     let cfg = TrainConfig {
         precision: match args.precision {

@@ -54,6 +54,7 @@ pub use amp_macros::autocast;
 pub use autograd::{AnyTensor, Grads, NoGradGuard, TensorId, is_grad_enabled, no_grad};
 pub use backend::{Cpu, Device};
 pub use cpu::memory as cpu_memory;
+pub use cpu::threads as cpu_threads;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use indices::{Indices, Mask};

@@ -31,6 +31,7 @@ pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rows;
 pub(crate) mod softmax;
+pub mod threads;
 mod tensor;
 
 use rayon::prelude::*;

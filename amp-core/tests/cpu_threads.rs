@@ -1,0 +1,88 @@
+//! `cpu_threads::init`: the calling thread becomes a compute thread, ops started from it and
+//! from other threads give the right results and finish, and a second call is refused.
+//!
+//! `init` sets up rayon's process-wide pool once, so each test runs itself again in a child
+//! process of its own (this binary, filtered to the one test, with `CHILD` set) and the
+//! parent only checks that the child passed.
+
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use amp_core::{Error, Tensor, cpu_threads};
+
+const CHILD: &str = "AMP_CPU_THREADS_TEST_CHILD";
+
+/// Runs `test` in a child process (or, in the child, runs `body`).
+fn in_child(test: &str, body: impl FnOnce()) {
+    if std::env::var_os(CHILD).is_some() {
+        body();
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, "1")
+        .output()
+        .expect("run this test binary again");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child process for {test} failed:\n{text}");
+    assert!(text.contains("1 passed"), "child process for {test} ran no test:\n{text}");
+}
+
+/// Sum of `exp(x)` over 2M elements: large enough that the op splits across the threads.
+fn parallel_op() -> f64 {
+    let x = Tensor::<f32>::full(&[1 << 21], 0.5);
+    x.exp().sum_all().item() as f64
+}
+
+fn expected() -> f64 {
+    (1u64 << 21) as f64 * 0.5f64.exp()
+}
+
+/// An op started on another thread finishes while this thread waits outside the pool (in a
+/// channel receive, not in a parallel op): the other workers run it.
+fn op_from_another_thread_finishes() {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || tx.send(parallel_op()).unwrap());
+    let got = rx.recv_timeout(Duration::from_secs(60)).expect("an op on another thread never finished");
+    assert!((got - expected()).abs() <= 1e-3 * expected(), "{got} against {}", expected());
+}
+
+#[test]
+fn init_makes_the_caller_a_compute_thread() {
+    in_child("init_makes_the_caller_a_compute_thread", || {
+        assert!(!cpu_threads::is_compute_thread());
+        assert_eq!(cpu_threads::init(2).expect("first init"), 2);
+        assert!(cpu_threads::is_compute_thread(), "init(2) leaves its caller outside the pool");
+        let got = parallel_op();
+        assert!((got - expected()).abs() <= 1e-3 * expected(), "{got} against {}", expected());
+        op_from_another_thread_finishes();
+        let err = cpu_threads::init(2).expect_err("a second init is refused");
+        assert!(matches!(err, Error::State { .. }), "{err:?}");
+        assert!(err.to_string().contains("first in main"), "{err}");
+    });
+}
+
+#[test]
+fn one_thread_still_serves_other_threads() {
+    // With one thread the caller cannot be the pool's only worker: it would never run an op
+    // another thread starts.
+    in_child("one_thread_still_serves_other_threads", || {
+        assert_eq!(cpu_threads::init(1).expect("first init"), 1);
+        assert!(!cpu_threads::is_compute_thread());
+        op_from_another_thread_finishes();
+        let got = parallel_op();
+        assert!((got - expected()).abs() <= 1e-3 * expected(), "{got} against {}", expected());
+    });
+}
+
+#[test]
+fn init_after_an_op_is_refused_and_changes_nothing() {
+    in_child("init_after_an_op_is_refused_and_changes_nothing", || {
+        let before = parallel_op(); // starts rayon's default pool
+        let err = cpu_threads::init(0).expect_err("init after an op");
+        assert!(err.to_string().contains("cpu_threads::init"), "{err}");
+        assert!(!cpu_threads::is_compute_thread());
+        assert_eq!(parallel_op(), before);
+    });
+}

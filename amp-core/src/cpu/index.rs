@@ -34,6 +34,7 @@ pub(crate) fn select<E: Precision>(
                 [lm.offset, la.offset, lb.offset],
                 start,
                 start + chunk.len(),
+                #[inline(always)]
                 |pos, [om, oa, ob], [sm, sa, sb], len| {
                     let dst = &mut chunk[pos - start..pos - start + len];
                     // The common shapes get loops the compiler can vectorise: contiguous mask and

@@ -31,8 +31,8 @@ pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rows;
 pub(crate) mod softmax;
-pub mod threads;
 mod tensor;
+pub mod threads;
 
 use rayon::prelude::*;
 
@@ -114,7 +114,9 @@ pub(crate) fn collapse<const K: usize>(shape: &[usize], strides: [&[usize]; K]) 
 
 /// Calls `f(out_pos, input_offsets, last_strides, len)` for each run of the row-major walk over
 /// flat output positions `start..end`. Inputs are described by strides over `shape` and base
-/// offsets; `last_strides[k]` is input k's stride along the run.
+/// offsets; `last_strides[k]` is input k's stride along the run. Inside a dispatched loop, pass
+/// `f` as `#[inline(always)] |...| ...`: it is called from two places, so the compiler may keep
+/// it a call, and a called closure runs code built for the baseline ISA (SSE2 on x86-64).
 #[inline(always)]
 pub(crate) fn for_each_run<const K: usize>(
     shape: &[usize],
@@ -243,18 +245,26 @@ pub(crate) fn gather<E: Precision>(src: &[E], layout: &Layout) -> Vec<E> {
         #[inline(always)]
         |ci, chunk| {
             let start = ci * CHUNK;
-            for_each_run(&shape, &strides, [layout.offset], start, start + chunk.len(), |pos, [o], [s], len| {
-                let dst = &mut chunk[pos - start..pos - start + len];
-                match s {
-                    1 => dst.copy_from_slice(&src[o..o + len]),
-                    0 => dst.fill(src[o]),
-                    s => {
-                        for (i, d) in dst.iter_mut().enumerate() {
-                            *d = src[o + i * s];
+            for_each_run(
+                &shape,
+                &strides,
+                [layout.offset],
+                start,
+                start + chunk.len(),
+                #[inline(always)]
+                |pos, [o], [s], len| {
+                    let dst = &mut chunk[pos - start..pos - start + len];
+                    match s {
+                        1 => dst.copy_from_slice(&src[o..o + len]),
+                        0 => dst.fill(src[o]),
+                        s => {
+                            for (i, d) in dst.iter_mut().enumerate() {
+                                *d = src[o + i * s];
+                            }
                         }
                     }
-                }
-            });
+                },
+            );
         },
     );
     out
@@ -357,6 +367,7 @@ pub(crate) fn map_binary<E: Precision>(
                 [la.offset, lb.offset],
                 start,
                 start + chunk.len(),
+                #[inline(always)]
                 |pos, [oa, ob], [sa, sb], len| {
                     let mut done = 0;
                     while done < len {

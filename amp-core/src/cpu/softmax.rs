@@ -7,8 +7,9 @@ use super::{BUF, acc_in, acc_out};
 use crate::precision::{Accum, Precision};
 
 /// `log(sum(exp(row - m))) + m` for a row already in the accumulation type, where `m` is the
-/// row's max: the log-sum-exp, exact for rows with a large max.
-#[inline]
+/// row's max: the log-sum-exp, exact for rows with a large max. Always inlined: called inside a
+/// dispatched loop (cross-entropy's rows), a call would run code built for the baseline ISA.
+#[inline(always)]
 pub(crate) fn log_sum_exp<A: Accum>(row: &[A]) -> (A, A) {
     let m = max_buf(row);
     let mut tmp = [A::zero(); BUF];

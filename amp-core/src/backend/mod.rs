@@ -38,6 +38,12 @@ pub trait UnaryOp: Copy + Send + Sync + 'static {
     const CUDA_FORWARD: &'static str;
     /// `dy/dx` as a CUDA C expression of `x` and `y`.
     const CUDA_DERIVATIVE: &'static str;
+    /// Whether [`derivative`](Self::derivative) reads its `x` (GELU's does, `exp`'s does not).
+    /// When false, a backward pass may skip loading `x` and pass any value in its place.
+    const DERIVATIVE_READS_X: bool = true;
+    /// Whether [`derivative`](Self::derivative) reads its `y` (`exp`'s does, GELU's does not).
+    /// When false, a backward pass may skip loading `y` and pass any value in its place.
+    const DERIVATIVE_READS_Y: bool = true;
     /// The op's constant (the exponent of `powf`, the `c` of `x * c`), 0 when it has none.
     fn param(&self) -> f64 {
         0.0

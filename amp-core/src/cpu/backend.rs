@@ -162,14 +162,37 @@ impl Device for Cpu {
         y: (&Storage<E>, &Layout),
         g: (&Storage<E>, &Layout),
     ) -> Storage<E> {
-        let (x, y, g) = (view(x.0, x.1), view(y.0, y.1), view(g.0, g.1));
-        store(super::map_ternary(
-            &x,
-            &y,
-            &g,
-            #[inline(always)]
-            |x, y, g| g * op.derivative(x, y),
-        ))
+        // Only what the derivative reads is loaded (GELU's backward needs no `y`, the scalar
+        // ops' none of `x` and `y`); the unread argument gets a stand-in it ignores.
+        match (O::DERIVATIVE_READS_X, O::DERIVATIVE_READS_Y) {
+            (true, true) => {
+                let (x, y, g) = (view(x.0, x.1), view(y.0, y.1), view(g.0, g.1));
+                store(super::map_ternary(
+                    &x,
+                    &y,
+                    &g,
+                    #[inline(always)]
+                    |x, y, g| g * op.derivative(x, y),
+                ))
+            }
+            (reads_x, true) | (reads_x @ true, false) => {
+                let (v, lv) = if reads_x { x } else { y };
+                store(super::map_binary(
+                    v,
+                    lv,
+                    g.0,
+                    g.1,
+                    g.1.shape(),
+                    #[inline(always)]
+                    |v, g| g * op.derivative(v, v),
+                ))
+            }
+            (false, false) => store(super::map_unary(
+                &view(g.0, g.1),
+                #[inline(always)]
+                |g| g * op.derivative(g, g),
+            )),
+        }
     }
     fn binary<E: Precision, O: BinaryOp>(
         &self,

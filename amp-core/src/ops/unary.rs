@@ -25,10 +25,15 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     }
 }
 
+// The derivative's parameters are written `x` / `y` when it reads them and `_` when it does
+// not; that sets `DERIVATIVE_READS_X` / `_Y`, so the flags cannot disagree with the expression
+// (an `_` cannot be read).
 macro_rules! unary_op {
+    (@reads _) => { false };
+    (@reads $v:ident) => { true };
     (
         $(#[$doc:meta])* $name:ident, $method:ident, $NAME:literal,
-        |$x:ident| $f:expr, |$dx:ident, $dy:ident| $df:expr,
+        |$x:ident| $f:expr, |$dx:tt, $dy:tt| $df:expr,
         cuda: $cuda_f:literal, $cuda_df:literal
     ) => {
         $(#[$doc])*
@@ -38,12 +43,13 @@ macro_rules! unary_op {
             const NAME: &'static str = $NAME;
             const CUDA_FORWARD: &'static str = $cuda_f;
             const CUDA_DERIVATIVE: &'static str = $cuda_df;
+            const DERIVATIVE_READS_X: bool = unary_op!(@reads $dx);
+            const DERIVATIVE_READS_Y: bool = unary_op!(@reads $dy);
             #[inline(always)]
             fn forward<A: Accum>(&self, $x: A) -> A {
                 $f
             }
             #[inline(always)]
-            #[allow(unused_variables)]
             fn derivative<A: Accum>(&self, $dx: A, $dy: A) -> A {
                 $df
             }
@@ -60,7 +66,7 @@ macro_rules! unary_op {
 
 unary_op!(
     /// `-x`; derivative -1.
-    Neg, neg, "neg", |x| -x, |x, y| -A::one(),
+    Neg, neg, "neg", |x| -x, |_, _| -A::one(),
     cuda: "-x",
     "acc_t(-1)"
 );
@@ -68,7 +74,7 @@ unary_op!(
     /// `max(x, 0)` (NaN stays NaN); derivative 1 where x > 0, else 0.
     Relu, relu, "relu",
     |x| if x > A::zero() || x.is_nan() { x } else { A::zero() },
-    |x, y| if x > A::zero() { A::one() } else { A::zero() },
+    |x, _| if x > A::zero() { A::one() } else { A::zero() },
     cuda: "(x > acc_t(0) || isnan(x)) ? x : acc_t(0)",
     "x > acc_t(0) ? acc_t(1) : acc_t(0)"
 );
@@ -76,7 +82,7 @@ unary_op!(
     /// Exact GELU, `x Φ(x) = x/2 (1 + erf(x/√2))`; derivative `Φ(x) + x φ(x)`.
     Gelu, gelu, "gelu",
     |x| A::c(0.5) * x * (A::one() + (x * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf()),
-    |x, y| {
+    |x, _| {
         // One exponential for both: erf(x/√2) needs e^(-x²/2), which is √(2π) φ(x).
         let (erf, gauss) = (x * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf_gauss();
         let cdf = A::c(0.5) * (A::one() + erf);
@@ -91,7 +97,7 @@ unary_op!(
     /// GELU, tanh approximation: `x/2 (1 + tanh(√(2/π)(x + 0.044715 x³)))`.
     GeluTanh, gelu_tanh, "gelu_tanh",
     |x| A::c(0.5) * x * (A::one() + (A::c(SQRT_2_OVER_PI) * (x + A::c(0.044715) * x * x * x)).tanh()),
-    |x, y| {
+    |x, _| {
         let t = (A::c(SQRT_2_OVER_PI) * (x + A::c(0.044715) * x * x * x)).tanh();
         let dinner = A::c(SQRT_2_OVER_PI) * (A::one() + A::c(3.0 * 0.044715) * x * x);
         A::c(0.5) * (A::one() + t) + A::c(0.5) * x * (A::one() - t * t) * dinner
@@ -101,13 +107,13 @@ unary_op!(
 );
 unary_op!(
     /// `tanh(x)`; derivative `1 - y²`.
-    Tanh, tanh, "tanh", |x| x.tanh(), |x, y| A::one() - y * y,
+    Tanh, tanh, "tanh", |x| x.tanh(), |_, y| A::one() - y * y,
     cuda: "tanh(x)",
     "acc_t(1) - y * y"
 );
 unary_op!(
     /// `1 / (1 + e^-x)`; derivative `y (1 - y)`.
-    Sigmoid, sigmoid, "sigmoid", |x| A::one() / (A::one() + (-x).vexp()), |x, y| y * (A::one() - y),
+    Sigmoid, sigmoid, "sigmoid", |x| A::one() / (A::one() + (-x).vexp()), |_, y| y * (A::one() - y),
     cuda: "acc_t(1) / (acc_t(1) + exp(-x))",
     "y * (acc_t(1) - y)"
 );
@@ -115,7 +121,7 @@ unary_op!(
     /// SiLU (swish), `x σ(x)`; derivative `σ(x) (1 + x (1 - σ(x)))`.
     Silu, silu, "silu",
     |x| x / (A::one() + (-x).vexp()),
-    |x, y| {
+    |x, _| {
         let s = A::one() / (A::one() + (-x).vexp());
         s * (A::one() + x * (A::one() - s))
     },
@@ -124,19 +130,19 @@ unary_op!(
 );
 unary_op!(
     /// `e^x`; derivative `y`.
-    Exp, exp, "exp", |x| x.vexp(), |x, y| y,
+    Exp, exp, "exp", |x| x.vexp(), |_, y| y,
     cuda: "exp(x)",
     "y"
 );
 unary_op!(
     /// Natural log; derivative `1/x`.
-    Log, log, "log", |x| x.ln(), |x, y| A::one() / x,
+    Log, log, "log", |x| x.ln(), |x, _| A::one() / x,
     cuda: "log(x)",
     "acc_t(1) / x"
 );
 unary_op!(
     /// Square root; derivative `1 / (2y)`.
-    Sqrt, sqrt, "sqrt", |x| x.sqrt(), |x, y| A::c(0.5) / y,
+    Sqrt, sqrt, "sqrt", |x| x.sqrt(), |_, y| A::c(0.5) / y,
     cuda: "sqrt(x)",
     "acc_t(0.5) / y"
 );
@@ -146,6 +152,7 @@ unary_op!(
 pub struct Powf(pub f64);
 impl UnaryOp for Powf {
     const NAME: &'static str = "powf";
+    const DERIVATIVE_READS_Y: bool = false;
     const CUDA_FORWARD: &'static str = "pow(x, acc_t(p))";
     const CUDA_DERIVATIVE: &'static str = "acc_t(p) * pow(x, acc_t(p) - acc_t(1))";
     fn param(&self) -> f64 {
@@ -164,6 +171,8 @@ impl UnaryOp for Powf {
 pub struct AddScalar(pub f64);
 impl UnaryOp for AddScalar {
     const NAME: &'static str = "add_scalar";
+    const DERIVATIVE_READS_X: bool = false;
+    const DERIVATIVE_READS_Y: bool = false;
     const CUDA_FORWARD: &'static str = "x + acc_t(p)";
     const CUDA_DERIVATIVE: &'static str = "acc_t(1)";
     fn param(&self) -> f64 {
@@ -182,6 +191,8 @@ impl UnaryOp for AddScalar {
 pub struct MulScalar(pub f64);
 impl UnaryOp for MulScalar {
     const NAME: &'static str = "mul_scalar";
+    const DERIVATIVE_READS_X: bool = false;
+    const DERIVATIVE_READS_Y: bool = false;
     const CUDA_FORWARD: &'static str = "x * acc_t(p)";
     const CUDA_DERIVATIVE: &'static str = "acc_t(p)";
     fn param(&self) -> f64 {
@@ -200,6 +211,8 @@ impl UnaryOp for MulScalar {
 pub struct DivScalar(pub f64);
 impl UnaryOp for DivScalar {
     const NAME: &'static str = "div_scalar";
+    const DERIVATIVE_READS_X: bool = false;
+    const DERIVATIVE_READS_Y: bool = false;
     const CUDA_FORWARD: &'static str = "x / acc_t(p)";
     const CUDA_DERIVATIVE: &'static str = "acc_t(1) / acc_t(p)";
     fn param(&self) -> f64 {

@@ -26,9 +26,11 @@ use amp_core::{DType, Precision};
 use cudarc::driver::{DeviceRepr, result};
 
 use crate::device::{Cuda, ModuleKey, State};
-use crate::gemm::{self, Mat, as_operand};
+use crate::gemm::{self, Mat, as_operand, rm_gemm};
 use crate::kernels::{self, Family};
-use crate::launch::{broadcast_strides, grid, launch, row_cache, rows_grid, view1, views};
+use crate::launch::{
+    broadcast_strides, grid, launch, row_cache, rows_grid, vector_rows, view1, views, warp_rows_grid, warp_vectors,
+};
 use crate::storage::{CudaRowStats, CudaStateVec, CudaStorage, RawVec, StatsKind};
 
 /// A strided view that need not be a [`Layout`] (a weight seen transposed, for GEMM).
@@ -492,10 +494,17 @@ impl Cuda {
         let (mean, rstd) = (RawVec::new(st, rows, acc), RawVec::new(st, rows, acc));
         let out = self.uninit::<E>(n);
         if rows > 0 {
-            let (smem, cached) = row_cache(d * acc);
-            let f = st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_fwd" } else { "layer_norm_fwd" });
-            launch!(st, f, rows_grid(rows, d, smem);
-                out.ptr(), mean.ptr(), rstd.ptr(), px, pw, pb, rows as i64, d as i64, eps, cached);
+            if let Some(nv) = warp_vectors(d, E::DTYPE.size_in_bytes(), &[px, pw, pb, out.ptr()]) {
+                let f =
+                    st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_warp_fwd" } else { "layer_norm_warp_fwd" });
+                launch!(st, f, warp_rows_grid(rows);
+                    out.ptr(), mean.ptr(), rstd.ptr(), px, pw, pb, rows as i64, d as i64, eps, nv);
+            } else {
+                let (smem, cached) = row_cache(d * acc);
+                let f = st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_fwd" } else { "layer_norm_fwd" });
+                launch!(st, f, rows_grid(rows, d, smem);
+                    out.ptr(), mean.ptr(), rstd.ptr(), px, pw, pb, rows as i64, d as i64, eps, cached);
+            }
         }
         (out, CudaRowStats::new(StatsKind::Norm, mean, rstd))
     }
@@ -603,8 +612,9 @@ impl Device for Cuda {
             return;
         }
         if E::DTYPE == T::DTYPE {
-            let c = self.contiguous(s, l);
-            return self.copy_dtod(dst.ptr(), c.ptr(), n * E::DTYPE.size_in_bytes());
+            // One copy: a contiguous view is copied from where it is, not through a temporary.
+            let (c, offset) = self.contig(s, l);
+            return self.copy_dtod(dst.ptr(), c.ptr_at(offset), n * E::DTYPE.size_in_bytes());
         }
         let st = self.st();
         let (shape, v) = view1("cast", l);
@@ -652,13 +662,16 @@ impl Device for Cuda {
         }
         let op_of = |l: &Layout| (l.offset(), broadcast_strides(l, shape_v));
         let (shape, vs) = views(O::NAME, shape_v, &[op_of(x.1), op_of(y.1), op_of(g.1)]);
+        let all_dense = [x.1, y.1, g.1].iter().all(|l| l.shape() == shape_v && l.is_contiguous());
+        let ptrs = [x.0.ptr_at(x.1.offset()), y.0.ptr_at(y.1.offset()), g.0.ptr_at(g.1.offset()), out.ptr()];
+        let mode = Self::map_mode::<E>(all_dense, &ptrs);
         let f = st.function(
             ModuleKey::Op(TypeId::of::<O>(), E::DTYPE),
             || kernels::unary::<O>(E::DTYPE),
             &kernels::kernel_name(&format!("{}_bwd", O::NAME), E::DTYPE),
         );
         launch!(st, f, grid(n);
-            out.ptr(), x.0.ptr(), y.0.ptr(), g.0.ptr(), shape, vs[0], vs[1], vs[2], n as i64, op.param());
+            out.ptr(), x.0.ptr(), y.0.ptr(), g.0.ptr(), shape, vs[0], vs[1], vs[2], n as i64, op.param(), mode);
         out
     }
     fn binary<E: Precision, O: BinaryOp>(
@@ -733,6 +746,18 @@ impl Device for Cuda {
             return out;
         }
         let (c, off) = self.contig(x, l);
+        let max = matches!(op, ReduceOp::Max) as i32;
+        if let Some((per, parts)) = reduce_parts(outer * inner, dim, inner) {
+            // Few outputs, long walks: partials over chunks of the dim, then combined in order.
+            let m = outer * inner;
+            let partials = RawVec::new(st, parts * m, acc_dtype(E::DTYPE).size_in_bytes());
+            let f = st.family_fn(Family::Reduce, E::DTYPE, "reduce_partial_fwd");
+            launch!(st, f, grid(parts * m);
+                partials.ptr(), c.ptr_at(off), outer as i64, dim as i64, inner as i64, per as i64, parts as i64, max);
+            let f = st.family_fn(Family::Reduce, E::DTYPE, "reduce_parts_fwd");
+            launch!(st, f, grid(m); out.ptr(), partials.ptr(), m as i64, parts as i64, scale, max);
+            return out;
+        }
         let stem = match op {
             ReduceOp::Sum => "sum_fwd",
             ReduceOp::Max => "max_fwd",
@@ -846,10 +871,16 @@ impl Device for Cuda {
             return out;
         }
         let (c, off) = self.contig(x, l);
-        let rows = n / d;
+        let (rows, px) = (n / d, c.ptr_at(off));
+        if let Some(nv) = warp_vectors(d, E::DTYPE.size_in_bytes(), &[px, out.ptr()]) {
+            let f =
+                st.family_fn(Family::Softmax, E::DTYPE, if log { "log_softmax_warp_fwd" } else { "softmax_warp_fwd" });
+            launch!(st, f, warp_rows_grid(rows); out.ptr(), px, rows as i64, d as i64, nv);
+            return out;
+        }
         let (smem, cached) = row_cache(d * acc_dtype(E::DTYPE).size_in_bytes());
         let f = st.family_fn(Family::Softmax, E::DTYPE, if log { "log_softmax_fwd" } else { "softmax_fwd" });
-        launch!(st, f, rows_grid(rows, d, smem); out.ptr(), c.ptr_at(off), rows as i64, d as i64, cached);
+        launch!(st, f, rows_grid(rows, d, smem); out.ptr(), px, rows as i64, d as i64, cached);
         out
     }
     fn softmax_backward<E: Precision>(
@@ -868,6 +899,12 @@ impl Device for Cuda {
         let mut keep = Vec::new();
         let (py, pg) = (self.contig_ptr(y, &mut keep), self.contig_ptr(g, &mut keep));
         let rows = n / d;
+        if let Some(nv) = warp_vectors(d, E::DTYPE.size_in_bytes(), &[py, pg, out.ptr()]) {
+            let f =
+                st.family_fn(Family::Softmax, E::DTYPE, if log { "log_softmax_warp_bwd" } else { "softmax_warp_bwd" });
+            launch!(st, f, warp_rows_grid(rows); out.ptr(), py, pg, rows as i64, d as i64, nv);
+            return out;
+        }
         let f = st.family_fn(Family::Softmax, E::DTYPE, if log { "log_softmax_bwd" } else { "softmax_bwd" });
         launch!(st, f, rows_grid(rows, d, 0); out.ptr(), py, pg, rows as i64, d as i64);
         out
@@ -903,10 +940,17 @@ impl Device for Cuda {
         let acc = acc_dtype(E::DTYPE).size_in_bytes();
         let dx = self.uninit::<E>(n);
         if rows > 0 {
-            let (smem, cached) = row_cache(2 * d * acc);
-            let f = st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_bwd" } else { "layer_norm_bwd" });
-            launch!(st, f, rows_grid(rows, d, smem);
-                dx.ptr(), px, pg, pw, stats.a.ptr(), stats.b.ptr(), rows as i64, d as i64, cached);
+            if let Some(nv) = warp_vectors(d, E::DTYPE.size_in_bytes(), &[px, pg, pw, dx.ptr()]) {
+                let f =
+                    st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_warp_bwd" } else { "layer_norm_warp_bwd" });
+                launch!(st, f, warp_rows_grid(rows);
+                    dx.ptr(), px, pg, pw, stats.a.ptr(), stats.b.ptr(), rows as i64, d as i64, nv);
+            } else {
+                let (smem, cached) = row_cache(2 * d * acc);
+                let f = st.family_fn(Family::Norm, E::DTYPE, if rms { "rms_norm_bwd" } else { "layer_norm_bwd" });
+                launch!(st, f, rows_grid(rows, d, smem);
+                    dx.ptr(), px, pg, pw, stats.a.ptr(), stats.b.ptr(), rows as i64, d as i64, cached);
+            }
         }
         let (gw, gb) = (needs.0.then(|| self.zeros::<E>(d)), needs.1.then(|| self.zeros::<E>(d)));
         if (needs.0 || needs.1) && rows > 0 && d > 0 {
@@ -933,17 +977,35 @@ impl Device for Cuda {
     ) -> (CudaStorage<E>, CudaRowStats<E>) {
         let st = self.st();
         let AttentionSpec { n, t, d, scale } = spec;
-        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let acc = acc_dtype(E::DTYPE);
+        let ab = acc.size_in_bytes();
         let out = self.uninit::<E>(n * t * d);
-        let lse = RawVec::new(st, n * t, acc);
-        if n * t * d > 0 {
-            let mut keep = Vec::new();
-            let (pq, pk, pv) =
-                (self.contig_ptr(q, &mut keep), self.contig_ptr(k, &mut keep), self.contig_ptr(v, &mut keep));
-            let f = st.family_fn(Family::Attention, E::DTYPE, "causal_attention_fwd");
-            launch!(st, f, attention_grid(spec, acc); out.ptr(), lse.ptr(), pq, pk, pv, t as i64, d as i64, scale);
+        let lse = RawVec::new(st, n * t, ab);
+        if n * t * d == 0 {
+            return (out, CudaRowStats::new(StatsKind::LogSumExp, lse, RawVec::new(st, 0, ab)));
         }
-        (out, CudaRowStats::new(StatsKind::LogSumExp, lse, RawVec::new(st, 0, acc)))
+        let mut keep = Vec::new();
+        let (pq, pk, pv) =
+            (self.contig_ptr(q, &mut keep), self.contig_ptr(k, &mut keep), self.contig_ptr(v, &mut keep));
+        let es = E::DTYPE.size_in_bytes() as u64;
+        let block = attention_block(n, t, ab);
+        let scores = RawVec::new(st, n * block * t, ab);
+        let probs = self.uninit::<E>(n * block * t);
+        let f = st.family_fn(Family::Attention, E::DTYPE, "attention_probs_fwd");
+        let heads = |ptr: u64, row: usize| Mat { ptr: ptr + (row * d) as u64 * es, ld: d, trans: false, stride: t * d };
+        for q0 in (0..t).step_by(block) {
+            let (rows, kt) = (block.min(t - q0), q0 + block.min(t - q0));
+            let tile = |ptr: u64, trans: bool| Mat { ptr, ld: kt, trans, stride: rows * kt };
+            // scores = q[q0..kt] · k[..kt]ᵀ, then the probabilities (and each row's lse).
+            let keys = Mat { trans: true, ..heads(pk, 0) };
+            rm_gemm(st, E::DTYPE, acc, (rows, kt, d), heads(pq, q0), keys, tile(scores.ptr(), false), n, 0.0);
+            launch!(st, f.clone(), rows_grid(n * rows, kt, 0);
+                probs.ptr(), lse.ptr(), scores.ptr(), (n * rows) as i64, rows as i64, kt as i64, q0 as i64, t as i64, scale);
+            // out[q0..kt] = probs · v[..kt]: f32 accumulation, one rounding.
+            let o = heads(out.ptr(), q0);
+            rm_gemm(st, E::DTYPE, E::DTYPE, (rows, d, kt), tile(probs.ptr(), false), heads(pv, 0), o, n, 0.0);
+        }
+        (out, CudaRowStats::new(StatsKind::LogSumExp, lse, RawVec::new(st, 0, ab)))
     }
     fn causal_attention_backward<E: Precision>(
         &self,
@@ -958,7 +1020,8 @@ impl Device for Cuda {
         assert_eq!(stats.kind, StatsKind::LogSumExp, "attention backward with other statistics");
         let st = self.st();
         let AttentionSpec { n, t, d, scale } = spec;
-        let acc = acc_dtype(E::DTYPE).size_in_bytes();
+        let acc = acc_dtype(E::DTYPE);
+        let ab = acc.size_in_bytes();
         let (dq, dk, dv) = (self.uninit::<E>(n * t * d), self.uninit::<E>(n * t * d), self.uninit::<E>(n * t * d));
         if n * t * d == 0 {
             return (dq, dk, dv);
@@ -967,14 +1030,56 @@ impl Device for Cuda {
         let (pq, pk, pv) =
             (self.contig_ptr(q, &mut keep), self.contig_ptr(k, &mut keep), self.contig_ptr(v, &mut keep));
         let (po, pg) = (self.contig_ptr(out, &mut keep), self.contig_ptr(g, &mut keep));
-        // The rows' g·out, written by the dq kernel and read by the dk/dv kernel after it.
-        let delta = RawVec::new(st, n * t, acc);
-        let (t64, d64, lse) = (t as i64, d as i64, stats.a.ptr());
-        let f = st.family_fn(Family::Attention, E::DTYPE, "causal_attention_dq_bwd");
-        launch!(st, f, attention_grid(spec, acc); dq.ptr(), delta.ptr(), pq, pk, pv, po, pg, lse, t64, d64, scale);
-        let f = st.family_fn(Family::Attention, E::DTYPE, "causal_attention_bwd");
-        launch!(st, f, attention_grid(spec, acc); dk.ptr(), dv.ptr(), pq, pk, pv, pg, delta.ptr(), lse, t64, d64, scale);
-        (dq, dk, dv)
+        let es = E::DTYPE.size_in_bytes() as u64;
+        // delta = g·out per row.
+        let delta = RawVec::new(st, n * t, ab);
+        let f = st.family_fn(Family::Attention, E::DTYPE, "attention_delta_bwd");
+        launch!(st, f, rows_grid(n * t, d, 0); delta.ptr(), po, pg, (n * t) as i64, d as i64);
+        // dk and dv sum over query blocks in the accumulation type (in place for f32 and f64).
+        let sums = (acc != E::DTYPE).then(|| (RawVec::new(st, n * t * d, ab), RawVec::new(st, n * t * d, ab)));
+        let (pdk, pdv) = sums.as_ref().map_or((dk.ptr(), dv.ptr()), |(a, b)| (a.ptr(), b.ptr()));
+        let block = attention_block(n, t, ab);
+        let (scores, dprobs) = (RawVec::new(st, n * block * t, ab), RawVec::new(st, n * block * t, ab));
+        let (probs, dscores) = (self.uninit::<E>(n * block * t), self.uninit::<E>(n * block * t));
+        let f = st.family_fn(Family::Attention, E::DTYPE, "attention_grads_bwd");
+        let heads = |ptr: u64, row: usize| Mat { ptr: ptr + (row * d) as u64 * es, ld: d, trans: false, stride: t * d };
+        let sum_heads = |ptr: u64| Mat { ptr, ld: d, trans: false, stride: t * d };
+        // The last block first: its keys are all of them, so it starts the sums (beta 0).
+        let starts: Vec<usize> = (0..t).step_by(block).collect();
+        for (i, &q0) in starts.iter().rev().enumerate() {
+            let (rows, kt) = (block.min(t - q0), q0 + block.min(t - q0));
+            let beta = if i == 0 { 0.0 } else { 1.0 };
+            let tile = |ptr: u64, trans: bool| Mat { ptr, ld: kt, trans, stride: rows * kt };
+            let keys = Mat { trans: true, ..heads(pk, 0) };
+            let values = Mat { trans: true, ..heads(pv, 0) };
+            // Raw scores and dP = g[q0..kt] · v[..kt]ᵀ, then P and dS.
+            rm_gemm(st, E::DTYPE, acc, (rows, kt, d), heads(pq, q0), keys, tile(scores.ptr(), false), n, 0.0);
+            rm_gemm(st, E::DTYPE, acc, (rows, kt, d), heads(pg, q0), values, tile(dprobs.ptr(), false), n, 0.0);
+            launch!(st, f.clone(), rows_grid(n * rows, kt, 0);
+                probs.ptr(), dscores.ptr(), scores.ptr(), dprobs.ptr(), stats.a.ptr(), delta.ptr(),
+                (n * rows) as i64, rows as i64, kt as i64, q0 as i64, t as i64, scale);
+            // dv[..kt] += Pᵀ · g[q0..kt]; dk[..kt] += dSᵀ · q[q0..kt]; dq[q0..kt] = dS · k[..kt].
+            rm_gemm(st, E::DTYPE, acc, (kt, d, rows), tile(probs.ptr(), true), heads(pg, q0), sum_heads(pdv), n, beta);
+            rm_gemm(
+                st,
+                E::DTYPE,
+                acc,
+                (kt, d, rows),
+                tile(dscores.ptr(), true),
+                heads(pq, q0),
+                sum_heads(pdk),
+                n,
+                beta,
+            );
+            let dq_rows = heads(dq.ptr(), q0);
+            rm_gemm(st, E::DTYPE, E::DTYPE, (rows, d, kt), tile(dscores.ptr(), false), heads(pk, 0), dq_rows, n, 0.0);
+        }
+        match sums {
+            None => (dq, dk, dv),
+            Some((a, b)) => {
+                (dq, self.cast_ptr::<E>(a.ptr(), acc, n * t * d), self.cast_ptr::<E>(b.ptr(), acc, n * t * d))
+            }
+        }
     }
     fn cross_entropy<E: Precision>(
         &self,
@@ -993,10 +1098,10 @@ impl Device for Cuda {
         let targets = self.upload(spec.targets);
         let (has_ignore, ignore) = (spec.ignore.is_some() as i32, spec.ignore.unwrap_or(0));
         if rows > 0 && c > 0 {
-            let (smem, cached) = row_cache(c * acc);
+            let vec = vector_rows(c, E::DTYPE.size_in_bytes(), &[px]) as i32;
             let f = st.family_fn(Family::Loss, E::DTYPE, "cross_entropy_fwd");
-            launch!(st, f, rows_grid(rows, c, smem);
-                lse.ptr(), losses.ptr(), px, targets.ptr(), rows as i64, c as i64, has_ignore, ignore, spec.smoothing, cached);
+            launch!(st, f, rows_grid(rows, c, 0);
+                lse.ptr(), losses.ptr(), px, targets.ptr(), rows as i64, c as i64, has_ignore, ignore, spec.smoothing, vec);
         }
         let out = self.uninit::<E>(1);
         let f = st.family_fn(Family::Loss, E::DTYPE, "mean_f64_fwd");
@@ -1023,10 +1128,11 @@ impl Device for Cuda {
         let px = self.contig_ptr(x, &mut keep);
         let targets = self.upload(spec.targets);
         let (has_ignore, ignore) = (spec.ignore.is_some() as i32, spec.ignore.unwrap_or(0));
+        let vec = vector_rows(c, E::DTYPE.size_in_bytes(), &[px, out.ptr()]) as i32;
         let f = st.family_fn(Family::Loss, E::DTYPE, "cross_entropy_bwd");
         launch!(st, f, rows_grid(rows, c, 0);
             out.ptr(), px, targets.ptr(), stats.a.ptr(), rows as i64, c as i64, has_ignore, ignore, spec.smoothing,
-            g.0.ptr_at(g.1.offset()), counted as f64);
+            g.0.ptr_at(g.1.offset()), counted as f64, vec);
         out
     }
     fn mse<E: Precision>(&self, a: (&CudaStorage<E>, &Layout), b: (&CudaStorage<E>, &Layout)) -> CudaStorage<E> {
@@ -1688,43 +1794,62 @@ impl Cuda {
     }
 }
 
-/// Rows per block of the attention kernels (`AMP_ATT_ROWS` in `attention.cu`; a test checks
-/// both constants against the source).
-const ATTENTION_ROWS: usize = 64;
-/// Rows per shared-memory tile of the attention kernels (`AMP_ATT_TILE`).
-const ATTENTION_TILE: usize = 16;
-/// The largest head size the attention kernels hold in registers.
-const ATTENTION_MAX_D: usize = 128;
-
-/// One thread per row, [`ATTENTION_ROWS`] rows per block, one grid row per head; two staged
-/// tiles of `d` values in the accumulation type (`acc` bytes each) in shared memory.
-///
-/// # Panics
-/// If `d` is above [`ATTENTION_MAX_D`] or there are more heads than a grid dimension holds.
-fn attention_grid(spec: AttentionSpec, acc: usize) -> cudarc::driver::LaunchConfig {
-    assert!(
-        spec.d <= ATTENTION_MAX_D,
-        "causal_attention on CUDA: {} features per head, the kernels hold at most {ATTENTION_MAX_D}",
-        spec.d
-    );
-    assert!(spec.n < 65536, "causal_attention on CUDA: {} heads × batch, at most 65535", spec.n);
-    cudarc::driver::LaunchConfig {
-        grid_dim: (spec.t.div_ceil(ATTENTION_ROWS) as u32, spec.n as u32, 1),
-        block_dim: (ATTENTION_ROWS as u32, 1, 1),
-        shared_mem_bytes: (2 * ATTENTION_TILE * spec.d * acc) as u32,
+/// How to split a reduction over `dim` into parts, for `m` outputs `inner` apart: `(rows per
+/// part, parts)` when one thread per output would leave the GPU mostly idle (fewer than 2^17
+/// outputs) walking a long dim (at least 64), so that about 2^18 threads share the work with
+/// at least 16 rows each; `None` for reductions over the last dim (one block per row) and
+/// the rest.
+fn reduce_parts(m: usize, dim: usize, inner: usize) -> Option<(usize, usize)> {
+    if inner == 1 || m >= 1 << 17 || dim < 64 {
+        return None;
     }
+    let parts = (1usize << 18).div_ceil(m).clamp(2, dim / 16);
+    let per = dim.div_ceil(parts);
+    Some((per, dim.div_ceil(per)))
 }
 
+/// Query rows per block of causal attention: as many as keep its `[n, rows, t]` score tile in
+/// the accumulation type (`acc` bytes) within [`ATTENTION_TILE_BYTES`], a multiple of 16
+/// between 16 and 128, and at most `t`. Larger blocks mean fewer, larger GEMMs; the causal
+/// product computes the upper half of each block's diagonal square and throws it away.
+fn attention_block(n: usize, t: usize, acc: usize) -> usize {
+    let fit = ATTENTION_TILE_BYTES / (n * t * acc).max(1);
+    (fit / 16 * 16).clamp(16, 128).min(t.max(1))
+}
+
+/// The bytes one score tile of causal attention may take (the backward holds two, and two
+/// more of half or equal size for the probabilities and their gradients).
+const ATTENTION_TILE_BYTES: usize = 128 << 20;
+
 #[cfg(test)]
-mod attention_tests {
+mod tests {
+    use super::attention_block;
+
     #[test]
-    fn the_attention_launch_matches_the_kernels_constants() {
-        let source = include_str!("kernels/attention.cu");
-        for define in [
-            format!("#define AMP_ATT_ROWS {}\n", super::ATTENTION_ROWS),
-            format!("#define AMP_ATT_TILE {}\n", super::ATTENTION_TILE),
-        ] {
-            assert!(source.contains(&define), "attention.cu must say {define:?}");
+    fn long_column_sums_are_split_into_parts_that_cover_the_dim() {
+        use super::reduce_parts;
+        // A bias gradient of GPT-2's MLP: 3072 sums over 16384 rows -> 86 parts of 191 rows.
+        assert_eq!(reduce_parts(3072, 16384, 3072), Some((191, 86)));
+        for (m, dim) in [(768, 16384), (50304, 16384), (5, 64), (96, 4096), (7, 1000)] {
+            let (per, parts) = reduce_parts(m, dim, m).unwrap();
+            assert!(per * parts >= dim && per * (parts - 1) < dim, "{m} x {dim}: {per} x {parts}");
+            assert!(per >= 16);
         }
+        // Rows (inner 1), many outputs, short dims: one thread (or block) per output.
+        assert_eq!(reduce_parts(10, 5000, 1), None);
+        assert_eq!(reduce_parts(1 << 17, 5000, 64), None);
+        assert_eq!(reduce_parts(100, 63, 100), None);
+    }
+
+    #[test]
+    fn attention_blocks_fit_the_tile_budget_in_multiples_of_16() {
+        // GPT-2 small at batch 16: 192 heads of 1024 positions, f32 scores: 128 rows would
+        // take 96 MiB, so 128 fits the 128 MiB budget.
+        assert_eq!(attention_block(192, 1024, 4), 128);
+        // Twice the batch: 80 rows (120 MiB).
+        assert_eq!(attention_block(384, 1024, 4), 80);
+        // Tiny problems: all rows at once; huge ones: at least 16 rows.
+        assert_eq!(attention_block(2, 5, 4), 5);
+        assert_eq!(attention_block(4096, 8192, 8), 16);
     }
 }

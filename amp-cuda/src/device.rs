@@ -144,9 +144,10 @@ impl Cuda {
 
     /// The blocking host-device calls made on this GPU since it was opened (by every handle):
     /// device-to-host copies (each waits for the stream), stream synchronisations, and the
-    /// driver's allocations and frees (the caching allocator's misses and releases). A
+    /// driver's frees (the caching allocator's releases; each synchronises the device). A
     /// training step that reads nothing back adds none; reading a step's loss or skipped flag
-    /// adds one.
+    /// adds one. Allocations from the driver do not wait for queued work and are not counted
+    /// here: they are the allocator's misses ([`Cuda::memory_stats`]).
     pub fn blocking_calls(&self) -> u64 {
         self.state().waits.load(Ordering::Relaxed)
     }
@@ -211,7 +212,8 @@ pub(crate) struct DriverMemory {
 impl RawMemory for DriverMemory {
     type Error = DriverError;
     fn alloc(&self, bytes: usize) -> Result<u64, DriverError> {
-        self.waits.fetch_add(1, Ordering::Relaxed);
+        // Not a blocking call: cuMemAlloc does not wait for queued work (the allocator's
+        // misses count these, `memory_stats().misses`); cuMemFree does, and is counted.
         self.ctx.bind_to_thread()?;
         // SAFETY: the context is current on this thread; the block is owned by the allocator
         // until it frees it.
@@ -245,6 +247,7 @@ pub(crate) enum ModuleKey {
 }
 
 /// A kernel ready to launch, with its name for messages.
+#[derive(Clone)]
 pub(crate) struct Kernel {
     pub(crate) function: CudaFunction,
     pub(crate) name: String,

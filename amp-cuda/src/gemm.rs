@@ -128,6 +128,25 @@ pub(crate) fn gemm(
     st.check("cublasGemmStridedBatchedEx", r);
 }
 
+/// Row-major `C[m × n] = A[m × k] · B[k × n] + beta·C` for `batch` products over raw device
+/// addresses: each [`Mat`] is a row-major operand with `ld` its row stride, `trans` when what
+/// is stored is its transpose (`[k × m]` for `A`), `stride` the step between batch members.
+/// As [`gemm`]'s column-major `Cᵀ = Bᵀ · Aᵀ`: the operands swap, the flags carry over.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rm_gemm(
+    st: &State,
+    input: DType,
+    output: DType,
+    (m, n, k): (usize, usize, usize),
+    a: Mat,
+    b: Mat,
+    c: Mat,
+    batch: usize,
+    beta: f64,
+) {
+    gemm(st, input, output, (n, m, k), b, a, c, batch, beta)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -127,6 +127,34 @@ pub fn rows_grid(rows: usize, d: usize, smem: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem }
 }
 
+/// Rows per block of the warp-per-row kernels (`AMP_WARP_ROWS` in `rows.cu`; a test checks).
+pub const WARP_ROWS: usize = 4;
+
+/// One warp per row, [`WARP_ROWS`] rows per block, for `rows` rows.
+pub fn warp_rows_grid(rows: usize) -> LaunchConfig {
+    let blocks = rows.div_ceil(WARP_ROWS).clamp(1, 1 << 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * WARP_ROWS as u32, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Whether rows of `d` values of `E` at every address in `ptrs` (0: an absent operand) can
+/// move in 128-bit vectors: `d` a multiple of `16 / size_of(E)` and each address 16-byte
+/// aligned (so every row is).
+pub fn vector_rows(d: usize, elem_bytes: usize, ptrs: &[u64]) -> bool {
+    d > 0 && d.is_multiple_of(16 / elem_bytes) && ptrs.iter().all(|&p| p.is_multiple_of(16))
+}
+
+/// The 128-bit vectors per lane (1, 2, 4 or 8) of the warp-per-row kernels for rows of `d`
+/// values of `elem_bytes` bytes at `ptrs`, when they qualify: [`vector_rows`], and at most 32
+/// values per lane (a row of up to 1024 values in f32, f16 and bf16, 512 in f64).
+pub fn warp_vectors(d: usize, elem_bytes: usize, ptrs: &[u64]) -> Option<i32> {
+    if !vector_rows(d, elem_bytes, ptrs) {
+        return None;
+    }
+    let per_vector = 16 / elem_bytes;
+    let per_lane = (d / per_vector).div_ceil(32);
+    [1, 2, 4, 8].into_iter().find(|&nv| per_lane <= nv && nv * per_vector <= 32).map(|nv| nv as i32)
+}
+
 /// Dynamic shared memory a row kernel may use without opting in (48 KiB).
 pub const ROW_SMEM: usize = 48 * 1024;
 
@@ -156,3 +184,28 @@ macro_rules! launch {
     }};
 }
 pub(crate) use launch;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_warp_rows_match_the_kernels_constant() {
+        let define = format!("#define AMP_WARP_ROWS {WARP_ROWS}\n");
+        assert!(include_str!("kernels/rows.cu").contains(&define), "rows.cu must say {define:?}");
+    }
+
+    #[test]
+    fn short_aligned_rows_go_to_a_warp_with_at_most_32_values_per_lane() {
+        // bf16: 8 values per vector; GPT-2's 768 features are 96 vectors, 3 per lane -> 4.
+        assert_eq!(warp_vectors(768, 2, &[0x1000, 0]), Some(4));
+        assert_eq!(warp_vectors(1024, 2, &[0x1000]), Some(4));
+        assert_eq!(warp_vectors(1032, 2, &[0x1000]), None); // 33 values per lane
+        assert_eq!(warp_vectors(1024, 4, &[0x1000]), Some(8));
+        assert_eq!(warp_vectors(512, 8, &[0x1000]), Some(8));
+        assert_eq!(warp_vectors(8, 2, &[0x1000]), Some(1));
+        assert_eq!(warp_vectors(12, 2, &[0x1000]), None); // not a whole vector
+        assert_eq!(warp_vectors(16, 2, &[0x1008]), None); // misaligned
+        assert!(vector_rows(50304, 2, &[0x1000]) && !vector_rows(50303, 2, &[0x1000]));
+    }
+}

@@ -126,13 +126,14 @@ fn ten_amp_steps_make_no_blocking_call_until_a_value_is_read() {
         step(&mut model);
     }
     cuda.synchronize();
-    let before = cuda.blocking_calls();
+    let (before, misses) = (cuda.blocking_calls(), cuda.memory_stats().misses);
     let mut last = None;
     for _ in 0..10 {
         last = Some(step(&mut model));
     }
     let during = cuda.blocking_calls() - before;
-    println!("blocking calls in 10 steps: {during}");
+    let fresh = cuda.memory_stats().misses - misses;
+    println!("blocking calls in 10 steps: {during}; fresh allocations (not blocking): {fresh}");
     assert_eq!(during, 0, "an AMP step waited for the GPU");
     let (report, norm) = last.unwrap();
     let _ = (report.skipped.get(), norm.get());

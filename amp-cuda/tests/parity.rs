@@ -167,6 +167,12 @@ parity!(reductions, |dev, E| {
     record(&mut out, "mean_all_transposed", &x.transpose(0, 2).mean_all(), &[&x]);
     let long = input::<E, D>(dev, &[3, 5000], 13, 1.0);
     record(&mut out, "sum_long_rows", &long.sum(1, false), &[&long]);
+    // Few outputs over a long dim (a bias gradient): partial sums over parts, then combined.
+    let tall = input::<E, D>(dev, &[3000, 96], 48, 1.0);
+    record(&mut out, "sum_tall_dim0", &tall.sum(0, false), &[&tall]);
+    record(&mut out, "max_tall_dim0", &tall.max(0, true), &[&tall]);
+    let mid = input::<E, D>(dev, &[2, 700, 40], 49, 1.0);
+    record(&mut out, "mean_middle_dim", &mid.mean(1, false), &[&mid]);
     out
 });
 
@@ -196,9 +202,11 @@ parity!(matmul_and_linear, |dev, E| {
 
 parity!(causal_attention, |dev, E| {
     let mut out = Vec::new();
-    // Head sizes in each register class (32, 64, 128), t across several row blocks (64) and
-    // tiles (16), and a t below one tile.
-    for (i, (n, t, d)) in [(2, 150, 16), (3, 70, 64), (1, 40, 128), (2, 5, 8)].into_iter().enumerate() {
+    // Several query blocks of 128 rows with a short last one (150, 300), one block (70, 40),
+    // head sizes from 8 to 160, and a t below one warp.
+    for (i, (n, t, d)) in
+        [(2, 150, 16), (3, 70, 64), (1, 40, 128), (2, 5, 8), (2, 300, 64), (1, 33, 160)].into_iter().enumerate()
+    {
         let s = 300 + 3 * i as u64;
         let q = input::<E, D>(dev, &[n, t, d], s, 1.0);
         let k = input::<E, D>(dev, &[n, t, d], s + 1, 1.0);
@@ -225,6 +233,14 @@ parity!(softmax_and_norms, |dev, E| {
     record(&mut out, "rms_norm", &y.rms_norm(Some(&w), 1e-6), &[&y, &w]);
     let ln = input::<E, D>(dev, &[2, 13000], 31, 1.0);
     record(&mut out, "layer_norm_long", &ln.layer_norm(None, None, 1e-5), &[&ln]);
+    // GPT-sized rows: one warp per row, in 128-bit vectors (768 and 1024 values).
+    let wide = input::<E, D>(dev, &[5, 1024], 50, 2.0);
+    record(&mut out, "softmax_1024", &wide.softmax(1), &[&wide]);
+    record(&mut out, "log_softmax_1024", &wide.log_softmax(1), &[&wide]);
+    let h = input::<E, D>(dev, &[7, 768], 51, 1.0).add_scalar(0.5).detach().requires_grad_();
+    let (hw, hb) = (input::<E, D>(dev, &[768], 52, 1.0), input::<E, D>(dev, &[768], 53, 1.0));
+    record(&mut out, "layer_norm_768", &h.layer_norm(Some(&hw), Some(&hb), 1e-5), &[&h, &hw, &hb]);
+    record(&mut out, "rms_norm_768", &h.rms_norm(Some(&hw), 1e-6), &[&h, &hw]);
     let many = input::<E, D>(dev, &[600, 8], 32, 1.0);
     let wm = input::<E, D>(dev, &[8], 33, 1.0);
     record(&mut out, "rms_norm_many_rows", &many.rms_norm(Some(&wm), 1e-6), &[&many, &wm]);
@@ -241,6 +257,11 @@ parity!(losses, |dev, E| {
     record(&mut out, "cross_entropy", &logits.cross_entropy(&t2), &[&logits]);
     let wide = input::<E, D>(dev, &[3, 30000], 35, 1.0);
     record(&mut out, "cross_entropy_wide", &wide.cross_entropy(&Indices::from_vec(vec![5, 29999, 0], &[3])), &[&wide]);
+    // A GPT-2 vocabulary: 128-bit vectors, an ignored row.
+    let vocab = input::<E, D>(dev, &[4, 50304], 54, 2.0);
+    let t = Indices::from_vec(vec![50303, -100, 0, 777], &[4]);
+    let opts = CrossEntropyOptions { ignore_index: Some(-100), label_smoothing: 0.05 };
+    record(&mut out, "cross_entropy_vocab", &vocab.cross_entropy_with(&t, opts), &[&vocab]);
     out
 });
 

@@ -1,216 +1,96 @@
-// Fused causal attention over contiguous [n, t, d] tensors (n = batch x heads), forward and
-// backward: amp_core::backend::Device::causal_attention and causal_attention_backward.
+// Causal attention over contiguous [n, t, d] tensors (n = batch x heads), forward and backward
+// (amp_core::backend::Device::causal_attention and causal_attention_backward): the products
+// run on cuBLAS (tensor cores for f16 and bf16) one block of query rows at a time, and these
+// kernels do the rest of each block.
 //
-// One thread per row (a query row forward and for dq, a key row for dk and dv), AMP_ATT_ROWS
-// rows per block and blockIdx.y the head. The block walks the other side in tiles of
-// AMP_ATT_TILE rows staged in shared memory (in the accumulation type), so each loaded key,
-// value, query or gradient row serves every thread of the block. A thread keeps its own row
-// and its accumulators in registers: MAXD (32, 64 or 128, the smallest that holds d) sizes
-// them. The scores and probabilities exist only as scalars in registers: nothing of size
-// t x t is stored. The softmax is online (running max and sum, the accumulator rescaled when
-// the max grows); the backward recomputes the probabilities from the saved log-sum-exps.
+// Design notes:
+// - The host walks blocks of `rows` query rows starting at `q0`; the block's keys are
+//   [0, kt) with kt = q0 + rows (the causal limit of its last row). Its raw scores q·k are a
+//   [n, rows, kt] tile in Acc<T> written by a GEMM; nothing of size t x t exists at once.
+// - Probabilities are exp(scale·s - lse), zero above the diagonal, rounded once into T for the
+//   next GEMM (as FlashAttention rounds them for its tensor-core product); the log-sum-exp of
+//   every row is kept in Acc<T> for the backward.
+// - The backward recomputes the probabilities from the scores and the saved log-sum-exps, and
+//   forms dS = P (dP - delta) scale with delta = g·out per row (the same formula as the CPU's).
+// - One block per row of the tile (grid-stride over rows); each thread keeps the same columns
+//   in every pass, and the block reductions have their own barriers.
 
-extern __shared__ __align__(16) unsigned char amp_dyn[];
-
-#define AMP_ATT_ROWS 64
-#define AMP_ATT_TILE 16
-
-// Stages rows [r0, r0 + AMP_ATT_TILE) of up to two [t, d] matrices (cut at t) into `a`, `b`.
-template <typename T, typename A>
-__device__ __forceinline__ void amp_att_stage(A* a, A* b, const T* x, const T* y, i64 r0, i64 t, i64 d) {
-    for (i64 e = threadIdx.x; e < AMP_ATT_TILE * d; e += blockDim.x) {
-        i64 r = r0 + e / d;
-        a[e] = r < t ? load(x[r * d + e % d]) : A(0);
-        if (y) b[e] = r < t ? load(y[r * d + e % d]) : A(0);
+// Probabilities and log-sum-exps of a block of query rows from their raw scores.
+template <typename T>
+__device__ void amp_att_probs(T* p, typename Acc<T>::type* lse, const typename Acc<T>::type* s, i64 tile_rows,
+                              i64 rows, i64 kt, i64 q0, i64 t, double scale_) {
+    typedef typename Acc<T>::type A;
+    __shared__ A red[AMP_RED_SLOTS];
+    const A scale = (A)scale_;
+    for (i64 r = blockIdx.x; r < tile_rows; r += gridDim.x) {
+        const i64 head = r / rows, qi = q0 + (r - head * rows), live = qi + 1;
+        const A* sr = s + r * kt;
+        T* pr = p + r * kt;
+        A m = amp_neg_inf<A>();
+        for (i64 j = threadIdx.x; j < live; j += blockDim.x) m = amp_max(m, sr[j] * scale);
+        m = amp_block_max(m, red);
+        A sum = A(0);
+        for (i64 j = threadIdx.x; j < live; j += blockDim.x) sum += exp(sr[j] * scale - m);
+        sum = amp_block_sum(sum, red);
+        const A l = m + log(sum);
+        for (i64 j = threadIdx.x; j < kt; j += blockDim.x) pr[j] = store<T>(j < live ? exp(sr[j] * scale - l) : A(0));
+        if (threadIdx.x == 0) lse[head * t + qi] = l;
     }
 }
 
-template <typename T, int MAXD>
-__device__ void amp_att_fwd(T* out, typename Acc<T>::type* lse, const T* q, const T* k, const T* v, i64 t, i64 d,
-                            double scale_) {
+// delta[r] = g[r]·out[r] over rows of d values.
+template <typename T>
+__device__ void amp_att_delta(typename Acc<T>::type* delta, const T* out, const T* g, i64 rows, i64 d) {
     typedef typename Acc<T>::type A;
-    A* ks = reinterpret_cast<A*>(amp_dyn);
-    A* vs = ks + AMP_ATT_TILE * d;
-    const i64 h = blockIdx.y, base = h * t * d;
-    const i64 i = (i64)blockIdx.x * AMP_ATT_ROWS + threadIdx.x;
-    const i64 last = min((i64)(blockIdx.x + 1) * AMP_ATT_ROWS, t) - 1; // the block's last row
-    const A scale = (A)scale_;
-    A qr[MAXD], acc[MAXD];
-#pragma unroll
-    for (int c = 0; c < MAXD; ++c) {
-        qr[c] = (i < t && c < d) ? load(q[base + i * d + c]) : A(0);
-        acc[c] = A(0);
+    __shared__ A red[AMP_RED_SLOTS];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        A acc = A(0);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) acc += load(out[r * d + j]) * load(g[r * d + j]);
+        acc = amp_block_sum(acc, red);
+        if (threadIdx.x == 0) delta[r] = acc;
     }
-    A m = amp_neg_inf<A>(), l = A(0);
-    for (i64 j0 = 0; j0 <= last; j0 += AMP_ATT_TILE) {
-        __syncthreads();
-        amp_att_stage<T, A>(ks, vs, k + base, v + base, j0, t, d);
-        __syncthreads();
-        if (i >= t) continue;
-        for (int jj = 0; jj < AMP_ATT_TILE && j0 + jj <= i; ++jj) {
-            const A* kj = ks + jj * d;
-            const A* vj = vs + jj * d;
-            A s = A(0);
-#pragma unroll
-            for (int c = 0; c < MAXD; ++c)
-                if (c < d) s += qr[c] * kj[c];
-            s *= scale;
-            if (s > m) { // exp(-inf) = 0 clears the empty start; NaN propagates through p
-                A corr = exp(m - s);
-                l *= corr;
-#pragma unroll
-                for (int c = 0; c < MAXD; ++c) acc[c] *= corr;
-                m = s;
+}
+
+// For a block of query rows: the probabilities P (rounded into T, for dV = Pᵀ g) and the
+// score gradients dS = P (dP - delta) scale (rounded into T, for dQ = dS k and dK = dSᵀ q),
+// from the raw scores and dP = g vᵀ.
+template <typename T>
+__device__ void amp_att_grads(T* p, T* ds, const typename Acc<T>::type* s, const typename Acc<T>::type* dp,
+                              const typename Acc<T>::type* lse, const typename Acc<T>::type* delta, i64 tile_rows,
+                              i64 rows, i64 kt, i64 q0, i64 t, double scale_) {
+    typedef typename Acc<T>::type A;
+    const A scale = (A)scale_;
+    for (i64 r = blockIdx.x; r < tile_rows; r += gridDim.x) {
+        const i64 head = r / rows, qi = q0 + (r - head * rows);
+        const A l = lse[head * t + qi], dl = delta[head * t + qi];
+        for (i64 j = threadIdx.x; j < kt; j += blockDim.x) {
+            const i64 e = r * kt + j;
+            A pv = A(0), dv = A(0);
+            if (j <= qi) {
+                pv = exp(s[e] * scale - l);
+                dv = pv * (dp[e] - dl) * scale;
             }
-            A p = exp(s - m);
-            l += p;
-#pragma unroll
-            for (int c = 0; c < MAXD; ++c)
-                if (c < d) acc[c] += p * vj[c];
+            p[e] = store<T>(pv);
+            ds[e] = store<T>(dv);
         }
     }
-    if (i >= t) return;
-    A inv = A(1) / l;
-#pragma unroll
-    for (int c = 0; c < MAXD; ++c)
-        if (c < d) out[base + i * d + c] = store<T>(acc[c] * inv);
-    lse[h * t + i] = m + log(l);
 }
-
-// dq_i = scale sum_{j <= i} p_ij (g_i.v_j - D_i) k_j, with D_i = g_i.out_i (written to delta).
-template <typename T, int MAXD>
-__device__ void amp_att_dq(T* dq, typename Acc<T>::type* delta, const T* q, const T* k, const T* v, const T* out,
-                           const T* g, const typename Acc<T>::type* lse, i64 t, i64 d, double scale_) {
-    typedef typename Acc<T>::type A;
-    A* ks = reinterpret_cast<A*>(amp_dyn);
-    A* vs = ks + AMP_ATT_TILE * d;
-    const i64 h = blockIdx.y, base = h * t * d;
-    const i64 i = (i64)blockIdx.x * AMP_ATT_ROWS + threadIdx.x;
-    const i64 last = min((i64)(blockIdx.x + 1) * AMP_ATT_ROWS, t) - 1;
-    const A scale = (A)scale_;
-    A qr[MAXD], gr[MAXD], acc[MAXD];
-    A di = A(0);
-#pragma unroll
-    for (int c = 0; c < MAXD; ++c) {
-        bool in = i < t && c < d;
-        qr[c] = in ? load(q[base + i * d + c]) : A(0);
-        gr[c] = in ? load(g[base + i * d + c]) : A(0);
-        if (in) di += gr[c] * load(out[base + i * d + c]);
-        acc[c] = A(0);
-    }
-    const A li = i < t ? lse[h * t + i] : A(0);
-    for (i64 j0 = 0; j0 <= last; j0 += AMP_ATT_TILE) {
-        __syncthreads();
-        amp_att_stage<T, A>(ks, vs, k + base, v + base, j0, t, d);
-        __syncthreads();
-        if (i >= t) continue;
-        for (int jj = 0; jj < AMP_ATT_TILE && j0 + jj <= i; ++jj) {
-            const A* kj = ks + jj * d;
-            const A* vj = vs + jj * d;
-            A s = A(0), dp = A(0);
-#pragma unroll
-            for (int c = 0; c < MAXD; ++c)
-                if (c < d) {
-                    s += qr[c] * kj[c];
-                    dp += gr[c] * vj[c];
-                }
-            A ds = exp(s * scale - li) * (dp - di);
-#pragma unroll
-            for (int c = 0; c < MAXD; ++c)
-                if (c < d) acc[c] += ds * kj[c];
-        }
-    }
-    if (i >= t) return;
-#pragma unroll
-    for (int c = 0; c < MAXD; ++c)
-        if (c < d) dq[base + i * d + c] = store<T>(acc[c] * scale);
-    delta[h * t + i] = di;
-}
-
-// dk_j = scale sum_{i >= j} p_ij (g_i.v_j - D_i) q_i and dv_j = sum_{i >= j} p_ij g_i.
-template <typename T, int MAXD>
-__device__ void amp_att_dkv(T* dk, T* dv, const T* q, const T* k, const T* v, const T* g,
-                            const typename Acc<T>::type* delta, const typename Acc<T>::type* lse, i64 t, i64 d,
-                            double scale_) {
-    typedef typename Acc<T>::type A;
-    A* qs = reinterpret_cast<A*>(amp_dyn);
-    A* gs = qs + AMP_ATT_TILE * d;
-    const i64 h = blockIdx.y, base = h * t * d;
-    const i64 first = (i64)blockIdx.x * AMP_ATT_ROWS; // the block's first key row
-    const i64 j = first + threadIdx.x;
-    const A scale = (A)scale_;
-    A kr[MAXD], vr[MAXD], ak[MAXD], av[MAXD];
-#pragma unroll
-    for (int c = 0; c < MAXD; ++c) {
-        bool in = j < t && c < d;
-        kr[c] = in ? load(k[base + j * d + c]) : A(0);
-        vr[c] = in ? load(v[base + j * d + c]) : A(0);
-        ak[c] = A(0);
-        av[c] = A(0);
-    }
-    for (i64 i0 = first; i0 < t; i0 += AMP_ATT_TILE) {
-        __syncthreads();
-        amp_att_stage<T, A>(qs, gs, q + base, g + base, i0, t, d);
-        __syncthreads();
-        if (j >= t) continue;
-        for (int ii = 0; ii < AMP_ATT_TILE && i0 + ii < t; ++ii) {
-            const i64 i = i0 + ii;
-            if (i < j) continue;
-            const A* qi = qs + ii * d;
-            const A* gi = gs + ii * d;
-            A s = A(0), dp = A(0);
-#pragma unroll
-            for (int c = 0; c < MAXD; ++c)
-                if (c < d) {
-                    s += qi[c] * kr[c];
-                    dp += gi[c] * vr[c];
-                }
-            A p = exp(s * scale - lse[h * t + i]);
-            A ds = p * (dp - delta[h * t + i]);
-#pragma unroll
-            for (int c = 0; c < MAXD; ++c)
-                if (c < d) {
-                    av[c] += p * gi[c];
-                    ak[c] += ds * qi[c];
-                }
-        }
-    }
-    if (j >= t) return;
-#pragma unroll
-    for (int c = 0; c < MAXD; ++c)
-        if (c < d) {
-            dk[base + j * d + c] = store<T>(ak[c] * scale);
-            dv[base + j * d + c] = store<T>(av[c]);
-        }
-}
-
-// Calls FN<T, MAXD>(...) with the register arrays' size for d (the host refuses d > 128).
-#define AMP_ATT_DISPATCH(FN, T, ...)  \
-    if (d <= 32) {                    \
-        FN<T, 32>(__VA_ARGS__);       \
-    } else if (d <= 64) {             \
-        FN<T, 64>(__VA_ARGS__);       \
-    } else {                          \
-        FN<T, 128>(__VA_ARGS__);      \
-    }
 
 #define AMP_ATT_ACC(SUF) Acc<amp_t_##SUF>::type
 
-#define AMP_ATTENTION_KERNELS(SUF)                                                                            \
-    extern "C" __global__ void causal_attention_fwd_##SUF(amp_t_##SUF* out, AMP_ATT_ACC(SUF) * lse,           \
-                                                          const amp_t_##SUF* q, const amp_t_##SUF* k,          \
-                                                          const amp_t_##SUF* v, i64 t, i64 d, double scale) {  \
-        AMP_ATT_DISPATCH(amp_att_fwd, amp_t_##SUF, out, lse, q, k, v, t, d, scale)                            \
-    }                                                                                                         \
-    extern "C" __global__ void causal_attention_dq_bwd_##SUF(                                                 \
-        amp_t_##SUF* dq, AMP_ATT_ACC(SUF) * delta, const amp_t_##SUF* q, const amp_t_##SUF* k,               \
-        const amp_t_##SUF* v, const amp_t_##SUF* out, const amp_t_##SUF* g, const AMP_ATT_ACC(SUF) * lse,    \
-        i64 t, i64 d, double scale) {                                                                         \
-        AMP_ATT_DISPATCH(amp_att_dq, amp_t_##SUF, dq, delta, q, k, v, out, g, lse, t, d, scale)               \
-    }                                                                                                         \
-    extern "C" __global__ void causal_attention_bwd_##SUF(                                                    \
-        amp_t_##SUF* dk, amp_t_##SUF* dv, const amp_t_##SUF* q, const amp_t_##SUF* k, const amp_t_##SUF* v,   \
-        const amp_t_##SUF* g, const AMP_ATT_ACC(SUF) * delta, const AMP_ATT_ACC(SUF) * lse, i64 t, i64 d,     \
-        double scale) {                                                                                       \
-        AMP_ATT_DISPATCH(amp_att_dkv, amp_t_##SUF, dk, dv, q, k, v, g, delta, lse, t, d, scale)               \
+#define AMP_ATTENTION_KERNELS(SUF)                                                                          \
+    extern "C" __global__ void attention_probs_fwd_##SUF(amp_t_##SUF* p, AMP_ATT_ACC(SUF) * lse,             \
+                                                         const AMP_ATT_ACC(SUF) * s, i64 tile_rows, i64 rows, \
+                                                         i64 kt, i64 q0, i64 t, double scale) {              \
+        amp_att_probs<amp_t_##SUF>(p, lse, s, tile_rows, rows, kt, q0, t, scale);                           \
+    }                                                                                                       \
+    extern "C" __global__ void attention_delta_bwd_##SUF(AMP_ATT_ACC(SUF) * delta, const amp_t_##SUF* out,   \
+                                                         const amp_t_##SUF* g, i64 rows, i64 d) {            \
+        amp_att_delta<amp_t_##SUF>(delta, out, g, rows, d);                                                 \
+    }                                                                                                       \
+    extern "C" __global__ void attention_grads_bwd_##SUF(                                                   \
+        amp_t_##SUF* p, amp_t_##SUF* ds, const AMP_ATT_ACC(SUF) * s, const AMP_ATT_ACC(SUF) * dp,           \
+        const AMP_ATT_ACC(SUF) * lse, const AMP_ATT_ACC(SUF) * delta, i64 tile_rows, i64 rows, i64 kt, i64 q0, \
+        i64 t, double scale) {                                                                              \
+        amp_att_grads<amp_t_##SUF>(p, ds, s, dp, lse, delta, tile_rows, rows, kt, q0, t, scale);            \
     }

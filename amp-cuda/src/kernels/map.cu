@@ -76,17 +76,47 @@ __device__ void amp_unary_fwd(T* out, const T* x, AmpShape s, AmpView vx, i64 n,
     }
 }
 
-// out[i] = g[i] * Op::der(x[i], y[i], p) over three views of one shape.
+// out[i] = g[i] * Op::der(x[i], y[i], p) over three views of one shape; `mode` as for the
+// forward (an operand the derivative does not read is never loaded: the compiler drops it).
 template <typename T, typename Op>
 __device__ void amp_unary_bwd(T* out, const T* x, const T* y, const T* g, AmpShape s, AmpView vx, AmpView vy,
-                              AmpView vg, i64 n, double p) {
+                              AmpView vg, i64 n, double p, int mode) {
     typedef typename Acc<T>::type A;
     const A pp = (A)p;
-    AMP_GRID_LOOP(i, n) {
-        i64 idx[AMP_MAX_RANK];
-        amp_index(s, i, idx);
-        A xv = load(x[amp_at(s, vx, idx)]), yv = load(y[amp_at(s, vy, idx)]), gv = load(g[amp_at(s, vg, idx)]);
-        out[i] = store<T>(gv * Op::der(xv, yv, pp));
+    if (mode != 0) {
+        const T* xs = x + vx.offset;
+        const T* ys = y + vy.offset;
+        const T* gs = g + vg.offset;
+        i64 done = 0;
+        if (mode == 2) {
+            const int V = 16 / sizeof(T);
+            const i64 nv = n / V;
+            const uint4* xv = reinterpret_cast<const uint4*>(xs);
+            const uint4* yv = reinterpret_cast<const uint4*>(ys);
+            const uint4* gv = reinterpret_cast<const uint4*>(gs);
+            uint4* ov = reinterpret_cast<uint4*>(out);
+            AMP_GRID_LOOP(i, nv) {
+                Pack16<T> a, b, c, o;
+                a.raw = xv[i];
+                b.raw = yv[i];
+                c.raw = gv[i];
+#pragma unroll
+                for (int k = 0; k < V; ++k) o.v[k] = store<T>(load(c.v[k]) * Op::der(load(a.v[k]), load(b.v[k]), pp));
+                ov[i] = o.raw;
+            }
+            done = nv * V;
+        }
+        AMP_GRID_LOOP(t, n - done) {
+            const i64 j = done + t;
+            out[j] = store<T>(load(gs[j]) * Op::der(load(xs[j]), load(ys[j]), pp));
+        }
+    } else {
+        AMP_GRID_LOOP(i, n) {
+            i64 idx[AMP_MAX_RANK];
+            amp_index(s, i, idx);
+            A xv = load(x[amp_at(s, vx, idx)]), yv = load(y[amp_at(s, vy, idx)]), gv = load(g[amp_at(s, vg, idx)]);
+            out[i] = store<T>(gv * Op::der(xv, yv, pp));
+        }
     }
 }
 
@@ -174,8 +204,8 @@ __device__ void amp_where(T* out, const unsigned char* mask, const T* a, const T
     }                                                                                                      \
     extern "C" __global__ void NAME##_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, const amp_t_##SUF* y, \
                                                 const amp_t_##SUF* g, AmpShape s, AmpView vx, AmpView vy,  \
-                                                AmpView vg, i64 n, double p) {                             \
-        amp_unary_bwd<amp_t_##SUF, amp_op>(out, x, y, g, s, vx, vy, vg, n, p);                             \
+                                                AmpView vg, i64 n, double p, int mode) {                   \
+        amp_unary_bwd<amp_t_##SUF, amp_op>(out, x, y, g, s, vx, vy, vg, n, p, mode);                       \
     }
 
 #define AMP_BINARY_KERNEL(NAME, SUF)                                                                       \

@@ -61,7 +61,8 @@ pub enum Family {
     Norm,
     /// Cross-entropy forward and backward, the squared-error sum, the f64 mean.
     Loss,
-    /// Fused causal attention, forward and backward (dq; dk and dv).
+    /// Causal attention's kernels between its cuBLAS products: the probabilities of a block
+    /// of query rows, and in the backward g·out per row and the score gradients.
     Attention,
     /// The embedding gather and scatter-add, concatenation.
     Index,
@@ -163,18 +164,33 @@ impl Family {
     pub fn kernel_stems(self) -> &'static [&'static str] {
         match self {
             Family::Copy => &["copy_fwd", "fill_fwd", "write_into_fwd", "where_fwd"],
-            Family::Reduce => &["sum_fwd", "max_fwd", "arg_reduce_fwd", "scatter_dim_bwd"],
-            Family::Softmax => &["softmax_fwd", "log_softmax_fwd", "softmax_bwd", "log_softmax_bwd"],
+            Family::Reduce => {
+                &["sum_fwd", "max_fwd", "reduce_partial_fwd", "reduce_parts_fwd", "arg_reduce_fwd", "scatter_dim_bwd"]
+            }
+            Family::Softmax => &[
+                "softmax_fwd",
+                "log_softmax_fwd",
+                "softmax_bwd",
+                "log_softmax_bwd",
+                "softmax_warp_fwd",
+                "log_softmax_warp_fwd",
+                "softmax_warp_bwd",
+                "log_softmax_warp_bwd",
+            ],
             Family::Norm => &[
                 "layer_norm_fwd",
                 "rms_norm_fwd",
                 "layer_norm_bwd",
                 "rms_norm_bwd",
+                "layer_norm_warp_fwd",
+                "rms_norm_warp_fwd",
+                "layer_norm_warp_bwd",
+                "rms_norm_warp_bwd",
                 "norm_params_partial_bwd",
                 "norm_params_bwd",
             ],
             Family::Loss => &["cross_entropy_fwd", "cross_entropy_bwd", "mse_fwd", "mse_bwd", "mean_f64_fwd"],
-            Family::Attention => &["causal_attention_fwd", "causal_attention_dq_bwd", "causal_attention_bwd"],
+            Family::Attention => &["attention_probs_fwd", "attention_delta_bwd", "attention_grads_bwd"],
             Family::Index => &["gather_rows_fwd", "scatter_add_rows_bwd", "cat_fwd"],
             Family::Conv => &["im2col_fwd", "col2im_bwd", "bias_fill_fwd", "channel_sum_bwd"],
             Family::Pool => &["max_pool2d_fwd", "max_pool2d_bwd", "avg_pool2d_fwd", "avg_pool2d_bwd"],

@@ -6,6 +6,10 @@
 // - inner == 1 (reducing the last dim): one block per row, a strided loop per thread and a
 //   block reduction, so long rows use the whole block. inner > 1: one thread per output,
 //   walking d with stride inner, so neighbouring threads read neighbouring elements.
+// - inner > 1 with few outputs and a long d (a bias gradient: 768 sums over 16384 rows) would
+//   leave most of the GPU idle and each thread walking d alone, so the host splits d into
+//   parts instead: one thread per (part, output) reduces its chunk into Acc<T> partials, and
+//   a second kernel combines each output's partials in part order (deterministic).
 // - The accumulation is in Acc<T>; the summation order differs from the CPU's (tolerances
 //   in the parity suite account for it); max and arg max are exact.
 
@@ -36,6 +40,42 @@ __device__ void amp_reduce(T* out, const T* x, i64 outer, i64 d, i64 inner, doub
             }
             out[oi] = store<T>(acc * sc);
         }
+    }
+}
+
+// partials[p·m + oi] = the reduction of chunk p (d-indices [p·per, (p+1)·per) ∩ [0, d)) of
+// output oi, m = outer·inner.
+template <typename T>
+__device__ void amp_reduce_partial(typename Acc<T>::type* partials, const T* x, i64 outer, i64 d, i64 inner, i64 per,
+                                   i64 parts, int max) {
+    typedef typename Acc<T>::type A;
+    const i64 m = outer * inner;
+    AMP_GRID_LOOP(pi, parts * m) {
+        const i64 p = pi / m, oi = pi - p * m;
+        const i64 o = oi / inner, i = oi - o * inner;
+        const T* xr = x + o * d * inner + i;
+        const i64 j1 = min((p + 1) * per, d);
+        A acc = max ? amp_neg_inf<A>() : A(0);
+        for (i64 j = p * per; j < j1; ++j) {
+            A v = load(xr[j * inner]);
+            acc = max ? amp_max(acc, v) : acc + v;
+        }
+        partials[pi] = acc;
+    }
+}
+
+// out[oi] = the partials of output oi combined in part order, times `scale`, rounded once.
+template <typename T>
+__device__ void amp_reduce_parts(T* out, const typename Acc<T>::type* partials, i64 m, i64 parts, double scale, int max) {
+    typedef typename Acc<T>::type A;
+    const A sc = (A)scale;
+    AMP_GRID_LOOP(oi, m) {
+        A acc = max ? amp_neg_inf<A>() : A(0);
+        for (i64 p = 0; p < parts; ++p) {
+            A v = partials[p * m + oi];
+            acc = max ? amp_max(acc, v) : acc + v;
+        }
+        out[oi] = store<T>(acc * sc);
     }
 }
 
@@ -78,6 +118,15 @@ template <typename T> __device__ void amp_scatter_dim(T* out, const T* g, const 
     extern "C" __global__ void max_fwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, i64 outer, i64 d,     \
                                              i64 inner, double scale) {                                    \
         amp_reduce<amp_t_##SUF, true>(out, x, outer, d, inner, scale);                                     \
+    }                                                                                                      \
+    extern "C" __global__ void reduce_partial_fwd_##SUF(Acc<amp_t_##SUF>::type* partials, const amp_t_##SUF* x, \
+                                                        i64 outer, i64 d, i64 inner, i64 per, i64 parts,   \
+                                                        int max) {                                         \
+        amp_reduce_partial<amp_t_##SUF>(partials, x, outer, d, inner, per, parts, max);                    \
+    }                                                                                                      \
+    extern "C" __global__ void reduce_parts_fwd_##SUF(amp_t_##SUF* out, const Acc<amp_t_##SUF>::type* partials, \
+                                                      i64 m, i64 parts, double scale, int max) {           \
+        amp_reduce_parts<amp_t_##SUF>(out, partials, m, parts, scale, max);                                \
     }                                                                                                      \
     extern "C" __global__ void arg_reduce_fwd_##SUF(amp_t_##SUF* vals, i64* idx, const amp_t_##SUF* x,     \
                                                     i64 outer, i64 d, i64 inner, int max) {                \

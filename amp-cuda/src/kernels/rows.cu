@@ -196,16 +196,224 @@ __device__ void amp_norm_params(T* gw, T* gb, const typename Acc<T>::type* pw, c
     }
 }
 
+
+// ---- one warp per short row ----------------------------------------------------------------------
+// Rows of d values where d is a multiple of V = 16 / sizeof(T) and every row starts 16-byte
+// aligned, with at most NV 128-bit vectors per lane (the host picks NV, at most 32 values per
+// lane): a warp holds its row in registers, moves it in 128-bit vectors, and reduces with
+// shuffles only (no shared memory, no barriers). Same statistics and formulas as the block
+// kernels above; AMP_WARP_ROWS rows per block of 32·AMP_WARP_ROWS threads, grid-stride.
+
+#define AMP_WARP_ROWS 4
+
+// The lane's vectors of a row (`nvec` vectors of V values) in registers; absent ones are `fill`.
+template <typename T, int NV>
+__device__ __forceinline__ void amp_row_load(typename Acc<T>::type* r, const T* row, int nvec,
+                                             typename Acc<T>::type fill) {
+    const int V = 16 / sizeof(T), lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        if (lane + 32 * k < nvec) {
+            Pack16<T> p;
+            p.raw = reinterpret_cast<const uint4*>(row)[lane + 32 * k];
+#pragma unroll
+            for (int e = 0; e < V; ++e) r[k * V + e] = load(p.v[e]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) r[k * V + e] = fill;
+        }
+    }
+}
+
+// Rounds the lane's present vectors into `row`.
+template <typename T, int NV>
+__device__ __forceinline__ void amp_row_store(T* row, const typename Acc<T>::type* r, int nvec) {
+    const int V = 16 / sizeof(T), lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        if (lane + 32 * k < nvec) {
+            Pack16<T> p;
+#pragma unroll
+            for (int e = 0; e < V; ++e) p.v[e] = store<T>(r[k * V + e]);
+            reinterpret_cast<uint4*>(row)[lane + 32 * k] = p.raw;
+        }
+    }
+}
+
+// Whether slot i of the lane's registers holds a value of the row.
+#define AMP_SLOT_LIVE(i) (((int)(threadIdx.x & 31) + 32 * ((i) / (16 / (int)sizeof(T)))) < nvec)
+
+// The warp's first row and the step between rows of one lane's warp.
+#define AMP_WARP_ROW_LOOP(row, rows)                                                             \
+    for (i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < (rows);              \
+         row += ((i64)gridDim.x * blockDim.x) >> 5)
+
+template <typename T, bool LOG, int NV> __device__ void amp_softmax_warp_fwd(T* out, const T* x, i64 rows, i64 d) {
+    typedef typename Acc<T>::type A;
+    const int V = 16 / sizeof(T), nvec = (int)(d / V);
+    AMP_WARP_ROW_LOOP(row, rows) {
+        A r[NV * V];
+        amp_row_load<T, NV>(r, x + row * d, nvec, amp_neg_inf<A>());
+        A m = amp_neg_inf<A>();
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) m = amp_max(m, r[i]);
+        m = amp_warp_max(m);
+        A s = A(0);
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) {
+            if (AMP_SLOT_LIVE(i)) {
+                A e = exp(r[i] - m);
+                if (!LOG) r[i] = e;
+                s += e;
+            }
+        }
+        s = amp_warp_sum(s);
+        const A lse = m + log(s), inv = A(1) / s;
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) r[i] = LOG ? r[i] - lse : r[i] * inv;
+        amp_row_store<T, NV>(out + row * d, r, nvec);
+    }
+}
+
+template <typename T, bool LOG, int NV>
+__device__ void amp_softmax_warp_bwd(T* out, const T* y, const T* g, i64 rows, i64 d) {
+    typedef typename Acc<T>::type A;
+    const int V = 16 / sizeof(T), nvec = (int)(d / V);
+    AMP_WARP_ROW_LOOP(row, rows) {
+        A yr[NV * V], gr[NV * V];
+        amp_row_load<T, NV>(yr, y + row * d, nvec, A(0));
+        amp_row_load<T, NV>(gr, g + row * d, nvec, A(0));
+        A s = A(0);
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) s += LOG ? gr[i] : gr[i] * yr[i];
+        s = amp_warp_sum(s);
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) gr[i] = LOG ? gr[i] - exp(yr[i]) * s : yr[i] * (gr[i] - s);
+        amp_row_store<T, NV>(out + row * d, gr, nvec);
+    }
+}
+
+template <typename T, bool RMS, int NV>
+__device__ void amp_norm_warp_fwd(T* out, typename Acc<T>::type* mean_out, typename Acc<T>::type* rstd_out, const T* x,
+                                  const T* w, const T* b, i64 rows, i64 d, double eps) {
+    typedef typename Acc<T>::type A;
+    const int V = 16 / sizeof(T), nvec = (int)(d / V);
+    const A inv_d = (A)(1.0 / (double)d), ep = (A)eps;
+    A wr[NV * V], br[NV * V];
+    amp_row_load<T, NV>(wr, w ? w : x, w ? nvec : 0, A(1));
+    amp_row_load<T, NV>(br, b ? b : x, b ? nvec : 0, A(0));
+    AMP_WARP_ROW_LOOP(row, rows) {
+        A r[NV * V];
+        amp_row_load<T, NV>(r, x + row * d, nvec, A(0));
+        A s = A(0);
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) s += r[i];
+        const A mean = RMS ? A(0) : amp_warp_sum(s) * inv_d;
+        A ss = A(0);
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) {
+            if (AMP_SLOT_LIVE(i)) {
+                A c = r[i] - mean;
+                ss += c * c;
+            }
+        }
+        const A rstd = A(1) / sqrt(amp_warp_sum(ss) * inv_d + ep);
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) {
+            A v = (r[i] - mean) * rstd;
+            if (w) v = v * wr[i];
+            if (b) v = v + br[i];
+            r[i] = v;
+        }
+        amp_row_store<T, NV>(out + row * d, r, nvec);
+        if ((threadIdx.x & 31) == 0) {
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
+        }
+    }
+}
+
+template <typename T, bool RMS, int NV>
+__device__ void amp_norm_warp_bwd(T* dx, const T* x, const T* g, const T* w, const typename Acc<T>::type* mean_in,
+                                  const typename Acc<T>::type* rstd_in, i64 rows, i64 d) {
+    typedef typename Acc<T>::type A;
+    const int V = 16 / sizeof(T), nvec = (int)(d / V);
+    const A inv_d = (A)(1.0 / (double)d);
+    A wr[NV * V];
+    amp_row_load<T, NV>(wr, w ? w : x, w ? nvec : 0, A(1));
+    AMP_WARP_ROW_LOOP(row, rows) {
+        A xh[NV * V], gh[NV * V];
+        amp_row_load<T, NV>(xh, x + row * d, nvec, A(0));
+        amp_row_load<T, NV>(gh, g + row * d, nvec, A(0));
+        const A mean = mean_in[row], rstd = rstd_in[row];
+        A s_gh = A(0), s_ghx = A(0);
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) {
+            xh[i] = (xh[i] - mean) * rstd;
+            gh[i] = gh[i] * wr[i];
+            s_gh += gh[i];
+            s_ghx += gh[i] * xh[i];
+        }
+        const A mean_gh = RMS ? A(0) : amp_warp_sum(s_gh) * inv_d;
+        const A mean_ghx = amp_warp_sum(s_ghx) * inv_d;
+#pragma unroll
+        for (int i = 0; i < NV * V; ++i) gh[i] = rstd * (gh[i] - mean_gh - xh[i] * mean_ghx);
+        amp_row_store<T, NV>(dx + row * d, gh, nvec);
+    }
+}
+
+// Runs CALL (an expression in parentheses that names the constant NVc) with NVc the host's
+// `nv`: 1, 2, 4 or 8 vectors per lane.
+#define AMP_NV_SWITCH(nv, CALL)                          \
+    switch (nv) {                                        \
+    case 1: { constexpr int NVc = 1; CALL; break; }      \
+    case 2: { constexpr int NVc = 2; CALL; break; }      \
+    case 4: { constexpr int NVc = 4; CALL; break; }      \
+    default: { constexpr int NVc = 8; CALL; break; }     \
+    }
+
 // ---- cross-entropy -------------------------------------------------------------------------------
 
+// The online log-sum-exp state (running max m and sum s of exp(v - m)) after one more value.
+template <typename A> __device__ __forceinline__ void amp_lse_push(A& m, A& s, A v) {
+    if (v > m) {
+        s = s * exp(m - v) + A(1);
+        m = v;
+    } else if (v != amp_neg_inf<A>()) {
+        s += exp(v - m); // NaN in v (or m) makes s NaN, as in the two-pass form
+    }
+}
+
+// Calls BODY(j, v) for each element of a row of c values of T, the block's threads striding
+// over it: in 128-bit vectors when `vec` (c a multiple of 16 / sizeof(T), the row 16-byte
+// aligned), else one by one.
+#define AMP_ROW_FOR_EACH(row_ptr, c, vec, BODY)                                               \
+    if (vec) {                                                                                \
+        const int V = 16 / sizeof(T);                                                         \
+        for (i64 vi = threadIdx.x; vi < (c) / V; vi += blockDim.x) {                          \
+            Pack16<T> p;                                                                      \
+            p.raw = reinterpret_cast<const uint4*>(row_ptr)[vi];                              \
+            _Pragma("unroll") for (int e = 0; e < V; ++e) {                                   \
+                const i64 j = vi * V + e;                                                     \
+                const A v = load(p.v[e]);                                                     \
+                BODY;                                                                         \
+            }                                                                                 \
+        }                                                                                     \
+    } else {                                                                                  \
+        for (i64 j = threadIdx.x; j < (c); j += blockDim.x) {                                 \
+            const A v = load((row_ptr)[j]);                                                   \
+            BODY;                                                                             \
+        }                                                                                     \
+    }
+
 // Per row: the log-sum-exp (kept for backward) and the row's loss in f64
-// (-(1 - s)·logp[t] - (s / c)·Σ logp); ignored rows get 0 for both.
+// (-(1 - s)·logp[t] - (s / c)·Σ logp); ignored rows get 0 for both. One read of the row: each
+// thread keeps an online log-sum-exp, and the block combines them at the row's max.
 template <typename T>
 __device__ void amp_ce_fwd(typename Acc<T>::type* lse_out, double* loss_out, const T* x, const i64* targets, i64 rows,
-                           i64 c, int has_ignore, i64 ignore, double smoothing, int cached) {
+                           i64 c, int has_ignore, i64 ignore, double smoothing, int vec) {
     typedef typename Acc<T>::type A;
     __shared__ A red[AMP_RED_SLOTS];
-    A* buf = reinterpret_cast<A*>(amp_dyn);
     const A s_ = (A)smoothing, per_class = (A)(smoothing / (double)c);
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 t = targets[row];
@@ -217,20 +425,17 @@ __device__ void amp_ce_fwd(typename Acc<T>::type* lse_out, double* loss_out, con
             continue;
         }
         const T* xr = x + row * c;
-        A m = amp_neg_inf<A>(), sx = A(0);
-        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
-            A v = load(xr[j]);
-            if (cached) buf[j] = v;
-            m = amp_max(m, v);
+        A m = amp_neg_inf<A>(), se = A(0), sx = A(0);
+        AMP_ROW_FOR_EACH(xr, c, vec, {
+            (void)j;
+            amp_lse_push(m, se, v);
             sx += v;
-        }
-        m = amp_block_max(m, red);
-        A se = A(0);
-        for (i64 j = threadIdx.x; j < c; j += blockDim.x) se += exp((cached ? buf[j] : load(xr[j])) - m);
-        se = amp_block_sum(se, red);
+        })
+        const A mm = amp_block_max(m, red);
+        se = amp_block_sum(m == amp_neg_inf<A>() ? A(0) : se * exp(m - mm), red);
         if (smoothing != 0.0) sx = amp_block_sum(sx, red);
         if (threadIdx.x == 0) {
-            A lse = m + log(se);
+            A lse = mm + log(se);
             A l = -(A(1) - s_) * (load(xr[t]) - lse);
             if (smoothing != 0.0) l = l - per_class * (sx - (A)c * lse);
             lse_out[row] = lse;
@@ -240,9 +445,10 @@ __device__ void amp_ce_fwd(typename Acc<T>::type* lse_out, double* loss_out, con
 }
 
 // dx = scale·softmax(x) - scale·s/c, minus scale·(1 - s) at the target; 0 for ignored rows.
+// `vec` as in AMP_ROW_FOR_EACH (dx then aligned too).
 template <typename T>
 __device__ void amp_ce_bwd(T* dx, const T* x, const i64* targets, const typename Acc<T>::type* lse_in, i64 rows, i64 c,
-                           int has_ignore, i64 ignore, double smoothing, const T* g, double counted) {
+                           int has_ignore, i64 ignore, double smoothing, const T* g, double counted, int vec) {
     typedef typename Acc<T>::type A;
     // The upstream gradient (the loss scale under a scaler) is read here, not by the host.
     const A sc = (A)((double)load(g[0]) / counted);
@@ -250,16 +456,25 @@ __device__ void amp_ce_bwd(T* dx, const T* x, const i64* targets, const typename
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 t = targets[row];
         T* o = dx + row * c;
-        if (has_ignore && t == ignore) {
-            for (i64 j = threadIdx.x; j < c; j += blockDim.x) o[j] = store<T>(A(0));
-            continue;
-        }
+        const bool ignored = has_ignore && t == ignore;
         const T* xr = x + row * c;
-        const A lse = lse_in[row];
-        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
-            A v = exp(load(xr[j]) - lse) * sc - base;
-            if (j == t) v = v - hit;
-            o[j] = store<T>(v);
+        const A lse = ignored ? A(0) : lse_in[row];
+        auto grad = [&](i64 j, A v) -> A {
+            if (ignored) return A(0);
+            A r = exp(v - lse) * sc - base;
+            return j == t ? r - hit : r;
+        };
+        if (vec) {
+            const int V = 16 / sizeof(T);
+            for (i64 vi = threadIdx.x; vi < c / V; vi += blockDim.x) {
+                Pack16<T> in, out;
+                in.raw = reinterpret_cast<const uint4*>(xr)[vi];
+#pragma unroll
+                for (int e = 0; e < V; ++e) out.v[e] = store<T>(grad(vi * V + e, load(in.v[e])));
+                reinterpret_cast<uint4*>(o)[vi] = out.raw;
+            }
+        } else {
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) o[j] = store<T>(grad(j, load(xr[j])));
         }
     }
 }
@@ -322,6 +537,22 @@ template <typename T> __device__ void amp_mean_f64(T* out, const double* parts, 
     extern "C" __global__ void log_softmax_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* y,               \
                                                      const amp_t_##SUF* g, i64 rows, i64 d) {              \
         amp_softmax_bwd<amp_t_##SUF, true>(out, y, g, rows, d);                                            \
+    }                                                                                                      \
+    extern "C" __global__ void softmax_warp_fwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, i64 rows, i64 d, \
+                                                      int nv) {                                            \
+        AMP_NV_SWITCH(nv, (amp_softmax_warp_fwd<amp_t_##SUF, false, NVc>(out, x, rows, d)))                \
+    }                                                                                                      \
+    extern "C" __global__ void log_softmax_warp_fwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, i64 rows,  \
+                                                          i64 d, int nv) {                                 \
+        AMP_NV_SWITCH(nv, (amp_softmax_warp_fwd<amp_t_##SUF, true, NVc>(out, x, rows, d)))                 \
+    }                                                                                                      \
+    extern "C" __global__ void softmax_warp_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* y,              \
+                                                      const amp_t_##SUF* g, i64 rows, i64 d, int nv) {     \
+        AMP_NV_SWITCH(nv, (amp_softmax_warp_bwd<amp_t_##SUF, false, NVc>(out, y, g, rows, d)))             \
+    }                                                                                                      \
+    extern "C" __global__ void log_softmax_warp_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* y,          \
+                                                          const amp_t_##SUF* g, i64 rows, i64 d, int nv) { \
+        AMP_NV_SWITCH(nv, (amp_softmax_warp_bwd<amp_t_##SUF, true, NVc>(out, y, g, rows, d)))              \
     }
 
 #define AMP_NORM_KERNELS(SUF)                                                                              \
@@ -347,6 +578,30 @@ template <typename T> __device__ void amp_mean_f64(T* out, const double* parts, 
                                                   const AMP_ACC(SUF) * rstd, i64 rows, i64 d, int cached) { \
         amp_norm_bwd<amp_t_##SUF, true>(dx, x, g, w, mean, rstd, rows, d, cached);                         \
     }                                                                                                      \
+    extern "C" __global__ void layer_norm_warp_fwd_##SUF(amp_t_##SUF* out, AMP_ACC(SUF) * mean,            \
+                                                         AMP_ACC(SUF) * rstd, const amp_t_##SUF* x,        \
+                                                         const amp_t_##SUF* w, const amp_t_##SUF* b, i64 rows, \
+                                                         i64 d, double eps, int nv) {                      \
+        AMP_NV_SWITCH(nv, (amp_norm_warp_fwd<amp_t_##SUF, false, NVc>(out, mean, rstd, x, w, b, rows, d, eps))) \
+    }                                                                                                      \
+    extern "C" __global__ void rms_norm_warp_fwd_##SUF(amp_t_##SUF* out, AMP_ACC(SUF) * mean,              \
+                                                       AMP_ACC(SUF) * rstd, const amp_t_##SUF* x,          \
+                                                       const amp_t_##SUF* w, const amp_t_##SUF* b, i64 rows, \
+                                                       i64 d, double eps, int nv) {                        \
+        AMP_NV_SWITCH(nv, (amp_norm_warp_fwd<amp_t_##SUF, true, NVc>(out, mean, rstd, x, w, b, rows, d, eps))) \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_warp_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x,            \
+                                                         const amp_t_##SUF* g, const amp_t_##SUF* w,       \
+                                                         const AMP_ACC(SUF) * mean, const AMP_ACC(SUF) * rstd, \
+                                                         i64 rows, i64 d, int nv) {                        \
+        AMP_NV_SWITCH(nv, (amp_norm_warp_bwd<amp_t_##SUF, false, NVc>(dx, x, g, w, mean, rstd, rows, d)))  \
+    }                                                                                                      \
+    extern "C" __global__ void rms_norm_warp_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x,              \
+                                                       const amp_t_##SUF* g, const amp_t_##SUF* w,         \
+                                                       const AMP_ACC(SUF) * mean, const AMP_ACC(SUF) * rstd, \
+                                                       i64 rows, i64 d, int nv) {                          \
+        AMP_NV_SWITCH(nv, (amp_norm_warp_bwd<amp_t_##SUF, true, NVc>(dx, x, g, w, mean, rstd, rows, d)))   \
+    }                                                                                                      \
     extern "C" __global__ void norm_params_partial_bwd_##SUF(                                              \
         AMP_ACC(SUF) * pw, AMP_ACC(SUF) * pb, const amp_t_##SUF* x, const amp_t_##SUF* g,                  \
         const AMP_ACC(SUF) * mean, const AMP_ACC(SUF) * rstd, i64 rows, i64 d, i64 per, i64 parts) {       \
@@ -360,14 +615,14 @@ template <typename T> __device__ void amp_mean_f64(T* out, const double* parts, 
 #define AMP_LOSS_KERNELS(SUF)                                                                              \
     extern "C" __global__ void cross_entropy_fwd_##SUF(AMP_ACC(SUF) * lse, double* loss, const amp_t_##SUF* x, \
                                                        const i64* targets, i64 rows, i64 c, int has_ignore, \
-                                                       i64 ignore, double smoothing, int cached) {         \
-        amp_ce_fwd<amp_t_##SUF>(lse, loss, x, targets, rows, c, has_ignore, ignore, smoothing, cached);    \
+                                                       i64 ignore, double smoothing, int vec) {            \
+        amp_ce_fwd<amp_t_##SUF>(lse, loss, x, targets, rows, c, has_ignore, ignore, smoothing, vec);       \
     }                                                                                                      \
     extern "C" __global__ void cross_entropy_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x, const i64* targets, \
                                                        const AMP_ACC(SUF) * lse, i64 rows, i64 c,          \
                                                        int has_ignore, i64 ignore, double smoothing,       \
-                                                       const amp_t_##SUF* g, double counted) {             \
-        amp_ce_bwd<amp_t_##SUF>(dx, x, targets, lse, rows, c, has_ignore, ignore, smoothing, g, counted);  \
+                                                       const amp_t_##SUF* g, double counted, int vec) {    \
+        amp_ce_bwd<amp_t_##SUF>(dx, x, targets, lse, rows, c, has_ignore, ignore, smoothing, g, counted, vec); \
     }                                                                                                      \
     extern "C" __global__ void mse_fwd_##SUF(double* parts, const amp_t_##SUF* a, const amp_t_##SUF* b,    \
                                              AmpShape s, AmpView va, AmpView vb, i64 n) {                  \

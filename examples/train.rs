@@ -90,6 +90,10 @@ struct Args {
     /// Save a checkpoint every this many steps (and at the end).
     #[arg(long, default_value_t = 400)]
     checkpoint_every: u64,
+    /// Stop after this step with a checkpoint, as an interrupted run would (continue it with
+    /// --resume, on either device).
+    #[arg(long)]
+    stop_after: Option<u64>,
     /// Dropout probability.
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
@@ -131,6 +135,7 @@ fn main() -> ExitCode {
         out_dir: args.out,
         resume: args.resume,
         checkpoint_every: args.checkpoint_every,
+        stop_after: args.stop_after,
         dropout: args.dropout,
         progress: !args.quiet,
         inject_nonfinite: args.inject_nan,

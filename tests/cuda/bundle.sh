@@ -5,7 +5,7 @@
 # their SIMD level at run time (amp_core::simd), so the binaries run at speed on the GPU host.
 #
 # Usage: tests/cuda/bundle.sh [OUT]      (default OUT: target/gpu-bundle, git-ignored)
-# Then, on the GPU machine:  OUT/run.sh LOGDIR
+# Then, on the GPU machine:  OUT/run.sh LOGDIR [BUDGET_SECONDS]
 # Contents: the amp-cuda test binaries (device tests and the CPU/GPU parity suite), the main
 # command and the benchmarks, stripped; size printed at the end (the device tool carries 64 MiB).
 set -euo pipefail
@@ -44,6 +44,7 @@ for ex in examples/gpu_*.rs; do
     cp "$CARGO_TARGET_DIR/release/examples/$name" "$out/bin/$name"
 done
 cp tests/cuda/run.sh "$out/run.sh"
-cp tests/python/gpu_gpt.py "$out/gpu_gpt.py" # PyTorch's side of examples/gpu_gpt.rs
+cp tests/python/gpu_gpt.py "$out/gpu_gpt.py"     # PyTorch's side of examples/gpu_gpt.rs
+cp tests/python/gpu_bench.py "$out/gpu_bench.py" # and of examples/gpu_bench.rs
 chmod +x "$out/run.sh"
 du -sh "$out"

@@ -78,7 +78,7 @@ mod bench {
         let x = tiled::<bf16>(gpu, rows, cols);
         let shape = format!("{rows}x{cols}");
         let mut dst = tiled::<bf16>(gpu, rows, cols);
-        let copy = time(gpu, 20, || x.cast_into(&mut dst)); // bf16 -> bf16: a plain copy kernel
+        let copy = time(gpu, 20, || x.cast_into(&mut dst)); // bf16 -> bf16: one cuMemcpyDtoD
         println!("BENCH copy bf16 {shape} ms {:.4} GB/s {:.0}", copy * 1e3, gbs(2 * bytes, copy));
         let report = |what: &str, shape: &str, moved: usize, s: f64| {
             let bw = gbs(moved, s);

@@ -175,8 +175,8 @@ impl Device for Cpu {
                     |x, y, g| g * op.derivative(x, y),
                 ))
             }
-            (reads_x, true) | (reads_x @ true, false) => {
-                let (v, lv) = if reads_x { x } else { y };
+            (true, false) | (false, true) => {
+                let (v, lv) = if O::DERIVATIVE_READS_X { x } else { y };
                 store(super::map_binary(
                     v,
                     lv,

@@ -1,5 +1,6 @@
 """PyTorch's side of examples/gpu_gpt.rs: the same GPT (GPT-2 small's shape, pre-LN blocks,
-one qkv projection, exact GELU, learned positions, a biased head), the same synthetic batches
+one qkv projection, exact GELU, learned positions, a biased head, GPT-2's initialisation from
+its own random numbers), the same synthetic batches
 and the same step, in PyTorch eager: torch.autocast + GradScaler (f16) or autocast alone
 (bf16), scaled_dot_product_attention(is_causal=True), clip_grad_norm_(1.0) after unscale_,
 AdamW(fused=False). Prints one line per precision in the example's format, with the
@@ -52,6 +53,14 @@ class Gpt(nn.Module):
         self.blocks = nn.ModuleList(Block(c["d"], c["heads"]) for _ in range(c["layers"]))
         self.ln_f = nn.LayerNorm(c["d"])
         self.head = nn.Linear(c["d"], c["vocab"])
+        # GPT-2's initialisation, as amp's `Gpt::new`: every weight matrix and embedding
+        # normal with standard deviation 0.02, biases zero (layer norms keep ones and zeros).
+        # PyTorch's defaults (embeddings N(0, 1), linears uniform) start from another loss.
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
 
     def forward(self, ids, targets):
         t = ids.shape[1]
@@ -59,7 +68,7 @@ class Gpt(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def batch(c, b, step, device):

@@ -1,11 +1,13 @@
 //! Step time of the fixed workloads W1 (MLP) and W2 (GPT) from
 //! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table.
 //!
-//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor] [--fused-attention] [--caller-waits]`.
+//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor] [--fused-attention] [--caller-waits] [--profile]`.
 //! Cells left out by `--only` or `--precision` print as `-`. With `--torch PYTHON` (a Python
 //! with PyTorch), PyTorch's step times are measured in the same run by
 //! `tests/python/bench_steps.py` (the same workloads and step, on the same threads) and
 //! printed beside ours with the ratios; without it the PyTorch columns print as `-`.
+//! `--profile` adds, after each cell's timed steps, a table of where 3 more steps spent their
+//! time, kernel by kernel (`amp::profile`), with the time outside any kernel.
 //! The run starts by naming the CPU (model, the SIMD and AMX flags it reports) and the kernels
 //! this build runs on it.
 //! `--fused-attention` runs W2's attention as the fused kernel (`Gpt::with_fused_attention`)
@@ -73,6 +75,9 @@ impl Timing {
     const SKIPPED: Timing = Timing { secs: f64::NAN, faults: f64::NAN, peak_bytes: 0, reserved_bytes: 0 };
 }
 
+/// Steps `--profile` times after the timed ones.
+const PROFILED_STEPS: usize = 3;
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -80,7 +85,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Times `steps` full AMP steps after one warm-up step; returns the median seconds and the
 /// page faults per timed step.
+/// With `--profile`, then profiles [`PROFILED_STEPS`] more steps and prints the table under
+/// `label`.
 fn time_steps<M: Params, K: LossScaler>(
+    label: &str,
     model: &mut M,
     scaler: &mut K,
     steps: usize,
@@ -89,16 +97,19 @@ fn time_steps<M: Params, K: LossScaler>(
     let mut opt: Optim<AdamW> = AdamW::default().build().expect("valid AdamW");
     let mut times = Vec::new();
     let mut faults_before = None;
-    for i in 0..=steps {
-        if i == 1 {
-            faults_before = minor_faults();
-        }
-        let t = Instant::now();
+    let mut step = |model: &mut M| {
         let l = loss(model);
         let scaled = scaler.scale(l);
         let mut grads = scaled.backward().unscale();
         grads.clip_grad_norm(1.0);
         grads.step(&mut opt, model).update().expect("scaler update");
+    };
+    for i in 0..=steps {
+        if i == 1 {
+            faults_before = minor_faults();
+        }
+        let t = Instant::now();
+        step(model);
         if i > 0 {
             times.push(t.elapsed().as_secs_f64());
         }
@@ -107,6 +118,14 @@ fn time_steps<M: Params, K: LossScaler>(
         (Some(a), Some(b)) => (b - a) as f64 / steps as f64,
         _ => f64::NAN,
     };
+    if std::env::args().any(|a| a == "--profile") {
+        amp::profile::start();
+        for _ in 0..PROFILED_STEPS {
+            step(model);
+        }
+        let table = amp::profile::stop();
+        println!("\nProfile of {label}: {PROFILED_STEPS} more steps (times are totals over them)\n{table}\n");
+    }
     let memory = amp::cpu_memory::memory_stats();
     Timing {
         secs: median(times),
@@ -121,7 +140,7 @@ fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> Timing {
     let mut model = Mlp::new(&mut rng);
     let x = Tensor::<f32>::randn(&[256, 1024], &mut rng);
     let y = Indices::from_vec((0..256).map(|_| rng.below(10) as i64).collect(), &[256]);
-    time_steps(&mut model, scaler, steps, |m| m.loss::<L>(&x, &y))
+    time_steps(&format!("W1 {}", L::DTYPE), &mut model, scaler, steps, |m| m.loss::<L>(&x, &y))
 }
 
 fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize, fused: bool) -> Timing {
@@ -131,7 +150,7 @@ fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize, fused: bool) ->
     let ids = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
     let targets = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
     let mut drop_rng = Rng::seed(1);
-    time_steps(&mut model, scaler, steps, |m| m.loss::<L>(&ids, &targets, &mut drop_rng))
+    time_steps(&format!("W2 {}", L::DTYPE), &mut model, scaler, steps, |m| m.loss::<L>(&ids, &targets, &mut drop_rng))
 }
 
 /// The value after `flag` on the command line, if present.

@@ -68,6 +68,10 @@ struct Args {
     /// A small model (d 128, 2 layers, 4 heads, 128 tokens, vocabulary 512) for a quick run.
     #[arg(long)]
     tiny: bool,
+    /// After the timed steps, this many more under `amp::profile`, printed as a table of time
+    /// per kernel (on a GPU: device time from timing events, and the time it sat idle).
+    #[arg(long, default_value_t = 0)]
+    profile: usize,
 }
 
 /// Bytes the default batch may fill.
@@ -98,6 +102,7 @@ struct Measured {
     blocking_per_step: Option<f64>,
     allocations_per_step: f64,
     peak_bytes: usize,
+    profile: Option<amp::profile::Profile>,
 }
 
 /// The device-specific parts: counting blocking calls and peak memory.
@@ -193,6 +198,13 @@ fn run<L: Precision, K: LossScaler + Default, D: Device + Meter>(
     let elapsed = t0.elapsed().as_secs_f64();
     let skipped = results.iter().filter(|(_, s)| s.get()).count();
     let tokens = (b * c.block_size * args.steps) as f64;
+    let profile = (args.profile > 0).then(|| {
+        amp::profile::start(); // after the read above: nothing of the timed steps is queued
+        for i in 0..args.profile {
+            step(args.warmup + args.steps + i, &mut model);
+        }
+        amp::profile::stop()
+    });
     let n = model.num_params() - c.block_size * c.d_model; // without the position embeddings
     let flops_per_token = 6.0 * n as f64 + 12.0 * (c.n_layers * c.block_size * c.d_model) as f64;
     Measured {
@@ -204,6 +216,7 @@ fn run<L: Precision, K: LossScaler + Default, D: Device + Meter>(
         blocking_per_step: waits,
         allocations_per_step: allocations,
         peak_bytes: dev.peak_bytes(),
+        profile,
     }
 }
 
@@ -220,6 +233,9 @@ fn report(dev: &str, precision: &str, b: usize, m: &Measured) {
         m.last_loss,
         m.skipped
     );
+    if let Some(table) = &m.profile {
+        println!("Profile of {precision}, the --profile steps after the timed ones (totals over them):\n{table}\n");
+    }
 }
 
 fn run_all<D: Device + Meter>(dev: &D, args: &Args) {

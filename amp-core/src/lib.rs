@@ -42,6 +42,7 @@ pub mod optim;
 pub mod param;
 pub mod policy;
 pub mod precision;
+pub mod profile;
 pub mod rng;
 pub mod scaler;
 pub mod simd;

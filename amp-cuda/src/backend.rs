@@ -31,6 +31,7 @@ use crate::kernels::{self, Family};
 use crate::launch::{
     broadcast_strides, grid, launch, row_cache, rows_grid, vector_rows, view1, views, warp_rows_grid, warp_vectors,
 };
+use crate::profile::Span;
 use crate::storage::{CudaRowStats, CudaStateVec, CudaStorage, RawVec, StatsKind};
 
 /// A strided view that need not be a [`Layout`] (a weight seen transposed, for GEMM).
@@ -273,10 +274,12 @@ impl Cuda {
             return;
         }
         let st = self.st();
+        let span = Span::begin(st);
         // SAFETY: `ptr` addresses a live block of at least `bytes` bytes on this device; the
         // memset is ordered on the device's stream after every earlier use.
         let r = unsafe { result::memset_d8_async(ptr, 0, bytes, st.stream.cu_stream()) };
         st.check("cuMemsetD8Async", r);
+        span.end(st, || "memset".into());
     }
 
     fn zeros<E: Precision>(&self, n: usize) -> CudaStorage<E> {
@@ -290,10 +293,12 @@ impl Cuda {
         let st = self.st();
         let v = RawVec::new(st, data.len(), size_of::<T>());
         if !data.is_empty() {
+            let span = Span::begin(st);
             // SAFETY: the block holds `size_of_val(data)` bytes; the copy from pageable host
             // memory returns once `data` has been staged, so it may be dropped afterwards.
             let r = unsafe { result::memcpy_htod_async(v.ptr(), data, st.stream.cu_stream()) };
             st.check("cuMemcpyHtoDAsync", r);
+            span.end(st, || "memcpy_htod".into());
         }
         v
     }
@@ -320,10 +325,12 @@ impl Cuda {
             return;
         }
         let st = self.st();
+        let span = Span::begin(st);
         // SAFETY: both addresses are in live blocks with `bytes` bytes from them; ordered on
         // the device's stream.
         let r = unsafe { result::memcpy_dtod_async(dst, src, bytes, st.stream.cu_stream()) };
         st.check("cuMemcpyDtoDAsync", r);
+        span.end(st, || "memcpy_dtod".into());
     }
 
     /// A contiguous copy of a strided view.
@@ -525,10 +532,12 @@ impl Device for Cuda {
         let st = self.st();
         let s = self.uninit::<E>(data.len());
         if !data.is_empty() {
+            let span = Span::begin(st);
             // SAFETY: the block holds `data.len()` elements of E; the copy from pageable
             // memory has staged `data` when it returns.
             let r = unsafe { result::memcpy_htod_async(s.ptr(), &data, st.stream.cu_stream()) };
             st.check("cuMemcpyHtoDAsync", r);
+            span.end(st, || "memcpy_htod".into());
         }
         s
     }

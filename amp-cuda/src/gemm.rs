@@ -93,6 +93,7 @@ pub(crate) fn gemm(
     let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
     st.enter();
     let blas = st.blas.lock().unwrap_or_else(|e| e.into_inner());
+    let span = crate::profile::Span::begin(st);
     // SAFETY: the handle is valid and bound to the device's stream; the caller passes device
     // addresses of live blocks holding every element the operands' shapes, leading dimensions
     // and batch strides reach; alpha and beta point to host scalars of the compute type
@@ -126,6 +127,7 @@ pub(crate) fn gemm(
     };
     drop(blas);
     st.check("cublasGemmStridedBatchedEx", r);
+    span.end(st, || format!("gemm_{}_{}", input, output));
 }
 
 /// Row-major `C[m × n] = A[m × k] · B[k × n] + beta·C` for `batch` products over raw device

@@ -176,11 +176,13 @@ macro_rules! launch {
             let arg = $arg;
             builder.arg(&arg);
         )*
+        let span = crate::profile::Span::begin(st);
         // SAFETY: the arguments are the kernel's parameters in order and type (the prelude's
         // structs are mirrored by `AmpShape`/`AmpView`, pointers are u64 device addresses of
         // live blocks sized for the kernel's indexing), and they live until the launch returns.
         let r = unsafe { builder.launch(cfg) };
         st.check(&format!("launching {}", kernel.name), r);
+        span.end(st, || kernel.name.clone());
     }};
 }
 pub(crate) use launch;

@@ -43,6 +43,7 @@ mod gemm;
 pub mod kernels;
 mod launch;
 pub mod nvrtc;
+mod profile;
 mod storage;
 
 pub use alloc::MemoryStats;

@@ -139,3 +139,26 @@ fn ten_amp_steps_make_no_blocking_call_until_a_value_is_read() {
     let _ = (report.skipped.get(), norm.get());
     assert!(cuda.blocking_calls() > before, "reading a value is a blocking call, counted");
 }
+
+#[test]
+fn a_profile_times_each_kernel_on_the_gpu_with_one_wait_to_read_it() {
+    let Some(cuda) = cuda_or_skip("a_profile_times_each_kernel_on_the_gpu_with_one_wait_to_read_it") else { return };
+    let x = Tensor::<f32>::ones(&[256, 512]).to_device(&cuda).cast::<half::bf16>();
+    let w = Tensor::<f32>::ones(&[128, 512]).to_device(&cuda).cast::<half::bf16>();
+    let _ = x.to_vec(); // nothing queued when the profile starts
+    let waits = cuda.blocking_calls();
+    amp_core::profile::start();
+    let y = x.linear(&w, None).gelu().softmax(1);
+    let queued = cuda.blocking_calls();
+    let table = amp_core::profile::stop();
+    assert_eq!(queued, waits, "recording adds no wait while the work is queued");
+    assert!(cuda.blocking_calls() - waits <= 1, "reading the profile waits once at most");
+    let names: Vec<&str> = table.rows.iter().map(|r| r.name.as_str()).collect();
+    println!("{table}");
+    assert!(names.iter().any(|n| n.starts_with("gemm_bf16")), "the cuBLAS product is a row: {names:?}");
+    assert!(names.iter().any(|n| n.contains("gelu")), "the GELU kernel is a row: {names:?}");
+    assert!(names.iter().any(|n| n.contains("softmax")), "the softmax kernel is a row: {names:?}");
+    assert!(table.rows.iter().all(|r| r.seconds > 0.0 && r.seconds.is_finite()), "{table}");
+    assert!(table.kernel_seconds() <= table.wall_seconds, "{table}");
+    assert_eq!(y.shape(), &[256, 128]);
+}

@@ -119,6 +119,10 @@ stage resume-f16-on-gpu 150 "$here/bin/train" --device cuda --precision f16 --ou
 # The GPU-scale GPT at batch 16 beside PyTorch eager, then bf16 at the batch that fills ~40 GiB.
 stage gpu_gpt 180 "$here/bin/gpu_gpt" --batch 16 --steps 10 --warmup 2
 [ -n "$torch_py" ] && stage gpu_gpt-torch 120 "$torch_py" "$here/gpu_gpt.py" --batch 16 --steps 10 --warmup 2
+# Where the step's time goes, kernel by kernel, on both sides (3 steps each, after the timing).
+stage gpu_gpt-profile 120 "$here/bin/gpu_gpt" --batch 16 --steps 2 --warmup 2 --profile 3
+[ -n "$torch_py" ] && stage gpu_gpt-profile-torch 120 "$torch_py" "$here/gpu_gpt.py" --batch 16 --steps 2 --warmup 2 \
+    --profile 3
 stage gpu_gpt-40gib 150 "$here/bin/gpu_gpt" --precision bf16 --steps 5 --warmup 1
 
 # ---- the table -------------------------------------------------------------------------------
@@ -154,5 +158,11 @@ for f in "$logs"/train-f16.log "$logs"/train-bf16-gpu-750.log "$logs"/resume-bf1
     echo "== $(basename "$f" .log) (last lines)"
     grep -v '^\s*$' "$f" | tail -n 5 | cut -c1-220
 done
+if [ -f "$logs/gpu_gpt-profile.log" ]; then
+    echo
+    echo "== gpu_gpt --profile: the 12 heaviest kernels of each precision, and the time outside any kernel"
+    awk '/^Profile of/ {print; n = 0; next} /^\| kernel/ {n = 1; next} n && /^\| ---/ {next}
+        n && n <= 12 && /^\| / {print; n++; next} /outside any kernel|\(wall\)/ {print}' "$logs/gpu_gpt-profile.log"
+fi
 [ ${#notrun[@]} -gt 0 ] && echo "not run (time budget): ${notrun[*]}"
 echo "total $(($(date +%s) - t0)) s of $budget s"

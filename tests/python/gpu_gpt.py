@@ -8,7 +8,7 @@ synchronisations per step counted by torch.cuda.set_sync_debug_mode (each synchr
 warns once).
 
     python tests/python/gpu_gpt.py [--device cuda|cpu] [--precision bf16|f16|both]
-                                   [--batch N] [--steps 20] [--warmup 3] [--tiny]
+                                   [--batch N] [--steps 20] [--warmup 3] [--tiny] [--profile N]
 """
 
 import argparse
@@ -132,6 +132,20 @@ def run(c, b, dtype, args):
         f"syncs/step {blocking}  loss {first:.3f} -> {last:.3f}",
         flush=True,
     )
+    if args.profile:
+        # The same steps under torch.profiler, for a kernel-by-kernel comparison with
+        # `gpu_gpt --profile`: self time per op, device time on a GPU.
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for i in range(args.profile):
+                step(args.warmup + args.steps + i)
+            if cuda:
+                torch.cuda.synchronize()
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        print(f"torch.profiler, {name}, {args.profile} steps:", flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
 
 
 def main():
@@ -142,6 +156,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--profile", type=int, default=0, help="steps to run under torch.profiler after the timed ones")
     args = p.parse_args()
     c = config(args.tiny)
     if args.precision in ("bf16", "both"):

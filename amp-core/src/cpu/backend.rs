@@ -16,6 +16,15 @@ use crate::backend::{
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
 
+/// Times the enclosing backend call for [`crate::profile`] as `"<kernel> <precision>"`; the
+/// name is formatted only while a profile is recording.
+macro_rules! profiled {
+    ($e:ty, $($name:tt)+) => {
+        let _profile =
+            crate::profile::host_scope(|| format!("{} {}", format_args!($($name)+), <$e as Precision>::DTYPE));
+    };
+}
+
 /// A CPU storage: a shared buffer from the caching allocator.
 pub type Storage<E> = Arc<PooledVec<E>>;
 
@@ -112,15 +121,19 @@ impl Device for Cpu {
     // ---- allocation and copies
 
     fn from_host<E: Precision>(&self, data: Vec<E>) -> Storage<E> {
+        profiled!(E, "from_host");
         store(data)
     }
     fn full<E: Precision>(&self, n: usize, value: E) -> Storage<E> {
+        profiled!(E, "full");
         store(alloc::global().filled(n, value))
     }
     fn to_host<E: Precision>(&self, s: &Storage<E>, l: &Layout) -> Vec<E> {
+        profiled!(E, "to_host");
         super::gather(s, l)
     }
     fn contiguous<E: Precision>(&self, s: &Storage<E>, l: &Layout) -> Storage<E> {
+        profiled!(E, "contiguous");
         store(super::gather(s, l))
     }
     fn len<E: Precision>(s: &Storage<E>) -> usize {
@@ -133,6 +146,7 @@ impl Device for Cpu {
         Arc::as_ptr(s) as *const () as usize
     }
     fn write_into<E: Precision>(&self, dst: &mut Storage<E>, dl: &Layout, src: &Storage<E>, sl: &Layout, add: bool) {
+        profiled!(E, "{}", if add { "add_into" } else { "write_into" });
         let src = view(src, sl);
         super::write_into(exclusive(dst), dl, &src, add);
     }
@@ -140,15 +154,18 @@ impl Device for Cpu {
     // ---- casts
 
     fn cast<E: Precision, T: Precision>(&self, s: &Storage<E>, l: &Layout) -> Storage<T> {
+        profiled!(E, "cast_to_{}", T::DTYPE);
         store(super::convert_par(&view(s, l)))
     }
     fn cast_into<E: Precision, T: Precision>(&self, s: &Storage<E>, l: &Layout, dst: &mut Storage<T>) {
+        profiled!(E, "cast_into_{}", T::DTYPE);
         super::convert_par_into(&view(s, l), exclusive(dst));
     }
 
     // ---- elementwise maps
 
     fn unary<E: Precision, O: UnaryOp>(&self, op: O, x: &Storage<E>, l: &Layout) -> Storage<E> {
+        profiled!(E, "{}_fwd", O::NAME);
         store(super::map_unary(
             &view(x, l),
             #[inline(always)]
@@ -162,6 +179,7 @@ impl Device for Cpu {
         y: (&Storage<E>, &Layout),
         g: (&Storage<E>, &Layout),
     ) -> Storage<E> {
+        profiled!(E, "{}_bwd", O::NAME);
         // Only what the derivative reads is loaded (GELU's backward needs no `y`, the scalar
         // ops' none of `x` and `y`); the unread argument gets a stand-in it ignores.
         match (O::DERIVATIVE_READS_X, O::DERIVATIVE_READS_Y) {
@@ -201,6 +219,7 @@ impl Device for Cpu {
         b: (&Storage<E>, &Layout),
         shape: &[usize],
     ) -> Storage<E> {
+        profiled!(E, "{}", O::NAME);
         store(super::map_binary(
             a.0,
             a.1,
@@ -218,6 +237,7 @@ impl Device for Cpu {
         b: (&Storage<E>, &Layout),
         shape: &[usize],
     ) -> Storage<E> {
+        profiled!(E, "select");
         let lm = Layout::contiguous(mask.1);
         store(index::select(mask.0, &lm, a.0, a.1, b.0, b.1, shape))
     }
@@ -232,6 +252,7 @@ impl Device for Cpu {
         op: ReduceOp,
         scale: f64,
     ) -> Storage<E> {
+        profiled!(E, "reduce_{}", if matches!(op, ReduceOp::Sum) { "sum" } else { "max" });
         let kind = match op {
             ReduceOp::Sum => reduce::Reduce::Sum,
             ReduceOp::Max => reduce::Reduce::Max,
@@ -245,6 +266,7 @@ impl Device for Cpu {
         split: DimSplit,
         max: bool,
     ) -> (Storage<E>, Vec<usize>) {
+        profiled!(E, "arg_reduce");
         let x = view(x, l);
         let DimSplit { dim: d, inner, .. } = split;
         let idx = reduce::arg_reduce(&x, (split.outer, d, inner), max);
@@ -253,6 +275,7 @@ impl Device for Cpu {
         (store(vals), idx)
     }
     fn scatter_dim<E: Precision>(&self, g: &Storage<E>, l: &Layout, idx: &[usize], split: DimSplit) -> Storage<E> {
+        profiled!(E, "scatter_dim");
         let g = view(g, l);
         let DimSplit { outer, dim: d, inner } = split;
         let mut full = alloc::zeroed::<E>(outer * d * inner);
@@ -270,6 +293,7 @@ impl Device for Cpu {
         b: (&Storage<E>, &Layout),
         batch: &[usize],
     ) -> Storage<E> {
+        profiled!(E, "matmul");
         store(matmul::matmul(a.0, a.1, b.0, b.1, batch))
     }
     fn linear<E: Precision>(
@@ -278,6 +302,7 @@ impl Device for Cpu {
         w: (&Storage<E>, &Layout),
         bias: Option<(&Storage<E>, &Layout)>,
     ) -> Storage<E> {
+        profiled!(E, "linear");
         let bias = view_opt(bias);
         store(matmul::linear(x.0, x.1, w.0, w.1, bias.as_deref()))
     }
@@ -285,6 +310,7 @@ impl Device for Cpu {
     // ---- fused rows
 
     fn softmax<E: Precision>(&self, x: &Storage<E>, l: &Layout, d: usize, log: bool) -> Storage<E> {
+        profiled!(E, "{}softmax_fwd", if log { "log_" } else { "" });
         let x = view(x, l);
         store(if log { softmax::forward::<E, true>(&x, d) } else { softmax::forward::<E, false>(&x, d) })
     }
@@ -295,6 +321,7 @@ impl Device for Cpu {
         d: usize,
         log: bool,
     ) -> Storage<E> {
+        profiled!(E, "{}softmax_bwd", if log { "log_" } else { "" });
         let (y, g) = (view(y.0, y.1), view(g.0, g.1));
         store(if log { softmax::backward::<E, true>(&y, &g, d) } else { softmax::backward::<E, false>(&y, &g, d) })
     }
@@ -307,6 +334,7 @@ impl Device for Cpu {
         eps: f64,
         rms: bool,
     ) -> (Storage<E>, RowStats<E::Acc>) {
+        profiled!(E, "{}_norm_fwd", if rms { "rms" } else { "layer" });
         let x = view(x.0, x.1);
         let (w, b) = (view_opt(weight), view_opt(bias));
         let (y, stats) = if rms {
@@ -326,6 +354,7 @@ impl Device for Cpu {
         needs: (bool, bool),
         rms: bool,
     ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
+        profiled!(E, "{}_norm_bwd", if rms { "rms" } else { "layer" });
         let RowStats::Norm(stats) = stats else { unreachable!("norm backward with cross-entropy statistics") };
         let (x, g, w) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
         let (gx, gw, gb) = if rms {
@@ -342,6 +371,7 @@ impl Device for Cpu {
         v: (&Storage<E>, &Layout),
         spec: AttentionSpec,
     ) -> (Storage<E>, RowStats<E::Acc>) {
+        profiled!(E, "attention_fwd");
         let (out, lse) = attention::forward(&view(q.0, q.1), &view(k.0, k.1), &view(v.0, v.1), spec);
         (store(out), RowStats::LogSumExp(lse))
     }
@@ -355,6 +385,7 @@ impl Device for Cpu {
         stats: &RowStats<E::Acc>,
         spec: AttentionSpec,
     ) -> (Storage<E>, Storage<E>, Storage<E>) {
+        profiled!(E, "attention_bwd");
         let RowStats::LogSumExp(lse) = stats else {
             unreachable!("backend invariant: attention stats are log-sum-exps")
         };
@@ -368,6 +399,7 @@ impl Device for Cpu {
         c: usize,
         spec: CrossEntropySpec<'_>,
     ) -> (Storage<E>, RowStats<E::Acc>, usize) {
+        profiled!(E, "cross_entropy_fwd");
         let (lse, total, counted) = loss::cross_entropy_forward(&view(x.0, x.1), c, spec);
         (self.full(1, E::from_f64(total / counted as f64)), RowStats::LogSumExp(lse), counted)
     }
@@ -380,11 +412,13 @@ impl Device for Cpu {
         g: (&Storage<E>, &Layout),
         counted: usize,
     ) -> Storage<E> {
+        profiled!(E, "cross_entropy_bwd");
         let RowStats::LogSumExp(lse) = stats else { unreachable!("cross-entropy backward with norm statistics") };
         let scale = g.0[g.1.offset].to_f64() / counted as f64;
         store(loss::cross_entropy_backward(&view(x.0, x.1), c, spec, lse, scale))
     }
     fn mse<E: Precision>(&self, a: (&Storage<E>, &Layout), b: (&Storage<E>, &Layout)) -> Storage<E> {
+        profiled!(E, "mse_fwd");
         let n = a.1.numel();
         let sum = loss::squared_error_sum(&view(a.0, a.1), &view(b.0, b.1));
         self.full(1, E::from_f64(sum / n as f64))
@@ -395,6 +429,7 @@ impl Device for Cpu {
         b: (&Storage<E>, &Layout),
         g: (&Storage<E>, &Layout),
     ) -> Storage<E> {
+        profiled!(E, "mse_bwd");
         let k = 2.0 * g.0[g.1.offset].to_f64() / a.1.numel() as f64;
         self.binary(crate::ops::loss::ScaledDiff(k), a, b, a.1.shape())
     }
@@ -408,6 +443,7 @@ impl Device for Cpu {
         bias: Option<(&Storage<E>, &Layout)>,
         spec: &Conv2dSpec,
     ) -> Storage<E> {
+        profiled!(E, "conv2d_fwd");
         let (x, w, b) = (view(x.0, x.1), view(w.0, w.1), view_opt(bias));
         store(conv::forward(&x, &w, b.as_deref(), spec))
     }
@@ -417,6 +453,7 @@ impl Device for Cpu {
         w: (&Storage<E>, &Layout),
         spec: &Conv2dSpec,
     ) -> Storage<E> {
+        profiled!(E, "conv2d_bwd_input");
         store(conv::backward_input(&view(g.0, g.1), &view(w.0, w.1), spec))
     }
     fn conv2d_backward_weight<E: Precision>(
@@ -426,11 +463,13 @@ impl Device for Cpu {
         spec: &Conv2dSpec,
         bias: bool,
     ) -> (Option<Storage<E>>, Option<Storage<E>>) {
+        profiled!(E, "conv2d_bwd_weight");
         let x = view_opt(x);
         let (gw, gb) = conv::backward_weight(x.as_deref(), &view(g.0, g.1), spec, bias);
         (gw.map(store), gb.map(store))
     }
     fn max_pool2d<E: Precision>(&self, x: &Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Storage<E> {
+        profiled!(E, "max_pool2d_fwd");
         store(pool::max_forward(&view(x, l), spec))
     }
     fn max_pool2d_backward<E: Precision>(
@@ -439,12 +478,15 @@ impl Device for Cpu {
         g: (&Storage<E>, &Layout),
         spec: &Pool2dSpec,
     ) -> Storage<E> {
+        profiled!(E, "max_pool2d_bwd");
         store(pool::max_backward(&view(x.0, x.1), &view(g.0, g.1), spec))
     }
     fn avg_pool2d<E: Precision>(&self, x: &Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Storage<E> {
+        profiled!(E, "avg_pool2d_fwd");
         store(pool::avg_forward(&view(x, l), spec))
     }
     fn avg_pool2d_backward<E: Precision>(&self, g: &Storage<E>, l: &Layout, spec: &Pool2dSpec) -> Storage<E> {
+        profiled!(E, "avg_pool2d_bwd");
         store(pool::avg_backward(&view(g, l), spec))
     }
     fn batch_norm<E: Precision>(
@@ -455,6 +497,7 @@ impl Device for Cpu {
         stats: BatchNormStats<'_, Storage<f32>>,
         eps: f64,
     ) -> (Storage<E>, RowStats<E::Acc>) {
+        profiled!(E, "batch_norm_fwd");
         let split = DimSplit::of(&x.1.shape, 1);
         let x = view(x.0, x.1);
         let (w, b) = (view_opt(weight), view_opt(bias));
@@ -484,6 +527,7 @@ impl Device for Cpu {
         needs: (bool, bool),
         training: bool,
     ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
+        profiled!(E, "batch_norm_bwd");
         let RowStats::Channels(stats) = stats else { unreachable!("batch norm backward with other statistics") };
         let split = DimSplit::of(&x.1.shape, 1);
         let (x, g, w) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
@@ -494,6 +538,7 @@ impl Device for Cpu {
     // ---- gather, scatter-add, embedding, cat
 
     fn gather_rows<E: Precision>(&self, w: (&Storage<E>, &Layout), ids: &[i64], d: usize) -> Storage<E> {
+        profiled!(E, "gather_rows");
         store(index::gather_rows(&view(w.0, w.1), ids, d))
     }
     fn scatter_add_rows<E: Precision>(
@@ -503,9 +548,11 @@ impl Device for Cpu {
         vocab: usize,
         d: usize,
     ) -> Storage<E> {
+        profiled!(E, "scatter_add_rows");
         store(index::scatter_add_rows(&view(g.0, g.1), ids, vocab, d))
     }
     fn cat<E: Precision>(&self, parts: &[(&Storage<E>, &Layout, usize)], outer: usize, inner: usize) -> Storage<E> {
+        profiled!(E, "cat");
         let views: Vec<_> = parts.iter().map(|(s, l, _)| view(s, l)).collect();
         let slices: Vec<(&[E], usize)> = views.iter().zip(parts).map(|(v, p)| (&v[..], p.2)).collect();
         store(index::cat(&slices, outer, inner))
@@ -514,6 +561,7 @@ impl Device for Cpu {
     // ---- random numbers
 
     fn dropout<E: Precision>(&self, x: &Storage<E>, l: &Layout, p: f64, seed: u64) -> Storage<E> {
+        profiled!(E, "dropout");
         store(dropout::apply(&view(x, l), p, seed))
     }
 
@@ -526,6 +574,7 @@ impl Device for Cpu {
         found_inf: &mut Storage<f32>,
         first_flag: usize,
     ) {
+        profiled!(E, "unscale_check");
         let inv = scale.map(|s| crate::backend::inv_scale(s[ScaleSlot::Scale as usize] as f32));
         let mut slices: Vec<&mut [E]> = grads.iter_mut().map(|g| exclusive(g)).collect();
         let flags = amp::unscale_all_of(&mut slices, inv);
@@ -536,23 +585,28 @@ impl Device for Cpu {
         }
     }
     fn update_scale(&self, state: &mut Storage<f64>, found_inf: &Storage<f32>, rule: &ScaleRule) {
+        profiled!(f64, "update_scale");
         let overflow = found_inf.iter().any(|&f| f != 0.0);
         rule.apply(exclusive(state), overflow);
     }
     fn norm_into<E: Precision>(&self, x: &Storage<E>, l: &Layout, out: &mut Storage<f32>, at: usize) {
+        profiled!(E, "grad_norm");
         let sum = amp::sum_squares_of(&view(x, l));
         exclusive(out)[at] = if E::DTYPE == crate::DType::F64 { sum.sqrt() as f32 } else { (sum as f32).sqrt() };
     }
     fn clip_coefficient(&self, norms: &Storage<f32>, max_norm: f32, out: &mut Storage<f32>) {
+        profiled!(f32, "clip_coefficient");
         let total = crate::backend::total_norm(norms);
         let out = exclusive(out);
         out[0] = total;
         out[1] = crate::backend::clip_coefficient(total, max_norm);
     }
     fn scale_in_place<E: Precision>(&self, x: &mut Storage<E>, k: &Storage<f32>, at: usize) {
+        profiled!(E, "scale_in_place");
         amp::scale_of(exclusive(x), k[at]);
     }
     fn clamp_in_place<E: Precision>(&self, x: &mut Storage<E>, c: f32) {
+        profiled!(E, "clamp_in_place");
         amp::clamp_of(exclusive(x), c);
     }
     type Value<T: Scalar> = T;
@@ -581,6 +635,7 @@ impl Device for Cpu {
         momentum_buffer: Option<&mut Vec<f32>>,
         outcomes: Option<Outcomes<'_, Storage<f32>>>,
     ) {
+        profiled!(f32, "sgd_update");
         let Some(row) = row_of(rows.len(), outcomes) else { return };
         optim::sgd(&rows[row], exclusive(param), grad, momentum_buffer.map(|b| b.as_mut_slice()));
     }
@@ -591,6 +646,7 @@ impl Device for Cpu {
         mode: Bf16Write,
         compensation: Option<&mut Storage<bf16>>,
     ) {
+        profiled!(bf16, "write_bf16");
         let param = exclusive(param);
         match (mode, compensation) {
             (Bf16Write::Kahan, Some(c)) => optim::write_kahan(updated, param, exclusive(c)),
@@ -608,6 +664,7 @@ impl Device for Cpu {
         exp_avg_sq: &mut Vec<f32>,
         outcomes: Option<Outcomes<'_, Storage<f32>>>,
     ) {
+        profiled!(f32, "adam_update");
         let Some(row) = row_of(rows.len(), outcomes) else { return };
         optim::adam(&rows[row], exclusive(param), grad, exp_avg, exp_avg_sq);
     }

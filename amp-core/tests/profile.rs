@@ -1,0 +1,54 @@
+//! `amp_core::profile`: the CPU backend's calls land in the table under their kernel's name,
+//! once each (a kernel built on another counts as the outer one), and nothing is recorded
+//! outside `start`..`stop`. One test: the profile is process-wide, and parallel tests in this
+//! process would add their own rows.
+
+use amp_core::{Tensor, bf16, profile};
+
+#[test]
+fn the_cpu_backend_times_each_call_under_its_kernel_name() {
+    assert!(profile::stop().rows.is_empty(), "nothing is recorded before a start");
+    assert!(!profile::is_recording());
+
+    let a = Tensor::<f32>::ones(&[32, 48]).requires_grad_();
+    let b = Tensor::<f32>::ones(&[48, 16]);
+    profile::start();
+    assert!(profile::is_recording());
+    let y = a.matmul(&b).gelu();
+    let target = Tensor::<f32>::zeros(&[32, 16]);
+    let loss = y.mse_loss(&target);
+    let grads = loss.backward();
+    let half = a.detach().cast::<bf16>();
+    let table = profile::stop();
+    assert!(!profile::is_recording());
+    assert!(grads.get(&a).is_some() && half.dtype() == amp_core::DType::BF16);
+
+    let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
+    assert_eq!(calls("matmul f32"), Some(2), "the forward and a's gradient (b needs none): {table}");
+    assert_eq!(calls("gelu_fwd f32"), Some(1), "{table}");
+    assert_eq!(calls("gelu_bwd f32"), Some(1), "{table}");
+    assert_eq!(calls("mse_fwd f32"), Some(1), "{table}");
+    assert_eq!(calls("mse_bwd f32"), Some(1), "{table}");
+    assert_eq!(calls("cast_to_bf16 f32"), Some(1), "{table}");
+    // mse's backward runs the scaled-difference map inside its own call: counted once, as mse_bwd.
+    assert_eq!(calls("scaled_diff f32"), None, "a nested kernel is not counted twice: {table}");
+
+    assert!(table.rows.iter().all(|r| r.seconds >= 0.0 && r.seconds.is_finite()));
+    assert!(table.rows.windows(2).all(|w| w[0].seconds >= w[1].seconds), "heaviest first");
+    assert!(table.kernel_seconds() <= table.wall_seconds, "{table}");
+    assert_eq!(table.seconds_matching("matmul"), table.rows.iter().find(|r| r.name == "matmul f32").unwrap().seconds);
+    let text = table.to_string();
+    assert!(text.starts_with("| kernel | calls | total ms |"), "{text}");
+    assert!(text.contains("| matmul f32 | 2 |") && text.contains("(outside any kernel)"), "{text}");
+
+    // Stopped: ops record nothing, and a second stop returns an empty table.
+    let _ = a.matmul(&b);
+    assert!(profile::stop().rows.is_empty());
+
+    // A new start begins a new table.
+    profile::start();
+    let _ = b.cast::<bf16>();
+    let again = profile::stop();
+    assert_eq!(again.rows.len(), 1, "{again}");
+    assert_eq!(again.rows[0].name, "cast_to_bf16 f32");
+}

@@ -1,7 +1,8 @@
 //! The CUDA backend's kernels against the GPU's own limits: GEMM throughput at 4096³ and
 //! 8192³ in f16 and bf16 (cuBLAS, f32 compute), and the bandwidth of the elementwise and
 //! fused-row kernels (GELU, layer norm, softmax, cross-entropy) over 256 MiB of bf16 against
-//! a device-to-device copy of the same bytes measured in the same run.
+//! a device-to-device copy of the same bytes measured in the same run, and causal attention
+//! at GPT-2 small's shape (PyTorch's side: `scaled_dot_product_attention(is_causal=True)`).
 //!
 //! ```text
 //! cargo run --release --features cuda --example gpu_bench
@@ -100,6 +101,23 @@ mod bench {
         let targets = Indices::from_vec((0..ce_rows as i64).map(|i| (i * 7919) % vocab as i64).collect(), &[ce_rows]);
         let ce_shape = format!("{ce_rows}x{vocab}");
         report("cross_entropy", &ce_shape, ce_rows * vocab * 2, time(gpu, 20, || drop(logits.cross_entropy(&targets))));
+        attention(gpu);
+    }
+
+    /// Causal attention at GPT-2 small's shape and batch 16 (`[16, 12, 1024, 64]` bf16),
+    /// forward alone and forward + backward (through the sum of the output, as PyTorch's side
+    /// does), in TFLOP/s of causal attention: `2 n t² d` for the forward's two products over
+    /// the causal half, 2.5 times that for the backward's five.
+    fn attention(gpu: &Cuda) {
+        let (b, h, t, d) = (16, 12, 1024, 64);
+        let qkv = || tiled::<bf16>(gpu, b * h * t, d).reshape(&[b, h, t, d]);
+        let (q, k, v) = (qkv().requires_grad_(), qkv().requires_grad_(), qkv().requires_grad_());
+        let shape = format!("{b}x{h}x{t}x{d}");
+        let fwd_flops = 2.0 * (b * h) as f64 * (t * t * d) as f64;
+        let s = amp::no_grad(|| time(gpu, 10, || drop(q.causal_attention(&k, &v))));
+        println!("BENCH attention_fwd bf16 {shape} ms {:.4} TFLOP/s {:.1}", s * 1e3, fwd_flops / s / 1e12);
+        let s = time(gpu, 10, || drop(q.causal_attention(&k, &v).sum_all().backward()));
+        println!("BENCH attention_fwd_bwd bf16 {shape} ms {:.4} TFLOP/s {:.1}", s * 1e3, 3.5 * fwd_flops / s / 1e12);
     }
 }
 

@@ -1,6 +1,6 @@
 """PyTorch's side of examples/gpu_bench.rs on the same GPU: torch.matmul at 4096^3 and 8192^3
-in f16 and bf16, and a copy, GELU, layer norm, softmax and cross-entropy over the same 256 MiB
-of bf16, timed the same way (median of 7 rounds, each a queue of calls ended by one
+in f16 and bf16, a copy, GELU, layer norm, softmax and cross-entropy over the same 256 MiB
+of bf16, and causal attention (SDPA) at GPT-2 small's shape, timed the same way (median of 7 rounds, each a queue of calls ended by one
 synchronisation). Prints `BENCH` lines in the example's format with `torch_` before the op.
 
     python tests/python/gpu_bench.py
@@ -58,6 +58,23 @@ def main():
     logits = torch.randn(ce_rows, vocab, device=dev, dtype=torch.bfloat16)
     targets = (torch.arange(ce_rows, device=dev) * 7919) % vocab
     report("cross_entropy", f"{ce_rows}x{vocab}", ce_rows * vocab * 2, timed(20, lambda: F.cross_entropy(logits, targets)))
+    del x, dst, logits
+
+    # Causal attention at GPT-2 small's shape, batch 16: forward, and forward + backward through
+    # the output's sum; TFLOP/s of causal attention (2 n t^2 d forward, 2.5 times that backward).
+    b, h, t, d = 16, 12, 1024, 64
+    q, k, v = (torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    shape = f"{b}x{h}x{t}x{d}"
+    fwd_flops = 2 * b * h * t * t * d
+    with torch.no_grad():
+        s = timed(10, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    print(f"BENCH torch_attention_fwd bf16 {shape} ms {s * 1e3:.4f} TFLOP/s {fwd_flops / s / 1e12:.1f}")
+    def forward_backward():
+        q.grad = k.grad = v.grad = None  # as ours: fresh gradients, no accumulation
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    s = timed(10, forward_backward)
+    print(f"BENCH torch_attention_fwd_bwd bf16 {shape} ms {s * 1e3:.4f} TFLOP/s {3.5 * fwd_flops / s / 1e12:.1f}")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@
 //! clip_grad_norm(1.0), AdamW, scaler update. After `--warmup` steps (kernels compiled, the
 //! allocator's cache filled), `--steps` steps are queued and then the last step's loss is read
 //! (the one wait of the timed run); the tokens/s and TFLOP/s count the whole stretch. The
-//! model's FLOPs per token are `6 N + 12 L T d` (N parameters without the position
-//! embeddings, L layers, T tokens, d width: PaLM's count, attention at full `T × T`).
+//! host's time to queue each step is printed beside the step time: close to it, the GPU was
+//! waiting for the host. The model's FLOPs per token are `6 N + 12 L T d` (N parameters
+//! without the position embeddings, L layers, T tokens, d width: PaLM's count, attention at
+//! full `T × T`).
 //!
 //! The batch defaults to what fills about 40 GiB by an estimate (16 bytes per parameter for
 //! weights, gradients and Adam's moments; per token `60 d` bytes of activations per layer and
@@ -95,6 +97,9 @@ fn default_batch(c: &GptConfig, params: usize) -> usize {
 /// What one run measured.
 struct Measured {
     tokens_per_s: f64,
+    /// Seconds per step the host took to queue the timed steps, and the wall time per step.
+    host_step_s: f64,
+    step_s: f64,
     tflops: f64,
     first_loss: f32,
     last_loss: f32,
@@ -191,6 +196,9 @@ fn run<L: Precision, K: LossScaler + Default, D: Device + Meter>(
     for i in 0..args.steps {
         results.push(step(args.warmup + i, &mut model));
     }
+    // The host's time to queue the steps: near the wall time when the GPU waits for the host
+    // (launch-bound), well below it when the host runs ahead.
+    let queued = t0.elapsed().as_secs_f64();
     let waits = waits.zip(dev.blocking_calls()).map(|(a, b)| (b - a) as f64 / args.steps.max(1) as f64);
     let allocations = (dev.allocations() - allocations) as f64 / args.steps.max(1) as f64;
     let (last, _) = results.last().expect("at least one timed step");
@@ -209,6 +217,8 @@ fn run<L: Precision, K: LossScaler + Default, D: Device + Meter>(
     let flops_per_token = 6.0 * n as f64 + 12.0 * (c.n_layers * c.block_size * c.d_model) as f64;
     Measured {
         tokens_per_s: tokens / elapsed,
+        host_step_s: queued / args.steps as f64,
+        step_s: elapsed / args.steps as f64,
         tflops: tokens * flops_per_token / elapsed / 1e12,
         first_loss: first_loss.unwrap_or(f32::NAN),
         last_loss,
@@ -224,14 +234,17 @@ fn report(dev: &str, precision: &str, b: usize, m: &Measured) {
     let blocking = m.blocking_per_step.map_or("n/a (host memory)".to_string(), |w| format!("{w:.2}"));
     println!(
         "{dev} {precision:<14} batch {b:>3}: {:>9.0} tokens/s  {:>7.3} TFLOP/s  peak {:>6.2} GiB  \
-         blocking calls/step {blocking}  allocations/step {:.2}  loss {:.3} -> {:.3}  skipped {}",
+         blocking calls/step {blocking}  allocations/step {:.2}  loss {:.3} -> {:.3}  skipped {}  \
+         step {:.1} ms (host queued it in {:.1} ms)",
         m.tokens_per_s,
         m.tflops,
         m.peak_bytes as f64 / (1u64 << 30) as f64,
         m.allocations_per_step,
         m.first_loss,
         m.last_loss,
-        m.skipped
+        m.skipped,
+        m.step_s * 1e3,
+        m.host_step_s * 1e3
     );
     if let Some(table) = &m.profile {
         println!("Profile of {precision}, the --profile steps after the timed ones (totals over them):\n{table}\n");

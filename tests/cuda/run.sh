@@ -164,5 +164,10 @@ if [ -f "$logs/gpu_gpt-profile.log" ]; then
     awk '/^Profile of/ {print; n = 0; next} /^\| kernel/ {n = 1; next} n && /^\| ---/ {next}
         n && n <= 12 && /^\| / {print; n++; next} /outside any kernel|\(wall\)/ {print}' "$logs/gpu_gpt-profile.log"
 fi
+if [ -f "$logs/gpu_gpt-profile-torch.log" ]; then
+    echo
+    echo "== gpu_gpt.py --profile: torch.profiler's 12 heaviest ops by self device time"
+    grep -A 15 '^torch.profiler,' "$logs/gpu_gpt-profile-torch.log" | cut -c1-200
+fi
 [ ${#notrun[@]} -gt 0 ] && echo "not run (time budget): ${notrun[*]}"
 echo "total $(($(date +%s) - t0)) s of $budget s"

@@ -143,9 +143,14 @@ def run(c, b, dtype, args):
                 step(args.warmup + args.steps + i)
             if cuda:
                 torch.cuda.synchronize()
-        key = "self_device_time_total" if cuda else "self_cpu_time_total"
         print(f"torch.profiler, {name}, {args.profile} steps:", flush=True)
-        print(prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
+        keys = ["self_device_time_total", "self_cuda_time_total"] if cuda else ["self_cpu_time_total"]
+        for key in keys:  # the device columns' name changed across releases
+            try:
+                print(prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
+                break
+            except (AttributeError, KeyError, ValueError) as e:
+                print(f"(sorting by {key} failed: {e})", flush=True)
 
 
 def main():

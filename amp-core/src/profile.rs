@@ -7,7 +7,7 @@
 //! profile::start();
 //! let b = a.matmul(&a).gelu().sum(1, false);
 //! let table = profile::stop();
-//! assert!(table.rows.iter().any(|r| r.name == "matmul f32"));
+//! assert!(table.rows.iter().any(|r| r.name == "matmul_f32"));
 //! println!("{table}"); // kernel | calls | total ms | share of the wall time | mean µs
 //! # let _ = b;
 //! ```
@@ -16,7 +16,7 @@
 //! - Off by default. Each hook costs one relaxed atomic load when off, so the hooks stay in
 //!   release builds and need no feature.
 //! - The CPU backend's kernels are synchronous: each backend call is timed on the host and
-//!   named after its kernel and precision (`"gelu_bwd bf16"`, `"matmul f32"`). Only the
+//!   named after its kernel and precision (`"gelu_bwd_bf16"`, `"matmul_f32"`). Only the
 //!   outermost call of a thread counts, so a kernel built on another is not counted twice.
 //! - A device with a queue (CUDA) records a pair of timing events around each launch and
 //!   hands them over unresolved ([`record_pending`]); [`stop`] resolves them, which waits for
@@ -152,7 +152,7 @@ pub struct Profile {
 /// One kernel's calls and time.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProfileRow {
-    /// The kernel (`"<op> <precision>"` on the CPU, the CUDA kernel's name on a GPU).
+    /// The kernel (`"<kernel>_<precision>"` on the CPU, the CUDA kernel's name on a GPU).
     pub name: String,
     /// Calls recorded.
     pub calls: u64,

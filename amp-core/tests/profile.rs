@@ -24,22 +24,22 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     assert!(grads.get(&a).is_some() && half.dtype() == amp_core::DType::BF16);
 
     let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
-    assert_eq!(calls("matmul f32"), Some(2), "the forward and a's gradient (b needs none): {table}");
-    assert_eq!(calls("gelu_fwd f32"), Some(1), "{table}");
-    assert_eq!(calls("gelu_bwd f32"), Some(1), "{table}");
-    assert_eq!(calls("mse_fwd f32"), Some(1), "{table}");
-    assert_eq!(calls("mse_bwd f32"), Some(1), "{table}");
-    assert_eq!(calls("cast_to_bf16 f32"), Some(1), "{table}");
+    assert_eq!(calls("matmul_f32"), Some(2), "the forward and a's gradient (b needs none): {table}");
+    assert_eq!(calls("gelu_fwd_f32"), Some(1), "{table}");
+    assert_eq!(calls("gelu_bwd_f32"), Some(1), "{table}");
+    assert_eq!(calls("mse_fwd_f32"), Some(1), "{table}");
+    assert_eq!(calls("mse_bwd_f32"), Some(1), "{table}");
+    assert_eq!(calls("cast_to_bf16_f32"), Some(1), "{table}");
     // mse's backward runs the scaled-difference map inside its own call: counted once, as mse_bwd.
-    assert_eq!(calls("scaled_diff f32"), None, "a nested kernel is not counted twice: {table}");
+    assert_eq!(calls("scaled_diff_f32"), None, "a nested kernel is not counted twice: {table}");
 
     assert!(table.rows.iter().all(|r| r.seconds >= 0.0 && r.seconds.is_finite()));
     assert!(table.rows.windows(2).all(|w| w[0].seconds >= w[1].seconds), "heaviest first");
     assert!(table.kernel_seconds() <= table.wall_seconds, "{table}");
-    assert_eq!(table.seconds_matching("matmul"), table.rows.iter().find(|r| r.name == "matmul f32").unwrap().seconds);
+    assert_eq!(table.seconds_matching("matmul"), table.rows.iter().find(|r| r.name == "matmul_f32").unwrap().seconds);
     let text = table.to_string();
     assert!(text.starts_with("| kernel | calls | total ms |"), "{text}");
-    assert!(text.contains("| matmul f32 | 2 |") && text.contains("(outside any kernel)"), "{text}");
+    assert!(text.contains("| matmul_f32 | 2 |") && text.contains("(outside any kernel)"), "{text}");
 
     // Stopped: ops record nothing, and a second stop returns an empty table.
     let _ = a.matmul(&b);
@@ -50,5 +50,5 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     let _ = b.cast::<bf16>();
     let again = profile::stop();
     assert_eq!(again.rows.len(), 1, "{again}");
-    assert_eq!(again.rows[0].name, "cast_to_bf16 f32");
+    assert_eq!(again.rows[0].name, "cast_to_bf16_f32");
 }

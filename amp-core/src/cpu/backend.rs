@@ -16,12 +16,13 @@ use crate::backend::{
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
 
-/// Times the enclosing backend call for [`crate::profile`] as `"<kernel> <precision>"`; the
-/// name is formatted only while a profile is recording.
+/// Times the enclosing backend call for [`crate::profile`] as `"<kernel>_<precision>"` (as the
+/// CUDA kernels are named, so the two devices' tables line up); the name is formatted only
+/// while a profile is recording.
 macro_rules! profiled {
     ($e:ty, $($name:tt)+) => {
         let _profile =
-            crate::profile::host_scope(|| format!("{} {}", format_args!($($name)+), <$e as Precision>::DTYPE));
+            crate::profile::host_scope(|| format!("{}_{}", format_args!($($name)+), <$e as Precision>::DTYPE));
     };
 }
 

@@ -84,9 +84,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Times `steps` full AMP steps after one warm-up step; returns the median seconds and the
-/// page faults per timed step.
-/// With `--profile`, then profiles [`PROFILED_STEPS`] more steps and prints the table under
-/// `label`.
+/// page faults per timed step. With `--profile`, [`PROFILED_STEPS`] more steps follow under
+/// `amp::profile`, and their table is printed under `label`.
 fn time_steps<M: Params, K: LossScaler>(
     label: &str,
     model: &mut M,

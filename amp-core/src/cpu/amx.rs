@@ -138,6 +138,17 @@ const CONFIG: Config = {
     Config(c)
 };
 
+/// What a block's sums start from ([`Tiles::block`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Start {
+    /// The f32 block of C as it is (a later k block adds to it).
+    Sums,
+    /// Zero.
+    Zero,
+    /// 32 f32 of a bias, the same for every row (64-byte aligned for speed).
+    Bias(*const f32),
+}
+
 /// The tiles configured on this thread; released (`tilerelease`) on drop. Not `Send`: the
 /// configuration belongs to the thread that loaded it.
 pub(crate) struct Tiles(std::marker::PhantomData<*const ()>);
@@ -162,11 +173,12 @@ impl Tiles {
     /// `b[32 s]`, 128 bytes a step). Every pointer and `4·ldc` should be multiples of 64: the
     /// result does not depend on it, the speed does.
     ///
-    /// With `zero_c`, C's block is taken as zero and only written (`c = a · b`).
+    /// `start` says what the sums start from: C's block as it is, zero, or a bias row
+    /// (`c = a · b` or `c = bias + a · b`, C's block then only written).
     ///
     /// # Safety
-    /// `a` must be readable for 2048·chunks bytes, `b` for 512·chunks u32, and `c` readable
-    /// and writable for 32 floats at each of its 32 rows.
+    /// `a` must be readable for 2048·chunks bytes, `b` for 512·chunks u32, `c` readable and
+    /// writable for 32 floats at each of its 32 rows, and a bias start readable for 32 floats.
     #[cfg(target_arch = "x86_64")]
     #[inline]
     pub(crate) unsafe fn block(
@@ -176,7 +188,7 @@ impl Tiles {
         b: *const u32,
         c: *mut f32,
         ldc: usize,
-        zero_c: bool,
+        start: Start,
     ) {
         use std::arch::asm;
         let c_row = ldc * 4;
@@ -189,17 +201,27 @@ impl Tiles {
         // 0–15 and 16–31.
         unsafe {
             let c16 = c.add(16 * ldc);
-            if zero_c {
-                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-            } else {
-                asm!(
-                "tileloadd tmm0, [{c} + {s}*1]",
-                "tileloadd tmm1, [{c} + {s}*1 + 64]",
-                "tileloadd tmm2, [{c16} + {s}*1]",
-                "tileloadd tmm3, [{c16} + {s}*1 + 64]",
-                c = in(reg) c, c16 = in(reg) c16, s = in(reg) c_row,
-                options(nostack, readonly),
-                );
+            match start {
+                Start::Zero => {
+                    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem))
+                }
+                // A row stride of 0 loads the same 64 bytes into all 16 rows of a tile.
+                Start::Bias(bias) => asm!(
+                    "tileloadd tmm0, [{b} + {s}*1]",
+                    "tileloadd tmm1, [{b} + {s}*1 + 64]",
+                    "tileloadd tmm2, [{b} + {s}*1]",
+                    "tileloadd tmm3, [{b} + {s}*1 + 64]",
+                    b = in(reg) bias, s = in(reg) 0usize,
+                    options(nostack, readonly),
+                ),
+                Start::Sums => asm!(
+                    "tileloadd tmm0, [{c} + {s}*1]",
+                    "tileloadd tmm1, [{c} + {s}*1 + 64]",
+                    "tileloadd tmm2, [{c16} + {s}*1]",
+                    "tileloadd tmm3, [{c16} + {s}*1 + 64]",
+                    c = in(reg) c, c16 = in(reg) c16, s = in(reg) c_row,
+                    options(nostack, readonly),
+                ),
             }
             let a16 = a.add(16 * A_ROW);
             for q in 0..chunks {

@@ -140,6 +140,19 @@ trait Kernel {
     fn pack_run(lo: &[Self::In], hi: Option<&[Self::In]>, dst: &mut [Self::Packed]);
     /// Every step of one contiguous row (all its k values) into `dst[s * w]`.
     fn pack_row(row: &[Self::In], dst: &mut [Self::Packed], w: usize);
+    /// A whole panel of `w` rows whose k values are contiguous (row r at
+    /// `x[first + r·rs..][..k]`) into `panel[s·w + r]`, where this kernel has a faster way
+    /// than [`Kernel::pack_row`] row by row; returns whether it packed.
+    fn pack_rows(
+        _x: &[Self::In],
+        _first: usize,
+        _rs: usize,
+        _k: usize,
+        _w: usize,
+        _panel: &mut [Self::Packed],
+    ) -> bool {
+        false
+    }
     /// This kernel's per-thread pack buffers for A and B, kept between products so the hot
     /// path neither allocates nor zero-fills them.
     fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<Self::Packed>; 2]>>;
@@ -206,6 +219,16 @@ impl Kernel for Bf16Pairs {
         if let (Some(d), Some(odd)) = (slots.next(), odd) {
             *d = odd;
         }
+    }
+    fn pack_rows(x: &[bf16], first: usize, rs: usize, k: usize, w: usize, panel: &mut [u32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if w.is_multiple_of(8) && k > 0 && is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present (checked); the function asserts its bounds.
+            unsafe { pack_rows_bf16_avx2(x, first, rs, k, w, panel) };
+            return true;
+        }
+        let _ = (x, first, rs, k, w, panel);
+        false
     }
     fn micro(kc: usize, a: &[u32], b: &[u32], tile: &mut [f32], ldc: usize) {
         assert!(a.len() >= kc * MR && b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
@@ -526,7 +549,7 @@ fn multiply_amx<E: Precision>(
     pa: &mut Vec<u32>,
     pb: &mut Vec<u32>,
 ) {
-    use super::amx::{BLOCK_ROWS, PAIRS};
+    use super::amx::{BLOCK_ROWS, PAIRS, Start};
     assert_eq!(out.len(), m * n);
     if m * n == 0 {
         return;
@@ -543,9 +566,19 @@ fn multiply_amx<E: Precision>(
     let threads = if big { rayon::current_num_threads() } else { 1 };
     let rows = (m.div_ceil(2 * threads).div_ceil(BLOCK_ROWS) * BLOCK_ROWS).clamp(BLOCK_ROWS, MC_AMX);
     let nc_max = NC.min(n.div_ceil(NR) * NR);
-    // Without a bias, the first k block's tiles start from zero (its first chunk exists when
-    // k has a whole chunk); otherwise C starts as the bias or zero.
-    let zero_first = bias.is_none() && steps >= PAIRS;
+    // With a whole chunk of k, the first k block's tiles start from zero or from the bias
+    // (loaded into every row of a tile at once, from a copy padded to whole 32-column panels
+    // and aligned); otherwise the f32 block of C is filled with the bias or zero first.
+    let tiles_start = steps >= PAIRS;
+    let mut bias_pad = Vec::new();
+    let bias_tiles: Option<&[f32]> = match bias {
+        Some(bias) if tiles_start => {
+            let padded = aligned_front(&mut bias_pad, n.div_ceil(NR) * NR, 0.0);
+            padded[..n].copy_from_slice(bias);
+            Some(padded)
+        }
+        _ => None,
+    };
     // With a whole chunk, every output was last written by `tdpbf16ps` or `vdpbf16ps`, which
     // flush subnormal results: no output is subnormal.
     let ftz = steps >= PAIRS;
@@ -563,9 +596,9 @@ fn multiply_amx<E: Precision>(
                 let ldc = nc_pad + C_PAD;
                 let c = &mut c[..mc_pad * ldc];
                 match bias {
+                    _ if tiles_start => {}
                     Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
-                    None if !zero_first => c.fill(0.0),
-                    None => {}
+                    None => c.fill(0.0),
                 }
                 for pc in (0..steps).step_by(KC_AMX) {
                     let kc = KC_AMX.min(steps - pc);
@@ -587,13 +620,18 @@ fn multiply_amx<E: Precision>(
                             // AVX-512 BF16, which `amx::available()` checked.
                             unsafe {
                                 if chunks > 0 {
+                                    let start = match bias_tiles {
+                                        _ if pc > 0 => Start::Sums,
+                                        Some(b) => Start::Bias(b[jc + jr * NR..][..NR].as_ptr()),
+                                        None => Start::Zero,
+                                    };
                                     tiles.block(
                                         chunks,
                                         a_tiles.as_ptr().cast(),
                                         bp.as_ptr(),
                                         tile.as_mut_ptr(),
                                         ldc,
-                                        zero_first && pc == 0,
+                                        start,
                                     );
                                 }
                                 if tail > 0 {
@@ -808,36 +846,87 @@ unsafe fn transpose_pairs_avx2(by_step: &[[u32; 32]; 16], out: &mut [u32]) {
             unsafe {
                 let v: [__m256i; 8] =
                     std::array::from_fn(|i| _mm256_loadu_si256(by_step[p0 + i][r0..].as_ptr().cast()));
-                let t0 = _mm256_unpacklo_epi32(v[0], v[1]);
-                let t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-                let t2 = _mm256_unpacklo_epi32(v[2], v[3]);
-                let t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-                let t4 = _mm256_unpacklo_epi32(v[4], v[5]);
-                let t5 = _mm256_unpackhi_epi32(v[4], v[5]);
-                let t6 = _mm256_unpacklo_epi32(v[6], v[7]);
-                let t7 = _mm256_unpackhi_epi32(v[6], v[7]);
-                let u0 = _mm256_unpacklo_epi64(t0, t2);
-                let u1 = _mm256_unpackhi_epi64(t0, t2);
-                let u2 = _mm256_unpacklo_epi64(t1, t3);
-                let u3 = _mm256_unpackhi_epi64(t1, t3);
-                let u4 = _mm256_unpacklo_epi64(t4, t6);
-                let u5 = _mm256_unpackhi_epi64(t4, t6);
-                let u6 = _mm256_unpacklo_epi64(t5, t7);
-                let u7 = _mm256_unpackhi_epi64(t5, t7);
-                let rows = [
-                    _mm256_permute2x128_si256(u0, u4, 0x20),
-                    _mm256_permute2x128_si256(u1, u5, 0x20),
-                    _mm256_permute2x128_si256(u2, u6, 0x20),
-                    _mm256_permute2x128_si256(u3, u7, 0x20),
-                    _mm256_permute2x128_si256(u0, u4, 0x31),
-                    _mm256_permute2x128_si256(u1, u5, 0x31),
-                    _mm256_permute2x128_si256(u2, u6, 0x31),
-                    _mm256_permute2x128_si256(u3, u7, 0x31),
-                ];
+                let rows = transpose_8x8_epi32(v);
                 for (i, row) in rows.into_iter().enumerate() {
                     _mm256_storeu_si256(out.as_mut_ptr().add((r0 + i) * 16 + p0).cast(), row);
                 }
             }
+        }
+    }
+}
+
+/// The 8 × 8 transpose of 32-bit lanes: lane j of `v[i]` becomes lane i of the result's
+/// vector j (unpack 32-bit, unpack 64-bit, swap 128-bit halves).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn transpose_8x8_epi32(v: [std::arch::x86_64::__m256i; 8]) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_unpacklo_epi32(v[0], v[1]);
+    let t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    let t2 = _mm256_unpacklo_epi32(v[2], v[3]);
+    let t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    let t4 = _mm256_unpacklo_epi32(v[4], v[5]);
+    let t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+    let t6 = _mm256_unpacklo_epi32(v[6], v[7]);
+    let t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+    let u0 = _mm256_unpacklo_epi64(t0, t2);
+    let u1 = _mm256_unpackhi_epi64(t0, t2);
+    let u2 = _mm256_unpacklo_epi64(t1, t3);
+    let u3 = _mm256_unpackhi_epi64(t1, t3);
+    let u4 = _mm256_unpacklo_epi64(t4, t6);
+    let u5 = _mm256_unpackhi_epi64(t4, t6);
+    let u6 = _mm256_unpacklo_epi64(t5, t7);
+    let u7 = _mm256_unpackhi_epi64(t5, t7);
+    [
+        _mm256_permute2x128_si256(u0, u4, 0x20),
+        _mm256_permute2x128_si256(u1, u5, 0x20),
+        _mm256_permute2x128_si256(u2, u6, 0x20),
+        _mm256_permute2x128_si256(u3, u7, 0x20),
+        _mm256_permute2x128_si256(u0, u4, 0x31),
+        _mm256_permute2x128_si256(u1, u5, 0x31),
+        _mm256_permute2x128_si256(u2, u6, 0x31),
+        _mm256_permute2x128_si256(u3, u7, 0x31),
+    ]
+}
+
+/// A panel of `w` rows (a multiple of 8) whose k values are contiguous (row r at
+/// `x[first + r·rs..][..k]`) into pairs step by step, `panel[s·w + r]`: 8 rows × 8 pairs at
+/// a time transposed in registers, the steps past the last whole 8 pair by pair. This is B
+/// of `x Wᵀ` (every `linear`) and of `q kᵀ`; spreading it row by row, one pair a store, took
+/// a quarter of an attention-score product's time on the Xeon with AMX.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pack_rows_bf16_avx2(x: &[bf16], first: usize, rs: usize, k: usize, w: usize, panel: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let steps = k.div_ceil(2);
+    // Steps in whole groups of 8 pairs (16 values of each row).
+    let whole = k / 16 * 8;
+    assert!(w.is_multiple_of(8) && panel.len() >= steps * w);
+    assert!(k > 0 && first + (w - 1) * rs + k <= x.len());
+    for r0 in (0..w).step_by(8) {
+        for s0 in (0..whole).step_by(8) {
+            // SAFETY: row r0 + i < w reads values 2·s0..2·s0 + 16 <= 2·whole <= k of its k,
+            // inside `x` (asserted); the stores write steps s0..s0 + 8 <= steps, rows
+            // r0..r0 + 8 <= w of `panel` (asserted); AVX2 is the caller's guarantee.
+            unsafe {
+                let v: [__m256i; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_si256(x.as_ptr().add(first + (r0 + i) * rs + 2 * s0).cast()));
+                for (i, step) in transpose_8x8_epi32(v).into_iter().enumerate() {
+                    _mm256_storeu_si256(panel.as_mut_ptr().add((s0 + i) * w + r0).cast(), step);
+                }
+            }
+        }
+    }
+    for r in 0..w {
+        for s in whole..steps {
+            panel[s * w + r] = Bf16Pairs::pack_one(x, first + r * rs, 1, s, k);
         }
     }
 }
@@ -883,7 +972,11 @@ fn pack<K: Kernel, const W: usize>(
                         K::pack_run(run(j), hi, dst);
                     }
                 } else if x.cs == 1 {
-                    // Each row's k values are contiguous: pack row by row.
+                    // Each row's k values are contiguous: a whole panel at once where the
+                    // kernel can, else row by row.
+                    if live == W && K::pack_rows(x.data, first, x.rs, k, W, panel) {
+                        return;
+                    }
                     for r in 0..live {
                         let row = &x.data[first + r * x.rs..][..k];
                         K::pack_row(row, &mut panel[r..], W);

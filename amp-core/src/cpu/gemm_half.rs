@@ -342,6 +342,16 @@ impl Kernel for F16Widened {
             }
         }
     }
+    fn pack_rows(x: &[f16], first: usize, rs: usize, k: usize, w: usize, panel: &mut [f32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if w.is_multiple_of(8) && k > 0 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            // SAFETY: AVX2 and F16C are present (checked); the function asserts its bounds.
+            unsafe { pack_rows_f16_avx2(x, first, rs, k, w, panel) };
+            return true;
+        }
+        let _ = (x, first, rs, k, w, panel);
+        false
+    }
     fn micro(kc: usize, a: &[f32], b: &[f32], tile: &mut [f32], ldc: usize) {
         assert!(a.len() >= kc * MR && b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
         #[cfg(target_arch = "x86_64")]
@@ -927,6 +937,43 @@ unsafe fn pack_rows_bf16_avx2(x: &[bf16], first: usize, rs: usize, k: usize, w: 
     for r in 0..w {
         for s in whole..steps {
             panel[s * w + r] = Bf16Pairs::pack_one(x, first + r * rs, 1, s, k);
+        }
+    }
+}
+
+/// [`pack_rows_bf16_avx2`] for f16 widened to f32, one k per step: 8 values of each of 8
+/// rows widened by F16C and transposed in registers, the k past the last whole 8 one by one.
+/// This is A of every f16 product with row-major A (activations, `dy`) and B of `x Wᵀ` and
+/// `q kᵀ`.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn pack_rows_f16_avx2(x: &[f16], first: usize, rs: usize, k: usize, w: usize, panel: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let whole = k / 8 * 8;
+    assert!(w.is_multiple_of(8) && panel.len() >= k * w);
+    assert!(k > 0 && first + (w - 1) * rs + k <= x.len());
+    for r0 in (0..w).step_by(8) {
+        for s0 in (0..whole).step_by(8) {
+            // SAFETY: row r0 + i < w reads values s0..s0 + 8 <= whole <= k of its k, inside `x`
+            // (asserted; f16 is a plain u16); the stores write steps s0..s0 + 8 <= k, rows
+            // r0..r0 + 8 <= w of `panel` (asserted); AVX2 and F16C are the caller's guarantee.
+            unsafe {
+                let v: [__m256i; 8] = std::array::from_fn(|i| {
+                    let h = _mm_loadu_si128(x.as_ptr().add(first + (r0 + i) * rs + s0).cast());
+                    _mm256_castps_si256(_mm256_cvtph_ps(h))
+                });
+                for (i, step) in transpose_8x8_epi32(v).into_iter().enumerate() {
+                    _mm256_storeu_si256(panel.as_mut_ptr().add((s0 + i) * w + r0).cast(), step);
+                }
+            }
+        }
+    }
+    for r in 0..w {
+        for s in whole..k {
+            panel[s * w + r] = x[first + r * rs + s].to_f32();
         }
     }
 }

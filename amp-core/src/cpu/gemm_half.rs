@@ -776,16 +776,8 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, 
                     // Rows adjacent in memory (a transposed view, the weight gradient's dyᵀ).
                     // Whole chunks of a full block: interleave the 32 rows' pairs of each of
                     // the chunk's 16 steps, then transpose the 16 × 32 pairs in registers.
+                    // (`transposed_chunks` packs those after this, across a task's blocks.)
                     let whole = if live == W { k / (2 * PAIRS) } else { 0 };
-                    let mut by_step = [[0u32; W]; PAIRS];
-                    for q in 0..whole {
-                        for (p, dst) in by_step.iter_mut().enumerate() {
-                            let j = 2 * (q * PAIRS + p);
-                            let lo = &x.data[first + j * x.cs..][..W];
-                            interleave_pairs(lo, &x.data[first + (j + 1) * x.cs..][..W], dst);
-                        }
-                        transpose_pairs(&by_step, &mut panel[q * W * PAIRS..][..W * PAIRS]);
-                    }
                     // The rest step by step: 16 rows' pairs of one step, spread across the rows.
                     let mut pairs = [0u32; 16];
                     for r0 in (0..live).step_by(16) {
@@ -813,10 +805,48 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, 
             },
         )
     };
+    // The whole chunks of the full blocks of a transposed view (row stride 1: the weight
+    // gradient's dyᵀ): per chunk, interleave the 32 rows' pairs of each of its 16 steps, then
+    // transpose the 16 × 32 pairs in registers. A task walks k outermost across all its
+    // blocks, so each step reads one run of the task's width from the source row: block by
+    // block it read 64 bytes of each row, rows 2 KiB apart, a pattern the hardware prefetcher
+    // does not follow.
+    let transposed_chunks = |i0: usize, panels: &mut [u32]| {
+        let whole = if x.rs == 1 && x.cs != 1 { k / (2 * PAIRS) } else { 0 };
+        crate::simd::dispatch(
+            #[inline(always)]
+            || {
+                let mut by_step = [[0u32; W]; PAIRS];
+                for q in 0..whole {
+                    for (ii, panel) in panels.chunks_mut(block).enumerate() {
+                        let i = i0 + ii;
+                        if rows - i * W < W {
+                            continue;
+                        }
+                        let first = x.offset + i * W;
+                        for (p, dst) in by_step.iter_mut().enumerate() {
+                            let j = 2 * (q * PAIRS + p);
+                            let lo = &x.data[first + j * x.cs..][..W];
+                            interleave_pairs(lo, &x.data[first + (j + 1) * x.cs..][..W], dst);
+                        }
+                        transpose_pairs(&by_step, &mut panel[q * W * PAIRS..][..W * PAIRS]);
+                    }
+                }
+            },
+        )
+    };
+    let blocks = rows.div_ceil(W);
+    let per_task = if parallel { blocks.div_ceil(rayon::current_num_threads()) } else { blocks };
+    let task = |t: usize, panels: &mut [u32]| {
+        for (ii, panel) in panels.chunks_mut(block).enumerate() {
+            fill(t * per_task + ii, panel);
+        }
+        transposed_chunks(t * per_task, panels);
+    };
     if parallel {
-        out.par_chunks_mut(block).enumerate().for_each(|(i, p)| fill(i, p));
+        out.par_chunks_mut(per_task * block).enumerate().for_each(|(t, p)| task(t, p));
     } else {
-        out.chunks_mut(block).enumerate().for_each(|(i, p)| fill(i, p));
+        task(0, out);
     }
 }
 

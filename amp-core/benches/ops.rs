@@ -129,3 +129,10 @@ fn cat_heads<E: Precision>(b: Bencher<'_, '_>) {
     let refs: Vec<&Tensor<E>> = heads.iter().collect();
     b.counter(ItemsCount::new(B * T * D)).bench_local(|| divan::black_box(Tensor::cat(&refs, 2)));
 }
+
+/// Exact GELU forward over the W2 MLP's hidden activations, `[B * T, 4 D]`.
+#[divan::bench(types = [f32, bf16], sample_count = 30)]
+fn gelu<E: Precision>(b: Bencher<'_, '_>) {
+    let x = randn::<E>(&[B * T, 4 * D], 8);
+    b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.gelu()));
+}

@@ -18,14 +18,31 @@
 /// that integer in the low mantissa bits.
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
+/// `(e^r, n)` with `x = n ln2 + r`, `|r| <= ln2/2` (ln2 split in two so `n ln2` is exact) and
+/// `e^r` from a degree-6 polynomial (Cephes `expf`), for `|x| <= 104`: the shared core of
+/// [`exp_f32`] and [`exp_neg_f32`], which differ in how they scale by `2^n`.
+#[inline(always)]
+fn exp_reduced(x: f32) -> (f32, i32) {
+    let t = x * std::f32::consts::LOG2_E + ROUND_MAGIC;
+    let n = t - ROUND_MAGIC;
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_2e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 0.166_666_65);
+    p = p.mul_add(r, 0.5);
+    let er = (p * r).mul_add(r, r) + 1.0;
+    (er, (t.to_bits() as i32).wrapping_sub(ROUND_MAGIC.to_bits() as i32))
+}
+
 /// `e^x` for f32, within 1 ulp of the exact value over the whole range, subnormal results
 /// included; `exp(-inf) = 0`, `exp(inf) = inf`, overflow (x > 88.72) gives inf, underflow
 /// (x < -103.97) gives 0, NaN stays NaN.
 ///
-/// Range reduction `x = n ln2 + r` with `|r| <= ln2/2` (ln2 split in two so `n ln2` is exact),
-/// a degree-6 polynomial for `e^r` (Cephes `expf`), then a scale by `2^n` applied as two
-/// factors `2^(n/2)`, each a valid normal float, so results in the subnormal range and up to
-/// f32::MAX come out rounded once instead of flushed or overflowed early.
+/// [`exp_reduced`], then a scale by `2^n` applied as two factors `2^(n/2)`, each a valid
+/// normal float, so results in the subnormal range and up to f32::MAX come out rounded once
+/// instead of flushed or overflowed early.
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
     // Below -104 the result rounds to 0: such a lane (the -inf of a masked attention score)
@@ -37,17 +54,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     // Past 89 the result is inf anyway; clamping keeps n in -150..=129 so both half-scales
     // below are normal. NaN passes through clamp and poisons the result.
     let xc = if zero { 0.0 } else { x.clamp(-104.0, 89.0) };
-    let t = xc * std::f32::consts::LOG2_E + ROUND_MAGIC;
-    let n = t - ROUND_MAGIC;
-    let r = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4f32;
-    p = p.mul_add(r, 1.398_2e-3);
-    p = p.mul_add(r, 8.333_452e-3);
-    p = p.mul_add(r, 4.166_579_6e-2);
-    p = p.mul_add(r, 0.166_666_65);
-    p = p.mul_add(r, 0.5);
-    let er = (p * r).mul_add(r, r) + 1.0;
-    let ni = (t.to_bits() as i32).wrapping_sub(ROUND_MAGIC.to_bits() as i32);
+    let (er, ni) = exp_reduced(xc);
     let n1 = ni >> 1;
     let n2 = ni - n1;
     let s1 = f32::from_bits(((n1 + 127) as u32) << 23);
@@ -63,18 +70,8 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 fn exp_neg_f32(x: f32) -> f32 {
     let zero = x < -87.33;
     let xc = if zero { 0.0 } else { x };
-    let t = xc * std::f32::consts::LOG2_E + ROUND_MAGIC;
-    let n = t - ROUND_MAGIC;
-    let r = xc - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4f32;
-    p = p.mul_add(r, 1.398_2e-3);
-    p = p.mul_add(r, 8.333_452e-3);
-    p = p.mul_add(r, 4.166_579_6e-2);
-    p = p.mul_add(r, 0.166_666_65);
-    p = p.mul_add(r, 0.5);
-    let er = (p * r).mul_add(r, r) + 1.0;
+    let (er, ni) = exp_reduced(xc);
     // n is in -126..=0 here, so 2^n is a normal float and er · 2^n rounds once, as in exp_f32.
-    let ni = (t.to_bits() as i32).wrapping_sub(ROUND_MAGIC.to_bits() as i32);
     let scale = f32::from_bits(((ni + 127) as u32) << 23);
     if zero { 0.0 } else { er * scale }
 }

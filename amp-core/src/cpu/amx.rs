@@ -197,8 +197,8 @@ impl Tiles {
         const B_ROW: usize = 32 * 4;
         // SAFETY: for every asm block here, the tiles are configured (`self` exists), and each
         // load and store stays inside the regions the caller guarantees: C rows 0–15 and 16–31
-        // at columns 0–15 and 16–31; A's 2 KiB of chunk q; B steps 16q..16q + 16 at columns
-        // 0–15 and 16–31.
+        // at columns 0–15 and 16–31; the bias's 32 floats (a stride-0 load reads its 64 bytes
+        // 16 times); A's 2 KiB of chunk q; B steps 16q..16q + 16 at columns 0–15 and 16–31.
         unsafe {
             let c16 = c.add(16 * ldc);
             match start {

@@ -18,10 +18,12 @@
 //! step across the panel's rows, which reads every operand layout in cache-friendly order,
 //! a panel whose rows are adjacent in memory (row stride 1) is packed from contiguous
 //! runs, and a panel whose rows each hold their k values contiguously (B of `x Wᵀ`, A of a
-//! row-major activation) is packed 8 rows × 8 steps at a time, transposed in registers. bf16 skips packing A when its rows are contiguous and k is even: a pair is then two
-//! adjacent elements, which the kernel broadcasts straight from the row. The microkernel keeps an MR×NR tile of f32 accumulators in zmm registers; k is
-//! blocked by [`KC`] steps so a B micro-panel stays in L1, columns by [`NC`] so the f32 tile
-//! buffer of a row block stays in L2. Row blocks run in parallel on rayon.
+//! row-major activation) is packed 8 rows × 8 steps at a time, transposed in registers.
+//! bf16 skips packing A when its rows are contiguous and k is even: a pair is then two
+//! adjacent elements, which the kernel broadcasts straight from the row. The microkernel
+//! keeps an MR×NR tile of f32 accumulators in zmm registers; k is blocked by [`KC`] steps so
+//! a B micro-panel stays in L1, columns by [`NC`] so the f32 tile buffer of a row block stays
+//! in L2. Row blocks run in parallel on rayon.
 //!
 //! Numerics differ from a scalar f32 loop only in summation order (pairs, then k blocks);
 //! `vdpbf16ps` also treats denormal inputs as zero and flushes denormal partial sums

@@ -146,16 +146,7 @@ trait Kernel {
     /// A whole panel of `w` rows whose k values are contiguous (row r at
     /// `x[first + r·rs..][..k]`) into `panel[s·w + r]`, where this kernel has a faster way
     /// than [`Kernel::pack_row`] row by row; returns whether it packed.
-    fn pack_rows(
-        _x: &[Self::In],
-        _first: usize,
-        _rs: usize,
-        _k: usize,
-        _w: usize,
-        _panel: &mut [Self::Packed],
-    ) -> bool {
-        false
-    }
+    fn pack_rows(x: &[Self::In], first: usize, rs: usize, k: usize, w: usize, panel: &mut [Self::Packed]) -> bool;
     /// This kernel's per-thread pack buffers for A and B, kept between products so the hot
     /// path neither allocates nor zero-fills them.
     fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<Self::Packed>; 2]>>;
@@ -936,6 +927,37 @@ unsafe fn transpose_8x8_epi32(v: [std::arch::x86_64::__m256i; 8]) -> [std::arch:
     ]
 }
 
+/// The whole 8 × 8 blocks of a row-contiguous panel: for rows `r0..r0 + 8` and steps
+/// `s0..s0 + 8` (`s0 < whole`, a multiple of 8), `load(r, s0)` gives row r's 8 steps from s0
+/// as 32-bit lanes, and the transpose stores step s's 8 rows at `panel[s·w + r0..]`.
+///
+/// # Safety
+/// The CPU must support AVX2, `panel` must hold `whole · w` values, and `load` must read
+/// in bounds for every `r < w`, `s0 < whole`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose_panel<T>(
+    w: usize,
+    whole: usize,
+    panel: &mut [T],
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256i,
+) {
+    use std::arch::x86_64::*;
+    assert!(std::mem::size_of::<T>() == 4 && w.is_multiple_of(8) && panel.len() >= whole * w);
+    for r0 in (0..w).step_by(8) {
+        for s0 in (0..whole).step_by(8) {
+            // SAFETY: the stores write steps s0..s0 + 8 <= whole, rows r0..r0 + 8 <= w of
+            // `panel` (asserted), 4-byte values; `load` and AVX2 are the caller's guarantee.
+            unsafe {
+                let v: [__m256i; 8] = std::array::from_fn(|i| load(r0 + i, s0));
+                for (i, step) in transpose_8x8_epi32(v).into_iter().enumerate() {
+                    _mm256_storeu_si256(panel.as_mut_ptr().add((s0 + i) * w + r0).cast(), step);
+                }
+            }
+        }
+    }
+}
+
 /// A panel of `w` rows (a multiple of 8) whose k values are contiguous (row r at
 /// `x[first + r·rs..][..k]`) into pairs step by step, `panel[s·w + r]`: 8 rows × 8 pairs at
 /// a time transposed in registers, the steps past the last whole 8 pair by pair. This is B
@@ -953,20 +975,11 @@ unsafe fn pack_rows_bf16_avx2(x: &[bf16], first: usize, rs: usize, k: usize, w: 
     let whole = k / 16 * 8;
     assert!(w.is_multiple_of(8) && panel.len() >= steps * w);
     assert!(k > 0 && first + (w - 1) * rs + k <= x.len());
-    for r0 in (0..w).step_by(8) {
-        for s0 in (0..whole).step_by(8) {
-            // SAFETY: row r0 + i < w reads values 2·s0..2·s0 + 16 <= 2·whole <= k of its k,
-            // inside `x` (asserted); the stores write steps s0..s0 + 8 <= steps, rows
-            // r0..r0 + 8 <= w of `panel` (asserted); AVX2 is the caller's guarantee.
-            unsafe {
-                let v: [__m256i; 8] =
-                    std::array::from_fn(|i| _mm256_loadu_si256(x.as_ptr().add(first + (r0 + i) * rs + 2 * s0).cast()));
-                for (i, step) in transpose_8x8_epi32(v).into_iter().enumerate() {
-                    _mm256_storeu_si256(panel.as_mut_ptr().add((s0 + i) * w + r0).cast(), step);
-                }
-            }
-        }
-    }
+    // SAFETY: row r < w reads values 2·s0..2·s0 + 16 <= 2·whole <= k of its k, inside `x`
+    // (asserted); AVX2 is the caller's guarantee.
+    unsafe {
+        transpose_panel(w, whole, panel, |r, s0| _mm256_loadu_si256(x.as_ptr().add(first + r * rs + 2 * s0).cast()))
+    };
     for r in 0..w {
         for s in whole..steps {
             panel[s * w + r] = Bf16Pairs::pack_one(x, first + r * rs, 1, s, k);
@@ -988,22 +1001,14 @@ unsafe fn pack_rows_f16_avx2(x: &[f16], first: usize, rs: usize, k: usize, w: us
     let whole = k / 8 * 8;
     assert!(w.is_multiple_of(8) && panel.len() >= k * w);
     assert!(k > 0 && first + (w - 1) * rs + k <= x.len());
-    for r0 in (0..w).step_by(8) {
-        for s0 in (0..whole).step_by(8) {
-            // SAFETY: row r0 + i < w reads values s0..s0 + 8 <= whole <= k of its k, inside `x`
-            // (asserted; f16 is a plain u16); the stores write steps s0..s0 + 8 <= k, rows
-            // r0..r0 + 8 <= w of `panel` (asserted); AVX2 and F16C are the caller's guarantee.
-            unsafe {
-                let v: [__m256i; 8] = std::array::from_fn(|i| {
-                    let h = _mm_loadu_si128(x.as_ptr().add(first + (r0 + i) * rs + s0).cast());
-                    _mm256_castps_si256(_mm256_cvtph_ps(h))
-                });
-                for (i, step) in transpose_8x8_epi32(v).into_iter().enumerate() {
-                    _mm256_storeu_si256(panel.as_mut_ptr().add((s0 + i) * w + r0).cast(), step);
-                }
-            }
-        }
-    }
+    // SAFETY: row r < w reads values s0..s0 + 8 <= whole <= k of its k, inside `x` (asserted;
+    // f16 is a plain u16); AVX2 and F16C are the caller's guarantee.
+    unsafe {
+        transpose_panel(w, whole, panel, |r, s0| {
+            let h = _mm_loadu_si128(x.as_ptr().add(first + r * rs + s0).cast());
+            _mm256_castps_si256(_mm256_cvtph_ps(h))
+        })
+    };
     for r in 0..w {
         for s in whole..k {
             panel[s * w + r] = x[first + r * rs + s].to_f32();

@@ -17,6 +17,9 @@
 //!   (tmm4–5) and two B tiles (tmm6–7) per 16 k pairs and issues four `tdpbf16ps`: four
 //!   loads per four products. All eight tiles are 16 rows × 64 bytes, one configuration per
 //!   thread for a whole product.
+//! - f16 products run on the same kernel, each value split into bf16 high and low parts
+//!   ([`super::amx_f16`]): B then holds two chunks (high, low) per chunk of A, and the block
+//!   kernel multiplies both by A's tiles, loaded once.
 //! - Linux keeps tile data disabled for a process until it asks (`arch_prctl` with
 //!   `ARCH_REQ_XCOMP_PERM`); without the grant the first tile instruction faults. The request
 //!   is made once per process, by [`available`], and a refusal means the AMX kernel is not
@@ -173,17 +176,24 @@ impl Tiles {
     /// `b[32 s]`, 128 bytes a step). Every pointer and `4·ldc` should be multiples of 64: the
     /// result does not depend on it, the speed does.
     ///
+    /// `b_per_a` chunks of B (1 or more) are multiplied by each chunk of A, loaded once: chunk
+    /// q of A meets B's chunks `b_per_a·q ..` (the f16 split, [`super::amx_f16`], pairs each
+    /// A chunk with a chunk of high and one of low parts of B).
+    ///
     /// `start` says what the sums start from: C's block as it is, zero, or a bias row
     /// (`c = a · b` or `c = bias + a · b`, C's block then only written).
     ///
     /// # Safety
-    /// `a` must be readable for 2048·chunks bytes, `b` for 512·chunks u32, `c` readable and
-    /// writable for 32 floats at each of its 32 rows, and a bias start readable for 32 floats.
+    /// `a` must be readable for 2048·chunks bytes, `b` for 512·chunks·b_per_a u32, `c`
+    /// readable and writable for 32 floats at each of its 32 rows, and a bias start readable
+    /// for 32 floats.
     #[cfg(target_arch = "x86_64")]
     #[inline]
+    #[allow(clippy::too_many_arguments)] // the block's operands, its start and B's chunks per A's
     pub(crate) unsafe fn block(
         &self,
         chunks: usize,
+        b_per_a: usize,
         a: *const u8,
         b: *const u32,
         c: *mut f32,
@@ -198,7 +208,8 @@ impl Tiles {
         // SAFETY: for every asm block here, the tiles are configured (`self` exists), and each
         // load and store stays inside the regions the caller guarantees: C rows 0–15 and 16–31
         // at columns 0–15 and 16–31; the bias's 32 floats (a stride-0 load reads its 64 bytes
-        // 16 times); A's 2 KiB of chunk q; B steps 16q..16q + 16 at columns 0–15 and 16–31.
+        // 16 times); A's 2 KiB of chunk q; B's chunk b_per_a·q + r, steps 16 of them from
+        // 16·(b_per_a·q + r), at columns 0–15 and 16–31.
         unsafe {
             let c16 = c.add(16 * ldc);
             match start {
@@ -228,16 +239,21 @@ impl Tiles {
                 asm!(
                     "tileloadd tmm4, [{a} + {sa}*1]",
                     "tileloadd tmm5, [{a16} + {sa}*1]",
-                    "tileloadd tmm6, [{b} + {sb}*1]",
-                    "tileloadd tmm7, [{b} + {sb}*1 + 64]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
                     a = in(reg) a.add(A_CHUNK * q), a16 = in(reg) a16.add(A_CHUNK * q), sa = in(reg) A_ROW,
-                    b = in(reg) b.add(512 * q), sb = in(reg) B_ROW,
                     options(nostack, readonly),
                 );
+                for r in 0..b_per_a {
+                    asm!(
+                        "tileloadd tmm6, [{b} + {sb}*1]",
+                        "tileloadd tmm7, [{b} + {sb}*1 + 64]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        b = in(reg) b.add(512 * (b_per_a * q + r)), sb = in(reg) B_ROW,
+                        options(nostack, readonly),
+                    );
+                }
             }
             asm!(
                 "tilestored [{c} + {s}*1], tmm0",

@@ -6,10 +6,12 @@
 //!   FMA rate on Zen 4 (at the f32 FMA rate on a Xeon). Where the CPU has AMX-BF16 and the OS
 //!   grants tile data, the same pairs run on AMX tiles instead ([`super::amx`];
 //!   [`multiply_amx`]), at 3-8× the `vdpbf16ps` kernel's rate on a Xeon (README, Performance).
-//! - **f16** has no arithmetic on this class of CPU (no AVX-512 FP16), so packing widens each
-//!   f16 to f32 (exact) and the kernel runs f32 FMAs. Widening inside the pack, rather than
-//!   into full f32 copies of both operands handed to an f32 GEMM, saves two passes over memory
-//!   and the f32 output buffer.
+//! - **f16**: packing widens each f16 to f32 (exact) and the kernel runs f32 FMAs. Widening
+//!   inside the pack, rather than into full f32 copies of both operands handed to an f32
+//!   GEMM, saves two passes over memory and the f32 output buffer. (AVX-512 FP16 arithmetic
+//!   rounds each sum to f16, so it is no use for an f32 accumulation.) Where the AMX kernel
+//!   runs, f16 products of at least 128 rows and columns are split exactly into bf16 high
+//!   and low parts and run on the tiles instead ([`super::amx_f16`]), 1.3-2× faster.
 //!
 //! Layout (BLIS-style): A is packed into panels of [`MR`] rows, B into panels of [`NR`]
 //! columns, k taken in *steps* of 4-byte packed values: a pair of bf16 (the two share one
@@ -105,6 +107,13 @@ pub(crate) fn gemm_into<E: Precision, O: Precision>(
         }
         DType::BF16 if Bf16Pairs::available() => {
             run::<O, Bf16Pairs>(dims, retype(a), retype(b), bias, out, parallel);
+            true
+        }
+        DType::F16 if use_amx() && super::amx_f16::worth_it(dims) && F16Widened::available() => {
+            let (a, b) = (retype(a), retype(b));
+            if !run_amx_f16::<O>(dims, a, b, bias, out, parallel) {
+                run::<O, F16Widened>(dims, a, b, bias, out, parallel);
+            }
             true
         }
         DType::F16 if F16Widened::available() => {
@@ -374,7 +383,7 @@ const ALIGN: usize = 64;
 
 /// The front of `v`, from its first [`ALIGN`]ed element, `len` long; `v` grows (filled with
 /// `zero`) so that this fits. [`aligned`] finds the same front again while `v` is not grown.
-fn aligned_front<T: Copy>(v: &mut Vec<T>, len: usize, zero: T) -> &mut [T] {
+pub(super) fn aligned_front<T: Copy>(v: &mut Vec<T>, len: usize, zero: T) -> &mut [T] {
     let extra = ALIGN / std::mem::size_of::<T>();
     if v.len() < len + extra {
         v.resize(len + extra, zero);
@@ -385,7 +394,7 @@ fn aligned_front<T: Copy>(v: &mut Vec<T>, len: usize, zero: T) -> &mut [T] {
 }
 
 /// `v` from its first [`ALIGN`]ed element: what [`aligned_front`] last filled.
-fn aligned<T>(v: &[T]) -> &[T] {
+pub(super) fn aligned<T>(v: &[T]) -> &[T] {
     &v[v.as_ptr().align_offset(ALIGN).min(v.len())..]
 }
 
@@ -528,30 +537,79 @@ fn run_amx<E: Precision>(
     out: &mut [E],
     parallel: bool,
 ) {
-    Bf16Pairs::pack_buffers().with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buffers) => {
-            let [pa, pb] = &mut *buffers;
-            multiply_amx::<E>(dims, a, b, bias, out, parallel, pa, pb)
-        }
-        Err(_) => multiply_amx::<E>(dims, a, b, bias, out, parallel, &mut Vec::new(), &mut Vec::new()),
+    let (m, k, n) = dims;
+    let big = parallel && 2 * m * n * k >= PAR_FLOPS;
+    with_amx_buffers(|pa, pb| {
+        pack_pair_tiles(m, k, a, big, pa);
+        pack::<Bf16Pairs, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
+        let packed = AmxPacked { a: aligned(pa), b: aligned(pb), steps: k.div_ceil(2), b_per_a: 1 };
+        multiply_amx::<E>(dims, packed, bias, out, big)
     })
 }
 
-/// The blocked bf16 product on AMX tiles: [`multiply`]'s blocking with 32-row blocks of C
-/// computed by [`super::amx::Tiles::block`] over whole tiles of 16 k pairs, and the last
-/// `steps % 16` pairs of a k block by the `vdpbf16ps` kernel on the same f32 block of C. A is
-/// always packed ([`pack_pair_tiles`]): tile loads need cache-line-aligned rows to run at
-/// speed, which a tensor's rows rarely are; the pack costs one pass over A per product.
-#[allow(clippy::too_many_arguments)] // the product's operands plus its two scratch buffers
-fn multiply_amx<E: Precision>(
-    (m, k, n): (usize, usize, usize),
-    a: Operand<'_, bf16>,
-    b: Operand<'_, bf16>,
+/// f16 on AMX tiles, each value split into bf16 high and low parts ([`super::amx_f16`]).
+/// Returns false, leaving `out` untouched, when an operand holds an infinity or NaN: the
+/// caller then runs the widening kernel, whose products keep IEEE semantics there.
+fn run_amx_f16<E: Precision>(
+    dims: (usize, usize, usize),
+    a: Operand<'_, f16>,
+    b: Operand<'_, f16>,
     bias: Option<&[f32]>,
     out: &mut [E],
     parallel: bool,
-    pa: &mut Vec<u32>,
-    pb: &mut Vec<u32>,
+) -> bool {
+    let (m, k, n) = dims;
+    let big = parallel && 2 * m * n * k >= PAR_FLOPS;
+    with_amx_buffers(|pa, pb| {
+        let bt = Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs };
+        if !(super::amx_f16::pack_a(m, k, a, big, pa) && super::amx_f16::pack_b(n, k, bt, big, pb)) {
+            return false;
+        }
+        let steps = super::amx_f16::steps(k);
+        multiply_amx::<E>(dims, AmxPacked { a: aligned(pa), b: aligned(pb), steps, b_per_a: 2 }, bias, out, big);
+        true
+    })
+}
+
+/// Runs `f` on this thread's kept pack buffers of the AMX kernels (fresh ones if those are in
+/// use further up this thread's stack).
+fn with_amx_buffers<R>(f: impl FnOnce(&mut Vec<u32>, &mut Vec<u32>) -> R) -> R {
+    Bf16Pairs::pack_buffers().with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buffers) => {
+            let [pa, pb] = &mut *buffers;
+            f(pa, pb)
+        }
+        Err(_) => f(&mut Vec::new(), &mut Vec::new()),
+    })
+}
+
+/// The packed operands of an AMX product and how they hold k.
+struct AmxPacked<'a> {
+    /// A in [`pack_pair_tiles`]' tiled layout (32-row blocks of 16-step chunks).
+    a: &'a [u32],
+    /// B as panels of [`NR`] columns, `steps · b_per_a` steps each.
+    b: &'a [u32],
+    /// A's steps per row: bf16's k / 2 pairs (rounded up), or the f16 split's k rounded up to
+    /// whole chunks.
+    steps: usize,
+    /// B's steps per step of A: 1 for bf16, 2 for the f16 split (a chunk of high parts and
+    /// one of low parts per chunk of A).
+    b_per_a: usize,
+}
+
+/// The blocked product on AMX tiles from packed operands: [`multiply`]'s blocking with 32-row
+/// blocks of C computed by [`super::amx::Tiles::block`] over whole tiles of 16 steps of A, and
+/// the last `steps % 16` pairs of a k block (bf16 only; the f16 split has whole chunks) by
+/// the `vdpbf16ps` kernel on the same f32 block of C. A is always packed
+/// ([`pack_pair_tiles`], [`super::amx_f16::pack_a`]): tile loads need cache-line-aligned
+/// rows to run at speed, which a tensor's rows rarely are; the pack costs one pass over A
+/// per product.
+fn multiply_amx<E: Precision>(
+    (m, _k, n): (usize, usize, usize),
+    packed: AmxPacked<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [E],
+    big: bool,
 ) {
     use super::amx::{BLOCK_ROWS, PAIRS, Start};
     assert_eq!(out.len(), m * n);
@@ -561,12 +619,11 @@ fn multiply_amx<E: Precision>(
     if let Some(bias) = bias {
         assert_eq!(bias.len(), n);
     }
-    let steps = k.div_ceil(2);
-    let big = parallel && 2 * m * n * k >= PAR_FLOPS;
+    let AmxPacked { a: pa, b: pb, steps, b_per_a } = packed;
+    assert!(b_per_a == 1 || steps.is_multiple_of(PAIRS), "only bf16 has a tail of pairs");
     let chunks_all = steps.div_ceil(PAIRS);
-    pack_pair_tiles(m, k, a, big, pa);
-    pack::<Bf16Pairs, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
-    let (pa, pb) = (aligned(pa), aligned(pb));
+    // Steps of A per cache block: B's part of a block stays KC_AMX steps (32 KiB).
+    let kc_max = KC_AMX / b_per_a;
     let threads = if big { rayon::current_num_threads() } else { 1 };
     let rows = (m.div_ceil(2 * threads).div_ceil(BLOCK_ROWS) * BLOCK_ROWS).clamp(BLOCK_ROWS, MC_AMX);
     let nc_max = NC.min(n.div_ceil(NR) * NR);
@@ -604,12 +661,12 @@ fn multiply_amx<E: Precision>(
                     Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
                     None => c.fill(0.0),
                 }
-                for pc in (0..steps).step_by(KC_AMX) {
-                    let kc = KC_AMX.min(steps - pc);
+                for pc in (0..steps).step_by(kc_max) {
+                    let kc = kc_max.min(steps - pc);
                     let chunks = kc / PAIRS;
                     let tail = kc % PAIRS;
                     for jr in 0..nc_pad / NR {
-                        let bp = &pb[((jc / NR + jr) * steps + pc) * NR..][..kc * NR];
+                        let bp = &pb[((jc / NR + jr) * steps + pc) * b_per_a * NR..][..kc * b_per_a * NR];
                         for ir in 0..mc_pad / BLOCK_ROWS {
                             let row = r0 + ir * BLOCK_ROWS;
                             // Chunk pc / 16 of A's block on: rows 64 bytes apart, chunks 2 KiB.
@@ -618,8 +675,8 @@ fn multiply_amx<E: Precision>(
                             let tile = &mut c[ir * BLOCK_ROWS * ldc + jr * NR..];
                             assert!(tile.len() >= (BLOCK_ROWS - 1) * ldc + NR);
                             #[cfg(target_arch = "x86_64")]
-                            // SAFETY: `a_tiles` holds the kc pairs of the block's 32 rows in
-                            // whole chunks (asserted); bp holds kc·32 pairs; the tile's 32 rows
+                            // SAFETY: `a_tiles` holds the kc steps of the block's 32 rows in
+                            // whole chunks (asserted); bp holds kc·b_per_a·32 steps; the tile's 32 rows
                             // of 32 floats are inside `c` (asserted). The tail kernel needs
                             // AVX-512 BF16, which `amx::available()` checked.
                             unsafe {
@@ -631,6 +688,7 @@ fn multiply_amx<E: Precision>(
                                     };
                                     tiles.block(
                                         chunks,
+                                        b_per_a,
                                         a_tiles.as_ptr().cast(),
                                         bp.as_ptr(),
                                         tile.as_mut_ptr(),
@@ -847,7 +905,7 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, 
 /// its pairs gathered step by step. AVX2 8 × 8 transposes of 32-bit lanes where the CPU has
 /// AVX2 (every CPU with AMX does), a scalar loop elsewhere.
 #[inline(always)]
-fn transpose_pairs(by_step: &[[u32; 32]; 16], out: &mut [u32]) {
+pub(super) fn transpose_pairs(by_step: &[[u32; 32]; 16], out: &mut [u32]) {
     assert_eq!(out.len(), 32 * 16);
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
@@ -936,7 +994,7 @@ unsafe fn transpose_8x8_epi32(v: [std::arch::x86_64::__m256i; 8]) -> [std::arch:
 /// in bounds for every `r < w`, `s0 < whole`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn transpose_panel<T>(
+pub(super) unsafe fn transpose_panel<T>(
     w: usize,
     whole: usize,
     panel: &mut [T],
@@ -1231,22 +1289,24 @@ mod tests {
         };
         let mut paths = vec![("fallback", run(false))];
         if available::<E>() {
-            if E::DTYPE == DType::BF16 && super::super::amx::available() {
+            if super::super::amx::available() {
                 paths.push(("amx", run(true)));
                 NO_AMX.with(|c| c.set(true));
-                paths.push(("avx512-bf16", run(true)));
+                paths.push(("avx512", run(true)));
                 NO_AMX.with(|c| c.set(false));
             } else {
                 paths.push(("native", run(true)));
             }
         }
         for (name, got) in paths {
+            // The f16 split on AMX sums 4k exact products ([`super::super::amx_f16`]).
+            let terms = if name == "amx" && E::DTYPE == DType::F16 { 4 * k } else { k };
             assert_eq!(got.len(), m * n);
             for (idx, g) in got.iter().enumerate() {
                 let (g, w64, w32) = (g.to_f64(), want64[idx], want32[idx] as f64);
                 // f32 accumulation in any order errs by at most k·2⁻²⁴·Σ|a·b| (+ the bias).
                 let mag: f64 = (0..k).map(|p| (a_at(idx / n, p) * b_at(p, idx % n)).abs()).sum::<f64>() + 2.0;
-                let f32_err = (k as f64 + 1.0) * 2f64.powi(-24) * mag;
+                let f32_err = (terms as f64 + 1.0) * 2f64.powi(-24) * mag;
                 let e = E::DTYPE;
                 assert!(
                     (g - w64).abs() <= 0.5 * ulp::<E>(w64) + f32_err + 1e-30,
@@ -1284,6 +1344,11 @@ mod tests {
             (96, 66, 64),
             (33, 288, 40),
             (128, 576, 64),
+            // The f16 split on AMX (at least 128 rows and columns, k at least 32): whole and
+            // partial groups of 16 k values, k past one cache block of 128.
+            (128, 32, 128),
+            (160, 37, 129),
+            (129, 130, 160),
         ];
         for &(m, k, n) in &shapes {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -1318,8 +1383,13 @@ mod tests {
         let amx = super::super::amx::available();
         let bf16 = Bf16Pairs::available();
         let f16 = F16Widened::available();
-        for (name, runs) in [("AMX-BF16 tiles", amx), ("AVX-512 BF16 vdpbf16ps", bf16), ("f16 widened, AVX-512F", f16)]
-        {
+        let split = amx && f16 && super::super::amx_f16::supported();
+        for (name, runs) in [
+            ("AMX-BF16 tiles", amx),
+            ("AVX-512 BF16 vdpbf16ps", bf16),
+            ("f16 widened, AVX-512F", f16),
+            ("f16 split into bf16 parts on AMX tiles", split),
+        ] {
             if runs {
                 eprintln!("tested: {name}");
             } else {
@@ -1360,6 +1430,51 @@ mod tests {
         let lb = Layout::contiguous(&[4096, 1]);
         let got = super::super::matmul::matmul_with(&ones, &la, &ones, &lb, &[], true);
         assert_eq!(got[0].to_f64(), 4096.0);
+    }
+
+    /// An infinity or NaN in an f16 operand gives what IEEE f32 arithmetic gives (inf · 0 in
+    /// the split products would make NaN of ±inf): the AMX split hands such products to the
+    /// widening kernel. Also at every position of A and B, every layout.
+    #[test]
+    fn f16_non_finite_inputs_keep_ieee_results() {
+        let (m, k, n) = (130, 40, 140);
+        for bad in [f16::INFINITY, f16::NEG_INFINITY, f16::NAN] {
+            for (in_a, at) in [(true, 0), (true, m * k - 1), (false, 7), (false, k * n - 1)] {
+                let mut a = values::<f16>(m * k, 1);
+                let mut b = values::<f16>(k * n, 2);
+                // Zeros in B's and A's low parts: values exact in bf16.
+                b.iter_mut().step_by(3).for_each(|v| *v = f16::from_f32(0.5));
+                a.iter_mut().step_by(3).for_each(|v| *v = f16::from_f32(0.25));
+                if in_a {
+                    a[at] = bad
+                } else {
+                    b[at] = bad
+                }
+                for tb in [false, true] {
+                    let la = Layout::contiguous(&[m, k]);
+                    let lb = if tb {
+                        Layout { shape: vec![k, n], strides: vec![1, k], offset: 0 }
+                    } else {
+                        Layout::contiguous(&[k, n])
+                    };
+                    let native = super::super::matmul::matmul_with(&a, &la, &b, &lb, &[], true);
+                    let fallback = super::super::matmul::matmul_with(&a, &la, &b, &lb, &[], false);
+                    for (i, (x, y)) in native.iter().zip(&fallback).enumerate() {
+                        let (x, y) = (x.to_f64(), y.to_f64());
+                        let same = if y.is_finite() {
+                            (x - y).abs() <= ulp::<f16>(y) * 1.01
+                        } else {
+                            x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan()
+                        };
+                        assert!(
+                            same,
+                            "{bad} in {} at {at}, tb={tb}, out [{i}]: {x} vs {y}",
+                            if in_a { "A" } else { "B" }
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The SIMD interleave and its scalar tail give the pairs of the definition at every length.

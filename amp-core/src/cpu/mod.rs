@@ -15,6 +15,7 @@
 pub(crate) mod alloc;
 pub mod amp;
 pub(crate) mod amx;
+pub(crate) mod amx_f16;
 pub(crate) mod attention;
 pub mod backend;
 pub(crate) mod batch_norm;

@@ -63,6 +63,54 @@ fn init_makes_the_caller_a_compute_thread() {
     });
 }
 
+/// After `init`, the other worker spins for work once ops start and stops once none has for
+/// the spin window; ops started from this thread and from another give the right results
+/// meanwhile. (Spinning is timed, and a loaded machine may pause this thread for longer than
+/// the window, so the test looks for the spinning over a few tries rather than at one
+/// instant.)
+#[test]
+fn the_other_workers_spin_between_ops_and_then_sleep() {
+    in_child("the_other_workers_spin_between_ops_and_then_sleep", || {
+        let spins_after_an_op = || {
+            (0..100).any(|_| {
+                let _ = Tensor::<f32>::full(&[4], 1.0);
+                cpu_threads::spinning_threads() == 1
+            })
+        };
+        assert_eq!(cpu_threads::spinning_threads(), 0);
+        assert_eq!(cpu_threads::init(2).expect("first init"), 2);
+        assert_eq!(cpu_threads::spinning_threads(), 0, "no op has started yet");
+        assert!(spins_after_an_op(), "the other worker never spun");
+        for _ in 0..3 {
+            let got = parallel_op();
+            assert!((got - expected()).abs() <= 1e-3 * expected(), "{got} against {}", expected());
+        }
+        op_from_another_thread_finishes();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while cpu_threads::spinning_threads() != 0 {
+            assert!(std::time::Instant::now() < deadline, "still spinning 10 s after the last op");
+            std::thread::sleep(cpu_threads::SPIN_WINDOW);
+        }
+        // And it starts again with the next op.
+        assert!(spins_after_an_op(), "the other worker did not spin again");
+    });
+}
+
+/// `AMP_CPU_SPIN=off`: no worker spins.
+#[test]
+fn spinning_can_be_turned_off() {
+    in_child("spinning_can_be_turned_off", || {
+        if std::env::var_os("AMP_CPU_SPIN").is_none() {
+            // SAFETY: this child process runs this one test on one thread, before any other
+            // thread reads the environment.
+            unsafe { std::env::set_var("AMP_CPU_SPIN", "off") };
+        }
+        assert_eq!(cpu_threads::init(2).expect("first init"), 2);
+        parallel_op();
+        assert_eq!(cpu_threads::spinning_threads(), 0);
+    });
+}
+
 #[test]
 fn one_thread_still_serves_other_threads() {
     // With one thread the caller cannot be the pool's only worker: it would never run an op
@@ -73,6 +121,7 @@ fn one_thread_still_serves_other_threads() {
         op_from_another_thread_finishes();
         let got = parallel_op();
         assert!((got - expected()).abs() <= 1e-3 * expected(), "{got} against {}", expected());
+        assert_eq!(cpu_threads::spinning_threads(), 0, "one thread: no other worker to spin");
     });
 }
 

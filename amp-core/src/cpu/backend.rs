@@ -18,9 +18,11 @@ use crate::precision::{Accum, Precision};
 
 /// Times the enclosing backend call for [`crate::profile`] as `"<kernel>_<precision>"` (as the
 /// CUDA kernels are named, so the two devices' tables line up); the name is formatted only
-/// while a profile is recording.
+/// while a profile is recording. Also marks the op's start for the compute threads' spinning
+/// ([`super::threads::busy`]).
 macro_rules! profiled {
     ($e:ty, $($name:tt)+) => {
+        super::threads::busy();
         let _profile =
             crate::profile::host_scope(|| format!("{}_{}", format_args!($($name)+), <$e as Precision>::DTYPE));
     };

@@ -28,8 +28,47 @@
 //!   error and changes nothing: ops keep working, only without the saving.
 //! - Without `init`, nothing changes: rayon's default pool, one worker per logical CPU
 //!   (`RAYON_NUM_THREADS` overrides the count).
+//! - The other workers spin for work between ops ([`busy`]). rayon puts a worker to sleep
+//!   after a few microseconds without work, and waking it takes tens: on the 2-core Xeon VM a
+//!   fork-join of two 50 µs halves took 52 µs when the pool had been busy, 85 µs after 20 µs
+//!   idle and 113-131 µs after 100 µs or more, one thread running both halves while the other
+//!   woke. A step's ops are separated by serial work (autograd, the op layer, small ops) of
+//!   about that length, so most parallel ops paid a wake-up. OpenMP, which PyTorch's CPU ops
+//!   use, keeps its threads spinning for a while after each parallel region for the same
+//!   reason (`GOMP_SPINCOUNT`, `KMP_BLOCKTIME`). After `init` with more than one thread, every
+//!   backend op marks the time and, when none is running, starts a spin job on each other
+//!   worker: it runs the pool's jobs as they come (`rayon::yield_now`) and ends
+//!   [`SPIN_WINDOW`] after the last op started, so an idle process sleeps. The caller's own
+//!   thread never spins: it has the serial work. `AMP_CPU_SPIN=off` turns the spinning off
+//!   (A/B benchmarks).
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+
+/// How long the other compute threads keep spinning for work after the last op started.
+pub const SPIN_WINDOW: Duration = Duration::from_millis(2);
+
+/// Set by [`init`] when the other workers spin between ops: the index of `init`'s thread in
+/// the pool and how many others there are.
+static SPIN: OnceLock<(usize, usize)> = OnceLock::new();
+/// Spin jobs running (or about to).
+static SPINNING: AtomicUsize = AtomicUsize::new(0);
+/// When the last op started, in nanoseconds since [`epoch`].
+static LAST_OP: AtomicU64 = AtomicU64::new(0);
+
+/// The time origin of [`LAST_OP`].
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// Nanoseconds since [`epoch`].
+fn now_ns() -> u64 {
+    epoch().elapsed().as_nanos() as u64
+}
 
 /// Starts the CPU compute threads with the calling thread as one of them, and returns how
 /// many there are. `threads` is the count, the calling thread included; 0 means one per
@@ -52,7 +91,51 @@ pub fn init(threads: usize) -> Result<usize> {
              of rayon's global pool (ops still work, the calling thread just is not a compute thread)"
         ),
     })?;
+    let spin_off = std::env::var("AMP_CPU_SPIN").is_ok_and(|v| v == "off" || v == "0");
+    if let (Some(index), false) = (rayon::current_thread_index(), spin_off) {
+        epoch();
+        let _ = SPIN.set((index, threads - 1));
+    }
     Ok(threads)
+}
+
+/// Marks that an op is starting; after [`init`], starts the other workers' spin jobs if none
+/// is running (module notes). Every CPU backend op calls it; it costs a clock read and two
+/// atomic operations.
+pub(crate) fn busy() {
+    let Some(&(caller, others)) = SPIN.get() else { return };
+    LAST_OP.store(now_ns(), Ordering::Relaxed);
+    if SPINNING.load(Ordering::Relaxed) == 0
+        && SPINNING.compare_exchange(0, others, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    {
+        rayon::spawn_broadcast(move |ctx| {
+            if ctx.index() != caller {
+                spin_for_work();
+                SPINNING.fetch_sub(1, Ordering::AcqRel);
+            }
+        });
+    }
+}
+
+/// Runs the pool's jobs as they come until no op has started for [`SPIN_WINDOW`].
+fn spin_for_work() {
+    let window = SPIN_WINDOW.as_nanos() as u64;
+    loop {
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => {}
+            Some(rayon::Yield::Idle) if now_ns().saturating_sub(LAST_OP.load(Ordering::Relaxed)) < window => {
+                std::hint::spin_loop()
+            }
+            _ => return,
+        }
+    }
+}
+
+/// How many compute threads are spinning for work now (module notes): after [`init`] with
+/// `n` threads, `n - 1` while ops keep starting, 0 once none has for [`SPIN_WINDOW`]; always
+/// 0 without `init` or with `AMP_CPU_SPIN=off`.
+pub fn spinning_threads() -> usize {
+    SPINNING.load(Ordering::Acquire)
 }
 
 /// Whether the calling thread is one of the compute threads (after [`init`] on it, or on a

@@ -99,12 +99,16 @@ pub(crate) fn pack_a(rows: usize, k: usize, x: Operand<'_, f16>, parallel: bool,
         let live = W.min(rows - i * W);
         let first = x.offset + i * W * x.rs;
         let at = |r: usize, t: usize| (t / PAIRS * W + r) * PAIRS + t % PAIRS;
-        panel.fill(0);
         #[cfg(target_arch = "x86_64")]
         if supported() && (x.cs == 1 || (x.rs == 1 && live == W)) {
+            // The SIMD paths write every step of the live rows, k's pad included.
+            if live < W {
+                panel.fill(0);
+            }
             // SAFETY: the CPU has what `supported()` checks; the function checks its bounds.
             return unsafe { simd::fill_a(x, first, live, k, panel) };
         }
+        panel.fill(0);
         let mut finite = true;
         for r in 0..live {
             for t in 0..k {
@@ -145,12 +149,12 @@ pub(crate) fn pack_b(cols: usize, k: usize, x: Operand<'_, f16>, parallel: bool,
     let fill = |j: usize, panel: &mut [u32]| -> bool {
         let live = NR.min(cols - j * NR);
         let first = x.offset + j * NR * x.rs;
-        panel.fill(0);
         #[cfg(target_arch = "x86_64")]
         if supported() && live == NR && (x.rs == 1 || x.cs == 1) {
             // SAFETY: the CPU has what `supported()` checks; the function checks its bounds.
             return unsafe { simd::fill_b(x, first, k, panel) };
         }
+        panel.fill(0);
         let mut finite = true;
         for c in 0..live {
             for t in 0..k {
@@ -229,7 +233,8 @@ mod simd {
     }
 
     /// One 32-row block of [`super::pack_a`] from rows with contiguous k (`x.cs == 1`, any
-    /// `live`) or adjacent rows (`x.rs == 1`, `live == 32`); `panel` zeroed by the caller.
+    /// `live`) or adjacent rows (`x.rs == 1`, `live == 32`): every step of the live rows is
+    /// written (the rows past `live` are the caller's to zero).
     ///
     /// # Safety
     /// The CPU must have what [`super::supported`] checks.
@@ -281,8 +286,8 @@ mod simd {
     }
 
     /// One full panel (32 columns) of [`super::pack_b`] from columns adjacent in B's rows
-    /// (`x.rs == 1`: B row-major) or with contiguous k (`x.cs == 1`: B = Wᵀ of a `linear`);
-    /// `panel` zeroed by the caller.
+    /// (`x.rs == 1`: B row-major) or with contiguous k (`x.cs == 1`: B = Wᵀ of a `linear`),
+    /// every value of it written.
     ///
     /// # Safety
     /// The CPU must have what [`super::supported`] checks.
@@ -293,7 +298,13 @@ mod simd {
         let mut bad = _mm256_setzero_si256();
         let dup = |v: __m512i| _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
         if x.rs == 1 {
-            // A k value's 32 columns are one run: its high and low rows are stored directly.
+            // A k value's 32 columns are one run: its high and low rows are stored directly,
+            // and the steps of k's pad zeroed.
+            for t in k..groups * PAIRS {
+                let step = 2 * (t / PAIRS * PAIRS) + t % PAIRS;
+                panel[step * NR..][..NR].fill(0);
+                panel[(step + PAIRS) * NR..][..NR].fill(0);
+            }
             for t in 0..k {
                 let step = 2 * (t / PAIRS * PAIRS) + t % PAIRS;
                 for half in 0..2 {
@@ -387,7 +398,9 @@ mod tests {
             for (rs, cs) in [(k, 1), (1, rows)] {
                 let x = Operand { data: &data, offset: 3, rs, cs };
                 let at = |r: usize, t: usize| data[3 + r * rs + t * cs];
-                let mut buf = Vec::new();
+                // Stale values in the buffer, as a kept pack buffer holds: every packed value
+                // must be written, zeros included.
+                let mut buf = vec![0xdead_beef_u32; 1 << 16];
                 assert!(pack_a(rows, k, x, false, &mut buf));
                 let got = aligned(&buf);
                 let steps = steps(k);
@@ -403,7 +416,7 @@ mod tests {
                         assert_eq!(got[idx], want, "A {rows}x{k} rs={rs} cs={cs} row {r} k {t}");
                     }
                 }
-                let mut buf = Vec::new();
+                let mut buf = vec![0xdead_beef_u32; 1 << 16];
                 assert!(pack_b(rows, k, x, true, &mut buf));
                 let got = aligned(&buf);
                 for c in 0..rows.div_ceil(NR) * NR {

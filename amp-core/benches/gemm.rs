@@ -3,12 +3,17 @@
 //! items counter is FLOPs, so items/s is FLOP/s.
 //!
 //! Run: `cargo bench -p amp-core --bench gemm`. Compare ratios within one run only.
+//!
+//! The main thread is made a compute thread first (`cpu_threads::init`), as in a training
+//! loop: the other thread then spins for work between products instead of sleeping, as
+//! PyTorch's OpenMP threads do in `tests/python/bench_gemm.py` (`AMP_CPU_SPIN=off` to compare).
 
 use amp_core::{Precision, Rng, Tensor, bf16, f16};
 use divan::Bencher;
 use divan::counter::ItemsCount;
 
 fn main() {
+    amp_core::cpu_threads::init(0).expect("the first use of rayon's pool");
     divan::main();
 }
 

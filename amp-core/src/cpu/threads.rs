@@ -36,7 +36,7 @@
 //!   about that length, so most parallel ops paid a wake-up. OpenMP, which PyTorch's CPU ops
 //!   use, keeps its threads spinning for a while after each parallel region for the same
 //!   reason (`GOMP_SPINCOUNT`, `KMP_BLOCKTIME`). After `init` with more than one thread, every
-//!   backend op marks the time and, when none is running, starts a spin job on each other
+//!   backend op marks the time and, when none is running, starts one spin job per other
 //!   worker: it runs the pool's jobs as they come (`rayon::yield_now`) and ends
 //!   [`SPIN_WINDOW`] after the last op started, so an idle process sleeps. The caller's own
 //!   thread never spins: it has the serial work. `AMP_CPU_SPIN=off` turns the spinning off
@@ -54,7 +54,7 @@ pub const SPIN_WINDOW: Duration = Duration::from_millis(2);
 /// Set by [`init`] when the other workers spin between ops: the index of `init`'s thread in
 /// the pool and how many others there are.
 static SPIN: OnceLock<(usize, usize)> = OnceLock::new();
-/// Spin jobs running (or about to).
+/// Spin jobs running (or queued).
 static SPINNING: AtomicUsize = AtomicUsize::new(0);
 /// When the last op started, in nanoseconds since [`epoch`].
 static LAST_OP: AtomicU64 = AtomicU64::new(0);
@@ -108,12 +108,19 @@ pub(crate) fn busy() {
     if SPINNING.load(Ordering::Relaxed) == 0
         && SPINNING.compare_exchange(0, others, Ordering::AcqRel, Ordering::Relaxed).is_ok()
     {
-        rayon::spawn_broadcast(move |ctx| {
-            if ctx.index() != caller {
-                spin_for_work();
+        // One job per other worker, taken by whichever worker is free. The caller's thread,
+        // if it takes one while waiting inside an op of its own, returns at once (it has the
+        // serial work); that round then goes without one spinner. (A broadcast would queue a
+        // job for the caller's thread that waits until it next enters the pool: forever, if
+        // it never runs an op again.)
+        for _ in 0..others {
+            rayon::spawn(move || {
+                if rayon::current_thread_index() != Some(caller) {
+                    spin_for_work();
+                }
                 SPINNING.fetch_sub(1, Ordering::AcqRel);
-            }
-        });
+            });
+        }
     }
 }
 

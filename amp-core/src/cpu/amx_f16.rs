@@ -7,8 +7,8 @@
 //!   tiles run bf16 pairs at about 3.7 TFLOP/s a core. Four tile products per f16 product
 //!   still leave the tiles ahead.
 //! - Exactness: `x = h + l` with `h = bf16(x)` (round to nearest even) and `l = x - h`. An f16
-//!   has 11 significant bits and `h` keeps 8, so `l` (a multiple of x's last place, at most
-//!   half of h's) has at most 3 and is exact in bf16. `l` is 0 or at least 2⁻²⁴ (f16's
+//!   has 11 significant bits and `h` keeps 8, so `l`, a multiple of x's last place and at most
+//!   half of h's last place, has at most 3 and is exact in bf16. `l` is 0 or at least 2⁻²⁴ (f16's
 //!   smallest step), far inside bf16's normal range. So `a·b = h_a·h_b + l_a·h_b + h_a·l_b +
 //!   l_a·l_b` with each product of 8-bit significands exact in f32 and at least 2⁻⁴⁸ or 0: no
 //!   input, product or sum is subnormal, so the tiles' flushing of subnormals changes
@@ -29,11 +29,8 @@
 use rayon::prelude::*;
 
 use super::amx::{BLOCK_ROWS as W, PAIRS};
-use super::gemm_half::Operand;
+use super::gemm_half::{NR, Operand};
 use crate::{bf16, f16};
-
-/// Columns of a packed B panel (the kernel's [`super::gemm_half`] `NR`).
-const NR: usize = 32;
 
 /// Whether this CPU has every instruction the packs use (every CPU with AMX-BF16 does).
 pub(crate) fn supported() -> bool {

@@ -11,7 +11,7 @@
 //!   GEMM, saves two passes over memory and the f32 output buffer. (AVX-512 FP16 arithmetic
 //!   rounds each sum to f16, so it is no use for an f32 accumulation.) Where the AMX kernel
 //!   runs, f16 products of at least 128 rows and columns are split exactly into bf16 high
-//!   and low parts and run on the tiles instead ([`super::amx_f16`]), 1.3-2× faster.
+//!   and low parts and run on the tiles instead ([`super::amx_f16`]), 1.2-2× faster.
 //!
 //! Layout (BLIS-style): A is packed into panels of [`MR`] rows, B into panels of [`NR`]
 //! columns, k taken in *steps* of 4-byte packed values: a pair of bf16 (the two share one
@@ -41,8 +41,8 @@ use crate::{bf16, f16};
 
 /// Rows of the register tile.
 const MR: usize = 8;
-/// Columns of the register tile (two zmm of 16 f32 lanes).
-const NR: usize = 32;
+/// Columns of the register tile (two zmm of 16 f32 lanes), and of a packed B panel.
+pub(super) const NR: usize = 32;
 /// k steps per cache block: a B micro-panel is KC·NR·4 bytes = 16 KiB, half of L1.
 const KC: usize = 128;
 /// Columns per block of the f32 accumulator buffer.

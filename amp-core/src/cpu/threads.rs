@@ -28,7 +28,7 @@
 //!   error and changes nothing: ops keep working, only without the saving.
 //! - Without `init`, nothing changes: rayon's default pool, one worker per logical CPU
 //!   (`RAYON_NUM_THREADS` overrides the count).
-//! - The other workers spin for work between ops ([`busy`]). rayon puts a worker to sleep
+//! - The other workers spin for work between ops. rayon puts a worker to sleep
 //!   after a few microseconds without work, and waking it takes tens: on the 2-core Xeon VM a
 //!   fork-join of two 50 µs halves took 52 µs when the pool had been busy, 85 µs after 20 µs
 //!   idle and 113-131 µs after 100 µs or more, one thread running both halves while the other

@@ -45,7 +45,7 @@ pub(crate) fn available() -> bool {
 
 /// Whether `AMP_CPU_AMX` is `off` (or `0`).
 fn turned_off() -> bool {
-    std::env::var("AMP_CPU_AMX").is_ok_and(|v| v == "off" || v == "0")
+    super::env_off("AMP_CPU_AMX")
 }
 
 /// Why AMX is or is not used, for reports: `None` when it runs.

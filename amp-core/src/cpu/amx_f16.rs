@@ -117,12 +117,8 @@ pub(crate) fn pack_a(rows: usize, k: usize, x: Operand<'_, f16>, parallel: bool,
         }
         finite
     };
-    let blocks = rows.div_ceil(W);
     if parallel {
-        let per_task = blocks.div_ceil(rayon::current_num_threads());
-        out.par_chunks_mut(per_task * block)
-            .enumerate()
-            .all(|(t, p)| p.chunks_mut(block).enumerate().all(|(ii, panel)| fill(t * per_task + ii, panel)))
+        out.par_chunks_mut(block).enumerate().all(|(i, panel)| fill(i, panel))
     } else {
         out.chunks_mut(block).enumerate().all(|(i, panel)| fill(i, panel))
     }

@@ -458,3 +458,9 @@ fn add_assign<E: Precision>(dst: &mut [E], src: &[E]) {
         },
     );
 }
+
+/// Whether the environment variable `name` turns a feature off (`off` or `0`): the A/B
+/// switches `AMP_CPU_AMX` and `AMP_CPU_SPIN`.
+pub(crate) fn env_off(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "off" || v == "0")
+}

@@ -91,7 +91,7 @@ pub fn init(threads: usize) -> Result<usize> {
              of rayon's global pool (ops still work, the calling thread just is not a compute thread)"
         ),
     })?;
-    let spin_off = std::env::var("AMP_CPU_SPIN").is_ok_and(|v| v == "off" || v == "0");
+    let spin_off = super::env_off("AMP_CPU_SPIN");
     if let (Some(index), false) = (rayon::current_thread_index(), spin_off) {
         epoch();
         let _ = SPIN.set((index, threads - 1));

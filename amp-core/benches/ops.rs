@@ -136,3 +136,11 @@ fn gelu<E: Precision>(b: Bencher<'_, '_>) {
     let x = randn::<E>(&[B * T, 4 * D], 8);
     b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.gelu()));
 }
+
+/// A contiguous copy of a per-head transpose, `[B, H, T, D]` from a `[B, H, D, T]` tensor
+/// (attention's gradient of `kᵀ` comes back in this layout).
+#[divan::bench(types = [f32, bf16], sample_count = 30)]
+fn transpose_contiguous<E: Precision>(b: Bencher<'_, '_>) {
+    let x = randn::<E>(&[B, H, D / H, T], 11).transpose(2, 3);
+    b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.contiguous()));
+}

@@ -293,40 +293,43 @@ fn gather_transposed<E: Precision>(src: &[E], shape: &[usize], strides: &[usize]
     if plane == 0 {
         return out;
     }
-    // Whole planes per task, about CHUNK elements.
-    let planes_per_task = (CHUNK / plane).max(1);
-    let task = |ti: usize, chunk: &mut [E]| {
-        for (pi, dst) in chunk.chunks_mut(plane).enumerate() {
-            // The input offset of plane number p: its multi-index over the outer dims.
-            let (mut p, mut base) = (ti * planes_per_task + pi, offset);
-            for d in (0..outer.len()).rev() {
-                base += p % outer[d] * outer_strides[d];
-                p /= outer[d];
+    // The output in strips of T rows of one plane, each contiguous; strip i is strip
+    // i % strips_per_plane of plane i / strips_per_plane. Tasks take about CHUNK elements of
+    // strips, so one large plane (a big matrix's transpose) is split too.
+    let strips_per_plane = rows.div_ceil(T);
+    let copy = |(i, dst): &mut (usize, &mut [E])| {
+        // The input offset of the plane: its multi-index over the outer dims.
+        let (mut p, mut base) = (*i / strips_per_plane, offset);
+        for d in (0..outer.len()).rev() {
+            base += p % outer[d] * outer_strides[d];
+            p /= outer[d];
+        }
+        let r0 = *i % strips_per_plane * T;
+        let tile_rows = T.min(rows - r0);
+        let mut tile = [[E::default(); T]; T];
+        for c0 in (0..cols).step_by(T) {
+            let tile_cols = T.min(cols - c0);
+            // Columns c0.. of the strip's rows: each contiguous in the input.
+            for (j, column) in tile.iter_mut().enumerate().take(tile_cols) {
+                column[..tile_rows].copy_from_slice(&src[base + (c0 + j) * col_stride + r0..][..tile_rows]);
             }
-            let mut tile = [[E::default(); T]; T];
-            for r0 in (0..rows).step_by(T) {
-                let tile_rows = T.min(rows - r0);
-                for c0 in (0..cols).step_by(T) {
-                    let tile_cols = T.min(cols - c0);
-                    // Columns c0.. of the output's rows r0..: each contiguous in the input.
-                    for (j, column) in tile.iter_mut().enumerate().take(tile_cols) {
-                        column[..tile_rows].copy_from_slice(&src[base + (c0 + j) * col_stride + r0..][..tile_rows]);
-                    }
-                    for i in 0..tile_rows {
-                        let row = &mut dst[(r0 + i) * cols + c0..][..tile_cols];
-                        for (j, v) in row.iter_mut().enumerate() {
-                            *v = tile[j][i];
-                        }
-                    }
+            for r in 0..tile_rows {
+                let row = &mut dst[r * cols + c0..][..tile_cols];
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = tile[j][r];
                 }
             }
         }
     };
-    if out.len() >= PAR_MIN {
-        out.par_chunks_mut(planes_per_task * plane).enumerate().for_each(|(i, c)| task(i, c));
+    let big = out.len() >= PAR_MIN;
+    let mut strips: Vec<(usize, &mut [E])> =
+        out.chunks_mut(plane).flat_map(|p| p.chunks_mut(T * cols)).enumerate().collect();
+    if big {
+        strips.par_chunks_mut((CHUNK / (T * cols)).max(1)).for_each(|group| group.iter_mut().for_each(copy));
     } else {
-        out.chunks_mut(planes_per_task * plane).enumerate().for_each(|(i, c)| task(i, c));
+        strips.iter_mut().for_each(copy);
     }
+    drop(strips);
     out
 }
 

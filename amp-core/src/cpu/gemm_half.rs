@@ -643,11 +643,11 @@ fn multiply_amx<E: Precision>(
     // With a whole chunk, every output was last written by `tdpbf16ps` or `vdpbf16ps`, which
     // flush subnormal results: no output is subnormal.
     let ftz = steps >= PAIRS;
-    // A bf16 output whose k fits one block of whole chunks: each 32 × 32 block of C is done
-    // after one call of the tile kernel, so it is stored into a 4 KiB f32 block that stays in
-    // L1 and rounded into the output at once ([`round_block_bf16`]), instead of into an f32
-    // copy of the task's C (in L2, a tile store there costs a read of each line first) and
-    // rounded in a second pass.
+    // A bf16 or f16 output whose k fits one block of whole chunks: each 32 × 32 block of C is
+    // done after one call of the tile kernel, so it is stored into a 4 KiB f32 block that
+    // stays in L1 and rounded into the output at once ([`round_block`]), instead of into an
+    // f32 copy of the task's C (in L2, where a tile store first reads each line) and rounded
+    // in a second pass.
     let direct = tiles_start
         && steps <= kc_max
         && steps.is_multiple_of(PAIRS)

@@ -611,7 +611,7 @@ fn multiply_amx<E: Precision>(
     out: &mut [E],
     big: bool,
 ) {
-    use super::amx::{BLOCK_ROWS, PAIRS, Start};
+    use super::amx::{BLOCK_ROWS, PAIRS};
     assert_eq!(out.len(), m * n);
     if m * n == 0 {
         return;
@@ -680,10 +680,7 @@ fn multiply_amx<E: Precision>(
                     for jr in 0..panels {
                         let bp = &pb[jr * steps * b_per_a * NR..][..steps * b_per_a * NR];
                         let cols = NR.min(n - jr * NR);
-                        let start = match bias_tiles {
-                            Some(b) => Start::Bias(b[jr * NR..][..NR].as_ptr()),
-                            None => Start::Zero,
-                        };
+                        let start = block_start(bias_tiles, jr * NR, false);
                         let at = ir * BLOCK_ROWS * n + jr * NR;
                         assert!(at + (block_rows - 1) * n + cols <= out.len());
                         let next = if jr + 1 < panels { at + NR } else { (ir + 1) * BLOCK_ROWS * n };
@@ -742,11 +739,7 @@ fn multiply_amx<E: Precision>(
                             // AVX-512 BF16, which `amx::available()` checked.
                             unsafe {
                                 if chunks > 0 {
-                                    let start = match bias_tiles {
-                                        _ if pc > 0 => Start::Sums,
-                                        Some(b) => Start::Bias(b[jc + jr * NR..][..NR].as_ptr()),
-                                        None => Start::Zero,
-                                    };
+                                    let start = block_start(bias_tiles, jc + jr * NR, pc > 0);
                                     tiles.block(
                                         chunks,
                                         b_per_a,
@@ -807,6 +800,18 @@ fn round_ftz_output<E: Precision>(src: &[f32], dst: &mut [E], ftz: bool) {
     }
     let _ = ftz;
     E::from_f32_slice(src, dst)
+}
+
+/// What the tile kernel's sums start from for the block of C at column `col`: the f32 block
+/// as it is after an earlier k block (`later_k_block`), else the bias's 32 values from `col`
+/// (from the padded, aligned copy) or zero.
+fn block_start(bias_tiles: Option<&[f32]>, col: usize, later_k_block: bool) -> super::amx::Start {
+    use super::amx::Start;
+    match bias_tiles {
+        _ if later_k_block => Start::Sums,
+        Some(b) => Start::Bias(b[col..][..NR].as_ptr()),
+        None => Start::Zero,
+    }
 }
 
 /// Asks for the cache lines where `rows` rows start, `ld` apart from `dst[at]`, in a

@@ -293,18 +293,16 @@ fn gather_transposed<E: Precision>(src: &[E], shape: &[usize], strides: &[usize]
     if plane == 0 {
         return out;
     }
-    // The output in strips of T rows of one plane, each contiguous; strip i is strip
-    // i % strips_per_plane of plane i / strips_per_plane. Tasks take about CHUNK elements of
-    // strips, so one large plane (a big matrix's transpose) is split too.
-    let strips_per_plane = rows.div_ceil(T);
-    let copy = |(i, dst): &mut (usize, &mut [E])| {
+    // The output in strips of T rows of one plane, each contiguous: (plane, first row, strip).
+    // Tasks take about CHUNK elements of strips, so one large plane (a big matrix's
+    // transpose) is split too.
+    let copy = |&mut (plane_index, r0, ref mut dst): &mut (usize, usize, &mut [E])| {
         // The input offset of the plane: its multi-index over the outer dims.
-        let (mut p, mut base) = (*i / strips_per_plane, offset);
+        let (mut p, mut base) = (plane_index, offset);
         for d in (0..outer.len()).rev() {
             base += p % outer[d] * outer_strides[d];
             p /= outer[d];
         }
-        let r0 = *i % strips_per_plane * T;
         let tile_rows = T.min(rows - r0);
         let mut tile = [[E::default(); T]; T];
         for c0 in (0..cols).step_by(T) {
@@ -322,14 +320,16 @@ fn gather_transposed<E: Precision>(src: &[E], shape: &[usize], strides: &[usize]
         }
     };
     let big = out.len() >= PAR_MIN;
-    let mut strips: Vec<(usize, &mut [E])> =
-        out.chunks_mut(plane).flat_map(|p| p.chunks_mut(T * cols)).enumerate().collect();
+    let mut strips: Vec<(usize, usize, &mut [E])> = out
+        .chunks_mut(plane)
+        .enumerate()
+        .flat_map(|(p, plane)| plane.chunks_mut(T * cols).enumerate().map(move |(s, strip)| (p, s * T, strip)))
+        .collect();
     if big {
         strips.par_chunks_mut((CHUNK / (T * cols)).max(1)).for_each(|group| group.iter_mut().for_each(copy));
     } else {
         strips.iter_mut().for_each(copy);
     }
-    drop(strips);
     out
 }
 

@@ -16,7 +16,8 @@
 //! - The block kernel keeps a 32 × 32 f32 block of C in four tiles (tmm0–3), loads two A tiles
 //!   (tmm4–5) and two B tiles (tmm6–7) per 16 k pairs and issues four `tdpbf16ps`: four
 //!   loads per four products. All eight tiles are 16 rows × 64 bytes, one configuration per
-//!   thread for a whole product.
+//!   thread for a whole product. While a chunk's products run, B's next chunk is prefetched
+//!   into L1 (B streams from L2 in the usual loop order; see `prefetch_next_chunk`).
 //! - f16 products run on the same kernel, each value split into bf16 high and low parts
 //!   ([`super::amx_f16`]): B then holds two chunks (high, low) per chunk of A, and the block
 //!   kernel multiplies both by A's tiles, loaded once.
@@ -236,23 +237,26 @@ impl Tiles {
             }
             let a16 = a.add(16 * A_ROW);
             for q in 0..chunks {
-                asm!(
-                    "tileloadd tmm4, [{a} + {sa}*1]",
-                    "tileloadd tmm5, [{a16} + {sa}*1]",
-                    a = in(reg) a.add(A_CHUNK * q), a16 = in(reg) a16.add(A_CHUNK * q), sa = in(reg) A_ROW,
-                    options(nostack, readonly),
-                );
+                let (aq, a16q) = (a.add(A_CHUNK * q), a16.add(A_CHUNK * q));
                 for r in 0..b_per_a {
+                    let bq = b.add(512 * (b_per_a * q + r));
+                    if r == 0 {
+                        asm!("tileloadd tmm4, [{a} + {sa}*1]", a = in(reg) aq, sa = in(reg) A_ROW, options(nostack, readonly));
+                    }
+                    asm!("tileloadd tmm6, [{b} + {sb}*1]", b = in(reg) bq, sb = in(reg) B_ROW, options(nostack, readonly));
+                    prefetch_next_chunk(bq, 0);
                     asm!(
-                        "tileloadd tmm6, [{b} + {sb}*1]",
-                        "tileloadd tmm7, [{b} + {sb}*1 + 64]",
                         "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{b} + {sb}*1 + 64]",
                         "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        b = in(reg) b.add(512 * (b_per_a * q + r)), sb = in(reg) B_ROW,
+                        b = in(reg) bq, sb = in(reg) B_ROW,
                         options(nostack, readonly),
                     );
+                    if r == 0 {
+                        asm!("tileloadd tmm5, [{a} + {sa}*1]", a = in(reg) a16q, sa = in(reg) A_ROW, options(nostack, readonly));
+                    }
+                    prefetch_next_chunk(bq, 16);
+                    asm!("tdpbf16ps tmm2, tmm5, tmm6", "tdpbf16ps tmm3, tmm5, tmm7", options(nostack, nomem));
                 }
             }
             asm!(
@@ -264,6 +268,26 @@ impl Tiles {
                 options(nostack),
             );
         }
+    }
+}
+
+/// Asks for 16 cache lines of B's next chunk (the 2 KiB after the chunk at `chunk`), from
+/// line `first` of it, into L1 (`prefetcht0`) while the current chunk's products run. When
+/// each block is rounded at once (`gemm_half`'s direct path) A's block stays in L1 and B's
+/// panels, laid out one after another, stream from L2: the tile loads of B waited on L2, and
+/// a synthetic loop of the kernel at `qkv`'s sizes ran 1.2x slower without this. In the
+/// two-pass path B's chunk is usually in L1 already and the prefetch costs little. (Fetching
+/// A's next chunk instead was slower on every bench shape.) Past the end of B it fetches
+/// lines no one reads: a prefetch never faults, and `wrapping_add` makes the address without
+/// claiming it lies inside an object.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_next_chunk(chunk: *const u32, first: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    let next = chunk.cast::<i8>().wrapping_add(2048 + 64 * first);
+    for line in 0..16 {
+        // SAFETY: a prefetch is a hint: it never faults and reads or writes nothing visible.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * line)) };
     }
 }
 

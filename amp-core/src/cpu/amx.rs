@@ -277,7 +277,7 @@ impl Tiles {
 /// panels, laid out one after another, stream from L2: the tile loads of B waited on L2, and
 /// a synthetic loop of the kernel at `qkv`'s sizes ran 1.2x slower without this. In the
 /// two-pass path B's chunk is usually in L1 already and the prefetch costs little. (Fetching
-/// A's next chunk instead was slower on every bench shape.) Past the end of B it fetches
+/// A's next chunk instead gained less on every bench shape.) Past the end of B it fetches
 /// lines no one reads: a prefetch never faults, and `wrapping_add` makes the address without
 /// claiming it lies inside an object.
 #[cfg(target_arch = "x86_64")]

@@ -5,7 +5,9 @@
 //! Cells left out by `--only` or `--precision` print as `-`. With `--torch PYTHON` (a Python
 //! with PyTorch), PyTorch's step times are measured in the same run by
 //! `tests/python/bench_steps.py` (the same workloads and step, on the same threads) and
-//! printed beside ours with the ratios; without it the PyTorch columns print as `-`.
+//! printed beside ours with the ratios; without it the PyTorch columns print as `-`. Each
+//! cell's PyTorch time is taken right after ours (a Python process per cell), so a drift of
+//! the machine's speed during the run moves both sides of a ratio alike.
 //! `--profile` adds, after each cell's timed steps, a table of where 3 more steps spent their
 //! time, kernel by kernel (`amp::profile`), with the time outside any kernel.
 //! The run starts by naming the CPU (model, the SIMD and AMX flags it reports) and the kernels
@@ -290,39 +292,48 @@ fn main() {
             Gpt::new(c, &mut Rng::seed(0)).num_params()
         }
     );
+    // PyTorch's time for one cell, measured right after ours, on the same threads (NaN
+    // without `--torch` or for a cell left out); the first measurement names the version.
+    let torch_version = std::cell::RefCell::new(None);
+    let torch_cell = |w: &str, p: &str| match &torch_python {
+        Some(py) if want(p) => {
+            let (t, v) = torch_times(py, steps, Some(w), Some(p), threads);
+            torch_version.borrow_mut().get_or_insert(v);
+            let i = ["f32", "bf16", "f16"].iter().position(|q| *q == p).expect("a known precision");
+            t[usize::from(w == "w2")][i]
+        }
+        _ => f64::NAN,
+    };
+    // Ours, then PyTorch's, for one cell.
+    let pair = |w: &str, p: &str, f: &dyn Fn() -> Timing| (cell(p, f), torch_cell(w, p));
     let mut rows = Vec::new();
     if run("w1") {
-        let ours = [
-            cell("f32", &|| w1::<f32, _>(&mut NoScale, steps)),
-            cell("bf16", &|| w1::<bf16, _>(&mut NoScale, steps)),
-            cell("f16", &|| w1::<f16, _>(&mut GradScaler::new(), steps)),
+        let cells = [
+            pair("w1", "f32", &|| w1::<f32, _>(&mut NoScale, steps)),
+            pair("w1", "bf16", &|| w1::<bf16, _>(&mut NoScale, steps)),
+            pair("w1", "f16", &|| w1::<f16, _>(&mut GradScaler::new(), steps)),
         ];
-        rows.push(("W1 MLP step", ours));
+        rows.push(("W1 MLP step", cells.map(|c| c.0), cells.map(|c| c.1)));
     }
     if run("w2") {
-        let ours = [
-            cell("f32", &|| w2::<f32, _>(&mut NoScale, steps, fused)),
-            cell("bf16", &|| w2::<bf16, _>(&mut NoScale, steps, fused)),
-            cell("f16", &|| w2::<f16, _>(&mut GradScaler::new(), steps, fused)),
+        let cells = [
+            pair("w2", "f32", &|| w2::<f32, _>(&mut NoScale, steps, fused)),
+            pair("w2", "bf16", &|| w2::<bf16, _>(&mut NoScale, steps, fused)),
+            pair("w2", "f16", &|| w2::<f16, _>(&mut GradScaler::new(), steps, fused)),
         ];
-        rows.push((if fused { "W2 GPT step, fused attention" } else { "W2 GPT step" }, ours));
+        let name = if fused { "W2 GPT step, fused attention" } else { "W2 GPT step" };
+        rows.push((name, cells.map(|c| c.0), cells.map(|c| c.1)));
     }
-    // PyTorch after ours, in the same run, on the same threads.
-    let (torch, torch_version) = match &torch_python {
-        Some(py) => {
-            let (t, v) = torch_times(py, steps, only.as_deref(), precision.as_deref(), threads);
-            (t, format!("PyTorch {v}, measured in this run"))
-        }
-        None => ([[f64::NAN; 3]; 2], "PyTorch not measured (pass --torch PYTHON)".to_string()),
-    };
-    println!("{torch_version}");
+    match torch_version.into_inner() {
+        Some(v) => println!("PyTorch {v}, measured in this run, each cell right after ours"),
+        None => println!("PyTorch not measured (pass --torch PYTHON)"),
+    }
     println!();
     println!(
         "| workload | f32 (s) | bf16 (s) | f16 + GradScaler (s) | PyTorch f32 / bf16 / f16 (s) | ours / PyTorch's time: f32 / bf16 / f16 |"
     );
     println!("| --- | --- | --- | --- | --- | --- |");
-    for &(name, ours) in &rows {
-        let torch = if name.starts_with("W1") { torch[0] } else { torch[1] };
+    for &(name, ours, torch) in &rows {
         let ours = ours.map(|t| t.secs);
         let secs = |t: f64| if t.is_nan() { "-".to_string() } else { format!("{t:.3}") };
         let ratio = |r: f64, digits: usize| if r.is_nan() { "-".to_string() } else { format!("{r:.digits$}") };
@@ -344,7 +355,7 @@ fn main() {
     println!();
     println!("| workload | f32 | bf16 | f16 + GradScaler |");
     println!("| --- | --- | --- | --- |");
-    for (name, ours) in &rows {
+    for (name, ours, _) in &rows {
         let cell = |t: &Timing| {
             if t.faults.is_nan() {
                 return "-".to_string();

@@ -212,24 +212,13 @@ fn cpu_description() -> String {
     format!("CPU: {} (has {}; lacks {})", field("model name"), present.join(" "), missing.join(" "))
 }
 
-/// PyTorch's median step times, measured now by `tests/python/bench_steps.py` under `python`:
-/// `[w1, w2]` of `[f32, bf16, f16]` (NaN where not measured), and the torch version.
-fn torch_times(
-    python: &str,
-    steps: usize,
-    only: Option<&str>,
-    precision: Option<&str>,
-    threads: usize,
-) -> ([[f64; 3]; 2], String) {
+/// PyTorch's median step time for one cell (workload `w`, precision `p`), measured now by
+/// `tests/python/bench_steps.py` under `python`, and the torch version.
+fn torch_time(python: &str, steps: usize, w: &str, p: &str, threads: usize) -> (f64, String) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/bench_steps.py");
     let mut cmd = std::process::Command::new(python);
     cmd.arg(script).args(["--steps", &steps.to_string(), "--threads", &threads.to_string()]);
-    if let Some(w) = only {
-        cmd.args(["--only", w]);
-    }
-    if let Some(p) = precision {
-        cmd.args(["--precision", p]);
-    }
+    cmd.args(["--only", w, "--precision", p]);
     let out = cmd.output().unwrap_or_else(|e| panic!("--torch: cannot run `{python}`: {e}"));
     assert!(
         out.status.success(),
@@ -242,9 +231,7 @@ fn torch_times(
         .last()
         .and_then(|l| serde_json::from_str(l).ok())
         .unwrap_or_else(|| panic!("--torch: the script printed no JSON result: {stdout}"));
-    let cell = |w: &str, p: &str| json[w][p].as_f64().unwrap_or(f64::NAN);
-    let row = |w: &str| [cell(w, "f32"), cell(w, "bf16"), cell(w, "f16")];
-    ([row("w1"), row("w2")], json["torch"].as_str().unwrap_or("?").to_string())
+    (json[w][p].as_f64().unwrap_or(f64::NAN), json["torch"].as_str().unwrap_or("?").to_string())
 }
 
 fn main() {
@@ -297,10 +284,9 @@ fn main() {
     let torch_version = std::cell::RefCell::new(None);
     let torch_cell = |w: &str, p: &str| match &torch_python {
         Some(py) if want(p) => {
-            let (t, v) = torch_times(py, steps, Some(w), Some(p), threads);
+            let (t, v) = torch_time(py, steps, w, p, threads);
             torch_version.borrow_mut().get_or_insert(v);
-            let i = ["f32", "bf16", "f16"].iter().position(|q| *q == p).expect("a known precision");
-            t[usize::from(w == "w2")][i]
+            t
         }
         _ => f64::NAN,
     };

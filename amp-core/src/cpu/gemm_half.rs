@@ -815,7 +815,9 @@ fn block_start(bias_tiles: Option<&[f32]>, col: usize, later_k_block: bool) -> s
 }
 
 /// Asks for the cache lines where `rows` rows start, `ld` apart from `dst[at]`, in a
-/// writable state (`prefetchw`), for the rows inside `dst`.
+/// writable state (`prefetchw`), for the rows inside `dst`. Written as `asm!`: the intrinsic
+/// `_mm_prefetch::<_MM_HINT_ET0>` compiles to a plain `prefetcht0` unless the build enables
+/// the `prfchw` target feature, which a dependent crate's default build does not.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_rows_for_write(dst: &[u16], at: usize, ld: usize, rows: usize) {
     for i in (at..dst.len()).step_by(ld).take(rows) {

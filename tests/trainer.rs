@@ -17,10 +17,39 @@ use amp::trainer::{LOCK_FILE, ModelSize, READ_EVERY, RunPrecision, TrainConfig, 
 mod mirror;
 use mirror::Mirror;
 
-fn tmp(name: &str) -> PathBuf {
+/// A run folder under the system's temp dir, removed when the test ends (pass or fail): the
+/// runs write checkpoints, and twenty-odd of them left behind filled /tmp by 180 MB a test run.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tmp(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("amp-trainer-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    dir
+    Scratch(dir)
 }
 
 fn small(out: &Path, precision: RunPrecision) -> TrainConfig {

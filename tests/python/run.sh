@@ -9,4 +9,6 @@ python3 -c "import safetensors, numpy" || {
   echo "tests/python/run.sh: python3 with safetensors and numpy is required: python3 -m pip install safetensors numpy" >&2
   exit 1
 }
-AMP_REQUIRE_PYTHON=1 cargo test -p amp-core --test checkpoint_python -- --nocapture
+# --workspace: the features the README's `cargo test --workspace` built amp-core with, so
+# nothing is compiled again (`-p amp-core` would build a second amp-core).
+AMP_REQUIRE_PYTHON=1 cargo test --workspace --test checkpoint_python -- --nocapture

@@ -164,3 +164,20 @@ fn autocast_on_a_trait_impl_called_through_dyn() {
     let grads = loss.backward();
     assert_eq!(grads.len(), 1);
 }
+
+/// `x.powf(2.0)` runs as a multiply (`square`, which autocast passes through), but it is still
+/// `powf` to the policy: an unreached helper squaring a low-precision tensor panics as PyTorch
+/// users' `x.pow(2)` would have been cast to f32.
+#[test]
+#[should_panic(expected = "`powf` ran on a f16 tensor inside a `#[autocast]` (f16) region")]
+fn an_unreached_square_through_powf_panics_like_any_powf() {
+    fn mean_square_plain<E: Precision>(x: &Tensor<E>) -> Tensor<E> {
+        x.powf(2.0).mean_all()
+    }
+    #[autocast]
+    fn f(x: &Tensor<f32>) -> Tensor<f32> {
+        let h = x.matmul(&Tensor::<f32>::ones(&[3, 3])); // f16
+        mean_square_plain(&h).cast::<f32>()
+    }
+    let _ = f(&big().reshape(&[1, 3]));
+}

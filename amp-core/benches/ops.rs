@@ -137,6 +137,21 @@ fn gelu<E: Precision>(b: Bencher<'_, '_>) {
     b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.gelu()));
 }
 
+/// tanh over the same shape (GPT-2's GELU and recurrent cells use it): vectorised
+/// (`fastmath`), where a libm call per element took 28x PyTorch's time.
+#[divan::bench(types = [f32, bf16], sample_count = 30)]
+fn tanh<E: Precision>(b: Bencher<'_, '_>) {
+    let x = randn::<E>(&[B * T, 4 * D], 8);
+    b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.tanh()));
+}
+
+/// Natural log of positive values over the same shape, vectorised like `tanh`.
+#[divan::bench(types = [f32, bf16], sample_count = 30)]
+fn log<E: Precision>(b: Bencher<'_, '_>) {
+    let x = randn::<E>(&[B * T, 4 * D], 8).exp();
+    b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.log()));
+}
+
 /// A contiguous copy of a per-head transpose, `[B, H, T, D]` from a `[B, H, D, T]` tensor
 /// (attention's gradient of `kᵀ` comes back in this layout).
 #[divan::bench(types = [f32, bf16], sample_count = 30)]

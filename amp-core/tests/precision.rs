@@ -112,6 +112,7 @@ fn elementwise<E: Precision>() {
     check!(E, "log", ONCE, [p.clone()], |t| t[0].log());
     check!(E, "sqrt", ONCE, [p.clone()], |t| t[0].sqrt());
     check!(E, "powf", ONCE, [p.clone()], |t| t[0].powf(1.7));
+    check!(E, "powf 2 (x * x)", ONCE, [a.clone()], |t| t[0].powf(2.0));
     // Large enough to run on the parallel path.
     check!(E, "add (parallel)", ONCE, [randn(&[300, 300], 5), randn(&[300, 1], 6)], |t| t[0].add(&t[1]));
     check!(E, "gelu (parallel)", ONCE, [randn(&[300, 300], 7)], |t| t[0].gelu());
@@ -137,6 +138,7 @@ fn elementwise_grads<E: Precision>() {
     check_grad!(E, "log", ONCE, [p.clone()], |t| t[0].log());
     check_grad!(E, "sqrt", FROM_ROUNDED, [p.clone()], |t| t[0].sqrt());
     check_grad!(E, "powf", ONCE, [p.clone()], |t| t[0].powf(1.7));
+    check_grad!(E, "powf 2 (x * x)", ONCE, [a.clone()], |t| t[0].powf(2.0));
 }
 
 #[test]

@@ -50,6 +50,11 @@ fn ops_at_this_level() -> Vec<Vec<u64>> {
     let n = vals.len();
     let x = Tensor::<f32>::from_vec(vals, &[n]);
     let mut out = vec![bits(&x.cast::<f16>()), bits(&x.cast::<bf16>()), bits(&x.cast::<f16>().cast::<bf16>())];
+    // The vectorised tanh and ln on special values and subnormals (NaN payloads aside).
+    let canonical_nan =
+        |t: Tensor<f32>| bits(&t).into_iter().map(|b| if f64::from_bits(b).is_nan() { 0 } else { b }).collect();
+    out.push(canonical_nan(x.tanh()));
+    out.push(canonical_nan(x.log()));
     let mut rng = Rng::seed(3);
     // Rows of an odd length, large enough for the parallel row and chunk paths.
     let a = Tensor::<f32>::randn(&[301, 347], &mut rng);
@@ -57,7 +62,11 @@ fn ops_at_this_level() -> Vec<Vec<u64>> {
     fn per_precision<E: Precision>(a: &Tensor<f32>, b: &Tensor<f32>, out: &mut Vec<Vec<u64>>) {
         let (a, b) = (a.cast::<E>(), b.cast::<E>());
         out.push(bits(&a.gelu()));
+        out.push(bits(&a.gelu_tanh()));
+        out.push(bits(&a.tanh()));
         out.push(bits(&a.exp()));
+        out.push(bits(&a.exp().log()));
+        out.push(bits(&a.powf(2.0)));
         out.push(bits(&(&a + &b)));
         out.push(bits(&(&a * &a.t().contiguous().t())));
         out.push(bits(&a.softmax(1)));

@@ -326,6 +326,7 @@ pub fn unary_ops() -> Vec<UnarySpec> {
         unary_spec::<unary::Relu>(),
         unary_spec::<unary::Gelu>(),
         unary_spec::<unary::GeluTanh>(),
+        unary_spec::<unary::Square>(),
         unary_spec::<unary::Tanh>(),
         unary_spec::<unary::Sigmoid>(),
         unary_spec::<unary::Silu>(),

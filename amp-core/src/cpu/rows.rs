@@ -93,7 +93,7 @@ pub(crate) fn sum_map<A: Accum>(x: &[A], f: impl Fn(A) -> A) -> A {
     for v in it.remainder() {
         s += f(*v);
     }
-    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + s
+    super::combine_lanes(lanes, s)
 }
 
 /// `sum(a[i] * b[i])` with eight independent lanes (vectorisable).
@@ -111,7 +111,7 @@ pub(crate) fn dot<A: Accum>(a: &[A], b: &[A]) -> A {
     for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
         s += *x * *y;
     }
-    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + s
+    super::combine_lanes(lanes, s)
 }
 
 /// Max of a buffer (NaN wins, as in PyTorch), with eight lanes; `-inf` for an empty buffer.

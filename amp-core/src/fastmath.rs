@@ -25,9 +25,13 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 /// [`exp_f32`] and [`exp_neg_f32`], which differ in how they scale by `2^n`.
 #[inline(always)]
 fn exp_reduced(x: f32) -> (f32, i32) {
-    let t = x * std::f32::consts::LOG2_E + ROUND_MAGIC;
+    // Fused: n ln2_hi is exact, so the first step rounds as the separate multiply and
+    // subtraction did, the others round once instead of twice; 4 instructions instead of 6
+    // made exp, sigmoid, softmax, GELU and tanh 7-9% faster (alternating binaries).
+    let t = x.mul_add(std::f32::consts::LOG2_E, ROUND_MAGIC);
     let n = t - ROUND_MAGIC;
-    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let r = (-n).mul_add(0.693_359_4, x);
+    let r = (-n).mul_add(-2.121_944_4e-4, r);
     let mut p = 1.987_569_1e-4f32;
     p = p.mul_add(r, 1.398_2e-3);
     p = p.mul_add(r, 8.333_452e-3);
@@ -239,7 +243,7 @@ mod tests {
 
     #[test]
     fn exp_f32_is_within_two_ulps_everywhere() {
-        // Measured: 0.99 ulp max (at x = -81.39), subnormal results included.
+        // Measured: 0.99 ulp max (at x = -5.848), subnormal results included.
         let (w, at) = worst(exp_f32, f64::exp, sweep(-110.0, 90.0));
         assert!(w <= 2.0, "exp_f32: worst error {w} ulp at x = {at}");
         assert_eq!(exp_f32(0.0), 1.0);

@@ -17,33 +17,13 @@ use amp::trainer::{LOCK_FILE, ModelSize, READ_EVERY, RunPrecision, TrainConfig, 
 mod mirror;
 use mirror::Mirror;
 
-/// A run folder under the system's temp dir, removed when the test ends (pass or fail): the
-/// runs write checkpoints, and twenty-odd of them left behind filled /tmp by 180 MB a test run.
-struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for Scratch {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn tmp(name: &str) -> Scratch {
-    let dir = std::env::temp_dir().join(format!("amp-trainer-{name}-{}", std::process::id()));
+/// A fresh run folder for one test, under cargo's per-target scratch dir (as amp-core's tests
+/// keep theirs): emptied when the test starts, overwritten by the next run, never piling up
+/// in the system's temp dir.
+fn tmp(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("trainer").join(name);
     let _ = std::fs::remove_dir_all(&dir);
-    Scratch(dir)
+    dir
 }
 
 fn small(out: &Path, precision: RunPrecision) -> TrainConfig {

@@ -20,18 +20,24 @@
 /// that integer in the low mantissa bits.
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
+/// ln2 as `LN2_HI + LN2_LO` (Cephes' split): `LN2_HI` has 9 significant bits, so `n LN2_HI`
+/// is exact for every exponent `n` met here, and the pair carries ln2 to about twice f32's
+/// precision. Shared by the range reduction of `exp` and the reconstruction of `ln`.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+
 /// `(e^r, n)` with `x = n ln2 + r`, `|r| <= ln2/2` (ln2 split in two so `n ln2` is exact) and
 /// `e^r` from a degree-6 polynomial (Cephes `expf`), for `|x| <= 104`: the shared core of
 /// [`exp_f32`] and [`exp_neg_f32`], which differ in how they scale by `2^n`.
 #[inline(always)]
 fn exp_reduced(x: f32) -> (f32, i32) {
-    // Fused: n ln2_hi is exact, so the first step rounds as the separate multiply and
+    // Fused: n LN2_HI is exact, so the first step rounds as the separate multiply and
     // subtraction did, the others round once instead of twice; 4 instructions instead of 6
     // made exp, sigmoid, softmax, GELU and tanh 7-9% faster (alternating binaries).
     let t = x.mul_add(std::f32::consts::LOG2_E, ROUND_MAGIC);
     let n = t - ROUND_MAGIC;
-    let r = (-n).mul_add(0.693_359_4, x);
-    let r = (-n).mul_add(-2.121_944_4e-4, r);
+    let r = (-n).mul_add(LN2_HI, x);
+    let r = (-n).mul_add(LN2_LO, r);
     let mut p = 1.987_569_1e-4f32;
     p = p.mul_add(r, 1.398_2e-3);
     p = p.mul_add(r, 8.333_452e-3);
@@ -199,9 +205,9 @@ pub(crate) fn ln_f32(x: f32) -> f32 {
     p = p.mul_add(f, -2.499_999_4e-1);
     p = p.mul_add(f, 3.333_333e-1);
     let mut y = f * z * p;
-    y = ef.mul_add(-2.121_944_4e-4, y);
+    y = ef.mul_add(LN2_LO, y);
     y = z.mul_add(-0.5, y);
-    let r = ef.mul_add(0.693_359_4, f + y);
+    let r = ef.mul_add(LN2_HI, f + y);
     // Special values, selected last so the lanes beside them run the same instructions.
     let r = if x == f32::INFINITY { x } else { r };
     let r = if x == 0.0 { f32::NEG_INFINITY } else { r };
@@ -278,8 +284,8 @@ mod tests {
 
     #[test]
     fn tanh_f32_is_within_two_ulps_everywhere() {
-        let (w, at) = worst(tanh_f32, f64::tanh, sweep(-12.0, 12.0));
         // Measured: 1.48 ulp max (at x = 2.056).
+        let (w, at) = worst(tanh_f32, f64::tanh, sweep(-12.0, 12.0));
         assert!(w <= 2.0, "tanh_f32: worst error {w} ulp at x = {at}");
         assert_eq!(tanh_f32(f32::INFINITY), 1.0);
         assert_eq!(tanh_f32(f32::NEG_INFINITY), -1.0);

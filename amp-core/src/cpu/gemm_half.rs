@@ -408,6 +408,17 @@ fn with_tile<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
+/// Runs `f` on a 64-byte-aligned buffer of `len` values (contents unspecified) for a task's
+/// packed A ([`AmxA::PerTask`]): the thread's kept buffer, or a fresh one if that is in use
+/// further up this thread's stack.
+fn with_a_tiles<R>(len: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
+    thread_local!(static A_TILES: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) });
+    A_TILES.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => f(aligned_front(&mut buf, len, 0)),
+        Err(_) => f(aligned_front(&mut Vec::new(), len, 0)),
+    })
+}
+
 /// The blocked product for one kernel on the thread's kept pack buffers (fresh ones if those
 /// are in use further up this thread's stack).
 fn run<E: Precision, K: Kernel>(
@@ -527,8 +538,8 @@ const C_PAD: usize = 16;
 /// Most rows per parallel task of the AMX kernel (a multiple of its 32-row block).
 const MC_AMX: usize = 128;
 
-/// [`run`] for bf16 on AMX tiles: the kept pack buffers of the `vdpbf16ps` kernel (B's layout
-/// is shared; A's buffer holds [`pack_pair_tiles`]' layout here).
+/// [`run`] for bf16 on AMX tiles: B packed into the kept buffer of the `vdpbf16ps` kernel (the
+/// two share B's layout), A packed by each task for its own rows ([`AmxA::PerTask`]).
 fn run_amx<E: Precision>(
     dims: (usize, usize, usize),
     a: Operand<'_, bf16>,
@@ -539,10 +550,10 @@ fn run_amx<E: Precision>(
 ) {
     let (m, k, n) = dims;
     let big = parallel && 2 * m * n * k >= PAR_FLOPS;
-    with_amx_buffers(|pa, pb| {
-        pack_pair_tiles(m, k, a, big, pa);
+    with_amx_buffers(|_, pb| {
         pack::<Bf16Pairs, NR>(n, k, Operand { data: b.data, offset: b.offset, rs: b.cs, cs: b.rs }, big, pb);
-        let packed = AmxPacked { a: aligned(pa), b: aligned(pb), steps: k.div_ceil(2), b_per_a: 1 };
+        let pack_a = |first: usize, blocks: &mut [u32]| pack_pair_tiles(m, k, a, first, blocks);
+        let packed = AmxPacked { a: AmxA::PerTask(&pack_a), b: aligned(pb), steps: k.div_ceil(2), b_per_a: 1 };
         multiply_amx::<E>(dims, packed, bias, out, big)
     })
 }
@@ -566,7 +577,8 @@ fn run_amx_f16<E: Precision>(
             return false;
         }
         let steps = super::amx_f16::steps(k);
-        multiply_amx::<E>(dims, AmxPacked { a: aligned(pa), b: aligned(pb), steps, b_per_a: 2 }, bias, out, big);
+        let packed = AmxPacked { a: AmxA::Packed(aligned(pa)), b: aligned(pb), steps, b_per_a: 2 };
+        multiply_amx::<E>(dims, packed, bias, out, big);
         true
     })
 }
@@ -583,10 +595,22 @@ fn with_amx_buffers<R>(f: impl FnOnce(&mut Vec<u32>, &mut Vec<u32>) -> R) -> R {
     })
 }
 
+/// A of an AMX product, in [`pack_pair_tiles`]' tiled layout (32-row blocks of 16-step
+/// chunks).
+enum AmxA<'a> {
+    /// All of A, packed before the product.
+    Packed(&'a [u32]),
+    /// Packed by each task for its own rows, into a buffer of its thread, just before it
+    /// multiplies them: `pack(first, out)` fills `out` with the blocks from `first` on. The
+    /// packed rows are then read from L2 instead of from memory (a whole packed A of W2's
+    /// shapes is 1-4 MiB, written out and read back by a separate pass).
+    PerTask(&'a (dyn Fn(usize, &mut [u32]) + Sync)),
+}
+
 /// The packed operands of an AMX product and how they hold k.
 struct AmxPacked<'a> {
-    /// A in [`pack_pair_tiles`]' tiled layout (32-row blocks of 16-step chunks).
-    a: &'a [u32],
+    /// A, packed or to be packed.
+    a: AmxA<'a>,
     /// B as panels of [`NR`] columns, `steps · b_per_a` steps each.
     b: &'a [u32],
     /// A's steps per row: bf16's k / 2 pairs (rounded up), or the f16 split's k rounded up to
@@ -603,7 +627,7 @@ struct AmxPacked<'a> {
 /// the `vdpbf16ps` kernel on the same f32 block of C. A is always packed
 /// ([`pack_pair_tiles`], [`super::amx_f16::pack_a`]): tile loads need cache-line-aligned
 /// rows to run at speed, which a tensor's rows rarely are; the pack costs one pass over A
-/// per product.
+/// per product, kept in L2 where each task packs its own rows.
 fn multiply_amx<E: Precision>(
     (m, _k, n): (usize, usize, usize),
     packed: AmxPacked<'_>,
@@ -619,13 +643,17 @@ fn multiply_amx<E: Precision>(
     if let Some(bias) = bias {
         assert_eq!(bias.len(), n);
     }
-    let AmxPacked { a: pa, b: pb, steps, b_per_a } = packed;
+    let AmxPacked { a, b: pb, steps, b_per_a } = packed;
     assert!(b_per_a == 1 || steps.is_multiple_of(PAIRS), "only bf16 has a tail of pairs");
     let chunks_all = steps.div_ceil(PAIRS);
     // Steps of A per cache block: B's part of a block stays KC_AMX steps (32 KiB).
     let kc_max = KC_AMX / b_per_a;
     let threads = if big { rayon::current_num_threads() } else { 1 };
-    let rows = (m.div_ceil(2 * threads).div_ceil(BLOCK_ROWS) * BLOCK_ROWS).clamp(BLOCK_ROWS, MC_AMX);
+    // As few tasks as keep every thread busy, each at most MC_AMX rows: every task reads all
+    // of packed B, so fewer tasks read it fewer times (W2's weight gradient `dyᵀ x` at m = 256
+    // read its 4 MiB of B four times with twice the tasks, and ran 1.1x slower).
+    let tasks = threads * m.div_ceil(threads * MC_AMX);
+    let rows = m.div_ceil(tasks).div_ceil(BLOCK_ROWS) * BLOCK_ROWS;
     let nc_max = NC.min(n.div_ceil(NR) * NR);
     // With a whole chunk of k, the first k block's tiles start from zero or from the bias
     // (loaded into every row of a tile at once, from a copy padded to whole 32-column panels
@@ -653,127 +681,138 @@ fn multiply_amx<E: Precision>(
         && steps.is_multiple_of(PAIRS)
         && matches!(E::DTYPE, DType::BF16 | DType::F16)
         && round_block_available();
+    let block_len = chunks_all * BLOCK_ROWS * PAIRS;
     let task = |t: usize, dst: &mut [E]| {
         let r0 = t * rows;
         let mc = dst.len() / n;
         let mc_pad = mc.div_ceil(BLOCK_ROWS) * BLOCK_ROWS;
-        // SAFETY: `use_amx` saw `amx::available()` on this process before choosing this path,
-        // and the guard lives only within this task, which runs no other task inside it.
-        let tiles = unsafe { super::amx::Tiles::configure() };
-        #[cfg(target_arch = "x86_64")]
-        if direct {
-            // SAFETY: E is bf16 or f16 (checked by DTYPE; `Precision` is sealed, one type per
-            // DTYPE), each a plain wrapper of u16.
-            let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u16>(), dst.len()) };
-            let f16_out = E::DTYPE == DType::F16;
-            with_tile(BLOCK_ROWS * NR, |c| {
-                // Row blocks outermost, so each output row is written left to right; and the
-                // next block's output lines are fetched for writing while this block's tiles
-                // run. Inside a training step the output is usually out of cache (other ops
-                // ran since it was last used): without both, these products ran 1.05-1.2x
-                // slower there than the two-pass path, though faster in a loop.
-                let panels = n.div_ceil(NR);
-                for ir in 0..mc_pad / BLOCK_ROWS {
-                    let a_tiles = &pa[(r0 / BLOCK_ROWS + ir) * chunks_all * BLOCK_ROWS * PAIRS..];
-                    assert!(a_tiles.len() >= chunks_all * BLOCK_ROWS * PAIRS);
-                    let block_rows = BLOCK_ROWS.min(mc - ir * BLOCK_ROWS);
-                    for jr in 0..panels {
-                        let bp = &pb[jr * steps * b_per_a * NR..][..steps * b_per_a * NR];
-                        let cols = NR.min(n - jr * NR);
-                        let start = block_start(bias_tiles, jr * NR, false);
-                        let at = ir * BLOCK_ROWS * n + jr * NR;
-                        assert!(at + (block_rows - 1) * n + cols <= out.len());
-                        let next = if jr + 1 < panels { at + NR } else { (ir + 1) * BLOCK_ROWS * n };
-                        prefetch_rows_for_write(out, next, n, BLOCK_ROWS);
-                        // SAFETY: `a_tiles` holds the block's whole chunks (asserted), `bp`
-                        // its panel's steps, `c` 32 rows of 32 floats (ldc 32); the block's
-                        // rows and columns lie inside `out` (asserted); the CPU has what
-                        // `round_block` needs (`round_block_available`, checked for
-                        // `direct`).
-                        unsafe {
-                            tiles.block(
-                                chunks_all,
-                                b_per_a,
-                                a_tiles.as_ptr().cast(),
-                                bp.as_ptr(),
-                                c.as_mut_ptr(),
-                                NR,
-                                start,
-                            );
-                            round_block(c, &mut out[at..], n, block_rows, cols, f16_out);
+        let a_len = if matches!(a, AmxA::PerTask(_)) { mc_pad / BLOCK_ROWS * block_len } else { 0 };
+        with_a_tiles(a_len, |buf| {
+            // The task's blocks of A, from its first (packed here into `buf`, or earlier).
+            let pa: &[u32] = match a {
+                AmxA::Packed(pa) => &pa[r0 / BLOCK_ROWS * block_len..],
+                AmxA::PerTask(pack) => {
+                    pack(r0 / BLOCK_ROWS, buf);
+                    buf
+                }
+            };
+            // SAFETY: `use_amx` saw `amx::available()` on this process before choosing this path,
+            // and the guard lives only within this task, which runs no other task inside it.
+            let tiles = unsafe { super::amx::Tiles::configure() };
+            #[cfg(target_arch = "x86_64")]
+            if direct {
+                // SAFETY: E is bf16 or f16 (checked by DTYPE; `Precision` is sealed, one type per
+                // DTYPE), each a plain wrapper of u16.
+                let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u16>(), dst.len()) };
+                let f16_out = E::DTYPE == DType::F16;
+                with_tile(BLOCK_ROWS * NR, |c| {
+                    // Row blocks outermost, so each output row is written left to right; and the
+                    // next block's output lines are fetched for writing while this block's tiles
+                    // run. Inside a training step the output is usually out of cache (other ops
+                    // ran since it was last used): without both, these products ran 1.05-1.2x
+                    // slower there than the two-pass path, though faster in a loop.
+                    let panels = n.div_ceil(NR);
+                    for ir in 0..mc_pad / BLOCK_ROWS {
+                        let a_tiles = &pa[ir * block_len..];
+                        assert!(a_tiles.len() >= chunks_all * BLOCK_ROWS * PAIRS);
+                        let block_rows = BLOCK_ROWS.min(mc - ir * BLOCK_ROWS);
+                        for jr in 0..panels {
+                            let bp = &pb[jr * steps * b_per_a * NR..][..steps * b_per_a * NR];
+                            let cols = NR.min(n - jr * NR);
+                            let start = block_start(bias_tiles, jr * NR, false);
+                            let at = ir * BLOCK_ROWS * n + jr * NR;
+                            assert!(at + (block_rows - 1) * n + cols <= out.len());
+                            let next = if jr + 1 < panels { at + NR } else { (ir + 1) * BLOCK_ROWS * n };
+                            prefetch_rows_for_write(out, next, n, BLOCK_ROWS);
+                            // SAFETY: `a_tiles` holds the block's whole chunks (asserted), `bp`
+                            // its panel's steps, `c` 32 rows of 32 floats (ldc 32); the block's
+                            // rows and columns lie inside `out` (asserted); the CPU has what
+                            // `round_block` needs (`round_block_available`, checked for
+                            // `direct`).
+                            unsafe {
+                                tiles.block(
+                                    chunks_all,
+                                    b_per_a,
+                                    a_tiles.as_ptr().cast(),
+                                    bp.as_ptr(),
+                                    c.as_mut_ptr(),
+                                    NR,
+                                    start,
+                                );
+                                round_block(c, &mut out[at..], n, block_rows, cols, f16_out);
+                            }
                         }
                     }
-                }
-            });
-            drop(tiles);
-            return;
-        }
-        with_tile(mc_pad * (nc_max + C_PAD), |c| {
-            for jc in (0..n).step_by(NC) {
-                let nc = NC.min(n - jc);
-                let nc_pad = nc.div_ceil(NR) * NR;
-                let ldc = nc_pad + C_PAD;
-                let c = &mut c[..mc_pad * ldc];
-                match bias {
-                    _ if tiles_start => {}
-                    Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
-                    None => c.fill(0.0),
-                }
-                for pc in (0..steps).step_by(kc_max) {
-                    let kc = kc_max.min(steps - pc);
-                    let chunks = kc / PAIRS;
-                    let tail = kc % PAIRS;
-                    for jr in 0..nc_pad / NR {
-                        let bp = &pb[((jc / NR + jr) * steps + pc) * b_per_a * NR..][..kc * b_per_a * NR];
-                        for ir in 0..mc_pad / BLOCK_ROWS {
-                            let row = r0 + ir * BLOCK_ROWS;
-                            // Chunk pc / 16 of A's block on: rows 64 bytes apart, chunks 2 KiB.
-                            let a_tiles = &pa[(row / BLOCK_ROWS * chunks_all + pc / PAIRS) * BLOCK_ROWS * PAIRS..];
-                            assert!(a_tiles.len() >= kc.div_ceil(PAIRS) * BLOCK_ROWS * PAIRS);
-                            let tile = &mut c[ir * BLOCK_ROWS * ldc + jr * NR..];
-                            assert!(tile.len() >= (BLOCK_ROWS - 1) * ldc + NR);
-                            #[cfg(target_arch = "x86_64")]
-                            // SAFETY: `a_tiles` holds the kc steps of the block's 32 rows in
-                            // whole chunks (asserted); bp holds kc·b_per_a·32 steps; the tile's 32 rows
-                            // of 32 floats are inside `c` (asserted). The tail kernel needs
-                            // AVX-512 BF16, which `amx::available()` checked.
-                            unsafe {
-                                if chunks > 0 {
-                                    let start = block_start(bias_tiles, jc + jr * NR, pc > 0);
-                                    tiles.block(
-                                        chunks,
-                                        b_per_a,
-                                        a_tiles.as_ptr().cast(),
-                                        bp.as_ptr(),
-                                        tile.as_mut_ptr(),
-                                        ldc,
-                                        start,
-                                    );
-                                }
-                                if tail > 0 {
-                                    let done = chunks * PAIRS;
-                                    for g in 0..BLOCK_ROWS / MR {
-                                        micro_bf16(
-                                            tail,
-                                            a_tiles[(chunks * BLOCK_ROWS + g * MR) * PAIRS..].as_ptr().cast(),
-                                            4 * PAIRS,
-                                            4,
-                                            bp[done * NR..].as_ptr(),
-                                            tile.as_mut_ptr().add(g * MR * ldc),
+                });
+                drop(tiles);
+                return;
+            }
+            with_tile(mc_pad * (nc_max + C_PAD), |c| {
+                for jc in (0..n).step_by(NC) {
+                    let nc = NC.min(n - jc);
+                    let nc_pad = nc.div_ceil(NR) * NR;
+                    let ldc = nc_pad + C_PAD;
+                    let c = &mut c[..mc_pad * ldc];
+                    match bias {
+                        _ if tiles_start => {}
+                        Some(bias) => c.chunks_mut(ldc).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
+                        None => c.fill(0.0),
+                    }
+                    for pc in (0..steps).step_by(kc_max) {
+                        let kc = kc_max.min(steps - pc);
+                        let chunks = kc / PAIRS;
+                        let tail = kc % PAIRS;
+                        for jr in 0..nc_pad / NR {
+                            let bp = &pb[((jc / NR + jr) * steps + pc) * b_per_a * NR..][..kc * b_per_a * NR];
+                            for ir in 0..mc_pad / BLOCK_ROWS {
+                                // Chunk pc / 16 of A's block on: rows 64 bytes apart, chunks 2 KiB.
+                                let a_tiles = &pa[(ir * chunks_all + pc / PAIRS) * BLOCK_ROWS * PAIRS..];
+                                assert!(a_tiles.len() >= kc.div_ceil(PAIRS) * BLOCK_ROWS * PAIRS);
+                                let tile = &mut c[ir * BLOCK_ROWS * ldc + jr * NR..];
+                                assert!(tile.len() >= (BLOCK_ROWS - 1) * ldc + NR);
+                                #[cfg(target_arch = "x86_64")]
+                                // SAFETY: `a_tiles` holds the kc steps of the block's 32 rows in
+                                // whole chunks (asserted); bp holds kc·b_per_a·32 steps; the tile's 32 rows
+                                // of 32 floats are inside `c` (asserted). The tail kernel needs
+                                // AVX-512 BF16, which `amx::available()` checked.
+                                unsafe {
+                                    if chunks > 0 {
+                                        let start = block_start(bias_tiles, jc + jr * NR, pc > 0);
+                                        tiles.block(
+                                            chunks,
+                                            b_per_a,
+                                            a_tiles.as_ptr().cast(),
+                                            bp.as_ptr(),
+                                            tile.as_mut_ptr(),
                                             ldc,
+                                            start,
                                         );
+                                    }
+                                    if tail > 0 {
+                                        let done = chunks * PAIRS;
+                                        for g in 0..BLOCK_ROWS / MR {
+                                            micro_bf16(
+                                                tail,
+                                                a_tiles[(chunks * BLOCK_ROWS + g * MR) * PAIRS..].as_ptr().cast(),
+                                                4 * PAIRS,
+                                                4,
+                                                bp[done * NR..].as_ptr(),
+                                                tile.as_mut_ptr().add(g * MR * ldc),
+                                                ldc,
+                                            );
+                                        }
                                     }
                                 }
                             }
                         }
                     }
+                    for r in 0..mc {
+                        round_ftz_output(&c[r * ldc..r * ldc + nc], &mut dst[r * n + jc..r * n + jc + nc], ftz);
+                    }
                 }
-                for r in 0..mc {
-                    round_ftz_output(&c[r * ldc..r * ldc + nc], &mut dst[r * n + jc..r * n + jc + nc], ftz);
-                }
-            }
+            });
+            drop(tiles);
         });
-        drop(tiles);
     };
     if big {
         out.par_chunks_mut(rows * n).enumerate().for_each(|(t, dst)| task(t, dst));
@@ -908,19 +947,16 @@ unsafe fn f32_to_bf16_cvtne(src: &[f32], dst: &mut [u16]) -> usize {
     i
 }
 
-/// Packs `rows × k` of `x` into the front of `out` (grown if short) in the AMX kernel's
-/// tiled layout: per block of 32 rows, per chunk of 16 k pairs, the 32 rows' 16 pairs
-/// contiguous (block i, chunk q, row r, pair p at `[((i·chunks + q)·32 + r)·16 + p]`), so each
-/// tile of A loads 1 KiB at a 64-byte stride, free of the cache-set conflicts a row stride
-/// of a power of two bytes causes. Rows past `rows`, pairs past k / 2 and an odd k's last
-/// pad are zero.
-fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, out: &mut Vec<u32>) {
+/// Packs 32-row blocks `first..` of A (`rows × k` of `x`), as many as `out` holds whole,
+/// into `out`, on this thread, in the AMX kernel's tiled layout: per block of 32 rows, per
+/// chunk of 16 k pairs, the 32 rows' 16 pairs contiguous (block i, chunk q, row r, pair p at
+/// `[((i·chunks + q)·32 + r)·16 + p]`, i counted from `first`), so each tile of A loads 1 KiB
+/// at a 64-byte stride, free of the cache-set conflicts a row stride of a power of two bytes
+/// causes. Rows past `rows`, pairs past k / 2 and an odd k's last pad are zero.
+fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, first: usize, out: &mut [u32]) {
     use super::amx::{BLOCK_ROWS as W, PAIRS};
     let steps = k.div_ceil(2);
-    let chunks = steps.div_ceil(PAIRS);
-    let block = chunks * W * PAIRS;
-    let len = rows.div_ceil(W) * block;
-    let out = aligned_front(out, len, 0);
+    let block = steps.div_ceil(PAIRS) * W * PAIRS;
     if rows == 0 || steps == 0 {
         return;
     }
@@ -1014,19 +1050,12 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, parallel: bool, 
             },
         )
     };
-    let blocks = rows.div_ceil(W);
-    let per_task = if parallel { blocks.div_ceil(rayon::current_num_threads()) } else { blocks };
-    let task = |t: usize, panels: &mut [u32]| {
-        for (ii, panel) in panels.chunks_mut(block).enumerate() {
-            fill(t * per_task + ii, panel);
-        }
-        transposed_chunks(t * per_task, panels);
-    };
-    if parallel {
-        out.par_chunks_mut(per_task * block).enumerate().for_each(|(t, p)| task(t, p));
-    } else {
-        task(0, out);
+    let whole = out.len() / block * block;
+    let panels = &mut out[..whole];
+    for (ii, panel) in panels.chunks_mut(block).enumerate() {
+        fill(first + ii, panel);
     }
+    transposed_chunks(first, panels);
 }
 
 /// `out[r·16 + p] = by_step[p][r]`: one chunk of a 32-row block in the AMX tiled layout from
@@ -1501,6 +1530,9 @@ mod tests {
     fn blocked_parallel_product() {
         case::<bf16>(203, 600, 1100, false, false, false);
         case::<bf16>(130, 301, 520, true, true, true);
+        // AMX: more tasks than threads, each packing its own rows of A, the last one ragged.
+        case::<bf16>(600, 96, 100, false, false, true);
+        case::<bf16>(600, 96, 100, true, false, false);
         case::<f16>(203, 300, 1100, false, false, false);
         case::<f16>(130, 301, 520, true, true, true);
     }

@@ -48,6 +48,50 @@ impl Layout {
         }
         true
     }
+    /// This view with the same elements, in the same row-major order, seen as `shape` (same
+    /// element count) without moving any: its strides, or `None` when no strides do it
+    /// (PyTorch's `view` rule, which `reshape` follows before it copies). Each run of dims
+    /// that the view walks as one (each dim's stride its inner neighbour's times that one's
+    /// size) may be split or merged freely; a new dim may not straddle two runs.
+    pub(crate) fn reshaped(&self, shape: &[usize]) -> Option<Layout> {
+        debug_assert_eq!(self.numel(), shape.iter().product::<usize>());
+        let view = |strides: Vec<usize>| Some(Layout { shape: shape.to_vec(), strides, offset: self.offset });
+        if self.numel() == 0 || self.is_contiguous() {
+            return view(contiguous_strides(shape));
+        }
+        // Size-1 dims hold no run: leave them out of the walk (a new size-1 dim takes any
+        // stride).
+        let old: Vec<(usize, usize)> =
+            self.shape.iter().zip(&self.strides).filter(|&(&d, _)| d != 1).map(|(&d, &s)| (d, s)).collect();
+        let mut strides = vec![0; shape.len()];
+        // Walk both from the innermost dim, one run of old dims at a time.
+        let mut new_dim = shape.len();
+        let mut i = old.len();
+        while i > 0 {
+            // The run ends (going outwards) where a dim's stride is not the product below it.
+            let base = old[i - 1].1;
+            let mut run = old[i - 1].0;
+            i -= 1;
+            while i > 0 && old[i - 1].1 == base * run {
+                run *= old[i - 1].0;
+                i -= 1;
+            }
+            // New dims fill the run exactly, each stride the product of the new dims inside.
+            let mut filled = 1;
+            while new_dim > 0 && (filled < run || shape[new_dim - 1] == 1) {
+                strides[new_dim - 1] = base * filled;
+                filled *= shape[new_dim - 1];
+                new_dim -= 1;
+            }
+            if filled != run {
+                return None;
+            }
+        }
+        // Only size-1 dims may remain.
+        (0..new_dim).for_each(|d| strides[d] = 1);
+        shape[..new_dim].iter().all(|&d| d == 1).then_some(())?;
+        view(strides)
+    }
     /// The layout seen through broadcasting to `shape` (which must be a valid broadcast target).
     pub(crate) fn broadcast_to(&self, shape: &[usize]) -> Layout {
         let pad = shape.len() - self.shape.len();
@@ -114,6 +158,92 @@ mod tests {
         assert_eq!(broadcast_shapes("t", &[0, 3], &[1, 3]).unwrap(), vec![0, 3]);
         let e = broadcast_shapes("add", &[2, 3], &[4]).unwrap_err();
         assert_eq!(e.to_string(), "add: shapes [2, 3] and [4] cannot be broadcast together");
+    }
+
+    /// Element `flat` (row-major) of a view: its storage index.
+    fn index_of(l: &Layout, mut flat: usize) -> usize {
+        let mut at = l.offset;
+        for (&d, &s) in l.shape.iter().zip(&l.strides).rev() {
+            at += flat % d * s;
+            flat /= d;
+        }
+        at
+    }
+
+    /// Every factorisation of `n` into `rank` dims (with 1s), for the shapes a view is
+    /// reshaped into.
+    fn shapes_of(n: usize, rank: usize) -> Vec<Vec<usize>> {
+        if rank == 0 {
+            return if n == 1 { vec![vec![]] } else { vec![] };
+        }
+        let mut out = vec![];
+        for d in (1..=n).filter(|d| n.is_multiple_of(*d)) {
+            for mut rest in shapes_of(n / d, rank - 1) {
+                rest.insert(0, d);
+                out.push(rest);
+            }
+        }
+        out
+    }
+
+    /// Against the definition: a reshaped view, when there is one, reads the same storage
+    /// element for every flat index; and there is one whenever some strides would do it,
+    /// checked here by brute force over a small stride range for a few targets.
+    #[test]
+    fn reshaped_views_read_the_same_elements() {
+        let bases: [(&[usize], &[usize]); 3] = [(&[2, 3, 4], &[0, 1, 2]), (&[2, 1, 6], &[2, 0, 1]), (&[4, 6], &[1, 0])];
+        let mut views = vec![];
+        for (shape, perm) in bases {
+            let base = Layout::contiguous(shape);
+            let permuted = Layout {
+                shape: perm.iter().map(|&p| base.shape[p]).collect(),
+                strides: perm.iter().map(|&p| base.strides[p]).collect(),
+                offset: 0,
+            };
+            // Narrow the outermost dim of size > 1 to its second half, too.
+            let mut narrowed = permuted.clone();
+            if let Some(d) = narrowed.shape.iter().position(|&d| d > 1) {
+                narrowed.offset += narrowed.shape[d] / 2 * narrowed.strides[d];
+                narrowed.shape[d] -= narrowed.shape[d] / 2;
+            }
+            views.extend([permuted, narrowed]);
+        }
+        // W2's q: [1, B, H, T, hd] narrowed from the permuted [3, B, H, T, hd] of [B, T, 3, H, hd].
+        views.push(Layout { shape: vec![1, 2, 2, 3, 4], strides: vec![8, 72, 4, 24, 1], offset: 8 });
+        let (mut viewed, mut searched) = (0, 0);
+        for l in &views {
+            for shape in (1..=4).flat_map(|rank| shapes_of(l.numel(), rank)) {
+                match l.reshaped(&shape) {
+                    Some(v) => {
+                        viewed += 1;
+                        assert_eq!(v.shape, shape);
+                        for flat in 0..l.numel() {
+                            assert_eq!(index_of(&v, flat), index_of(l, flat), "{l:?} as {shape:?}: {v:?}");
+                        }
+                    }
+                    None if shape.len() <= 2 && l.numel() <= 12 => {
+                        // No strides below 80 reproduce the elements either.
+                        let fits = |strides: &[usize]| {
+                            let v = Layout { shape: shape.clone(), strides: strides.to_vec(), offset: l.offset };
+                            (0..l.numel()).all(|f| index_of(&v, f) == index_of(l, f))
+                        };
+                        let found = match shape.len() {
+                            1 => (0..80).any(|a| fits(&[a])),
+                            _ => (0..80).any(|a| (0..80).any(|b| fits(&[a, b]))),
+                        };
+                        assert!(!found, "{l:?} as {shape:?} has a view the rule missed");
+                        searched += 1;
+                    }
+                    None => {}
+                }
+            }
+        }
+        assert!(viewed > 100 && searched > 10, "{viewed} views, {searched} searched");
+        // The q of W2's attention drops its size-1 dim as a view.
+        let q = &views[views.len() - 1];
+        assert_eq!(q.reshaped(&[2, 2, 3, 4]).unwrap().strides, vec![72, 4, 24, 1]);
+        // A transposed matrix flattens only by a copy.
+        assert!(Layout { shape: vec![3, 2], strides: vec![1, 3], offset: 0 }.reshaped(&[6]).is_none());
     }
 
     #[test]

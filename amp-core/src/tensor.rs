@@ -5,7 +5,8 @@
 //! - Cloning a tensor is cheap (reference counts); storage is immutable once shared, and a
 //!   parameter update writes in place only when nothing else holds the storage (copy on write
 //!   otherwise), so a graph from an earlier step never sees later values.
-//! - Views (reshape of contiguous data, transpose, permute, narrow, broadcast) share storage.
+//! - Views (transpose, permute, narrow, broadcast, and reshape where strides can say it) share
+//!   storage.
 //! - Constructors and views are here; ops live in `crate::ops`, one file per op family.
 
 use std::fmt;
@@ -342,7 +343,10 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         out.record("contiguous", vec![self.node.clone()], |g| vec![Some(g.into())])
     }
 
-    /// The same values with a new shape of the same element count.
+    /// The same values with a new shape of the same element count: a view of the same storage
+    /// where strides can say it (any contiguous tensor; a permuted or narrowed one whose
+    /// reshaped dims each lie in one run of memory, such as dropping a size-1 dim), else a
+    /// copy, as PyTorch's `reshape`.
     pub fn try_reshape(&self, shape: &[usize]) -> Result<Self> {
         let expected: usize = shape.iter().product();
         if expected != self.numel() {
@@ -352,12 +356,16 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 shapes: vec![self.shape().to_vec(), shape.to_vec()],
             });
         }
-        let src = if self.layout.is_contiguous() { self.clone() } else { self.contiguous() };
-        let out = Tensor {
-            layout: Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: src.layout.offset },
-            node: None,
-            ..src.clone()
+        // A view where strides can say it (PyTorch's `reshape`), else a view of a copy.
+        let (src, layout) = match self.layout.reshaped(shape) {
+            Some(layout) => (self.clone(), layout),
+            None => {
+                let src = self.contiguous();
+                let layout = Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: 0 };
+                (src, layout)
+            }
         };
+        let out = Tensor { layout, node: None, ..src.clone() };
         let in_shape = self.shape().to_vec();
         Ok(out.record("reshape", vec![src.node.clone()], move |g| vec![Some(g.reshape(&in_shape).into())]))
     }

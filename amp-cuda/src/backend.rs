@@ -34,6 +34,47 @@ use crate::launch::{
 use crate::profile::Span;
 use crate::storage::{CudaRowStats, CudaStateVec, CudaStorage, RawVec, StatsKind};
 
+/// Whether a GEMM operand (`r × c` matrices, batch dims broadcast to `batch`) goes to cuBLAS
+/// as a contiguous copy: when its matrix strides do not fit ([`as_operand`]), or when its
+/// products are not a uniform stride apart and a copy's would be (W2's `q`, a narrow of a
+/// permuted `qkv`: one copy, then one strided-batched call instead of one call per product).
+fn needs_copy(v: &Strided, r: usize, c: usize, batch: &[usize]) -> bool {
+    let rank = v.shape.len();
+    as_operand(r, c, v.strides[rank - 2], v.strides[rank - 1]).is_none()
+        || (uniform_step(&batch_offsets(v, batch)).is_none()
+            && uniform_step(&batch_offsets(&contiguous_view(v), batch)).is_some())
+}
+
+/// `v`'s shape, contiguous from offset 0: a copy's view.
+fn contiguous_view(v: &Strided) -> Strided {
+    Strided { shape: v.shape.clone(), strides: amp_core::layout::contiguous_strides(&v.shape), offset: 0 }
+}
+
+/// Where each product's matrix of a GEMM operand starts, in batch order (its batch dims
+/// broadcast to `batch`, a broadcast dim at stride 0).
+fn batch_offsets(v: &Strided, batch: &[usize]) -> Vec<usize> {
+    let r = v.shape.len();
+    let pad = batch.len() - (r - 2);
+    let bstr: Vec<usize> =
+        (0..batch.len()).map(|d| if d < pad || v.shape[d - pad] == 1 { 0 } else { v.strides[d - pad] }).collect();
+    (0..batch.iter().product())
+        .map(|i| {
+            let (mut off, mut rest) = (v.offset, i);
+            for d in (0..batch.len()).rev() {
+                off += (rest % batch[d]) * bstr[d];
+                rest /= batch[d];
+            }
+            off
+        })
+        .collect()
+}
+
+/// The one stride between consecutive offsets, if there is one (0 for a single product).
+fn uniform_step(o: &[usize]) -> Option<usize> {
+    let step = if o.len() > 1 { o[1].checked_sub(o[0])? } else { 0 };
+    o.iter().enumerate().all(|(i, &x)| x == o[0] + i * step).then_some(step)
+}
+
 /// A strided view that need not be a [`Layout`] (a weight seen transposed, for GEMM).
 #[derive(Clone, Debug)]
 struct Strided {
@@ -424,43 +465,18 @@ impl Cuda {
         }
         // Operands cuBLAS cannot take as they are become contiguous copies.
         let fit = |s: &CudaStorage<E>, v: &Strided, r: usize, c: usize| -> (CudaStorage<E>, Strided) {
-            let rank = v.shape.len();
-            match as_operand(r, c, v.strides[rank - 2], v.strides[rank - 1]) {
-                Some(_) => (s.clone(), v.clone()),
-                None => {
-                    let copy = self.copy_strided(s, v);
-                    let strides = amp_core::layout::contiguous_strides(&v.shape);
-                    (copy, Strided { shape: v.shape.clone(), strides, offset: 0 })
-                }
+            if needs_copy(v, r, c, batch) {
+                let copy = self.copy_strided(s, v);
+                (copy, contiguous_view(v))
+            } else {
+                (s.clone(), v.clone())
             }
         };
         let (sa, va) = fit(a.0, a.1, m, k);
         let (sb, vb) = fit(b.0, b.1, k, n);
         let (ta, lda) = as_operand(m, k, va.strides[ra - 2], va.strides[ra - 1]).expect("fits after the copy");
         let (tb, ldb) = as_operand(k, n, vb.strides[rb - 2], vb.strides[rb - 1]).expect("fits after the copy");
-        // Each operand's offset for every product (broadcast batch dims at stride 0).
-        let batch_offsets = |v: &Strided| -> Vec<usize> {
-            let r = v.shape.len();
-            let pad = batch.len() - (r - 2);
-            let bstr: Vec<usize> = (0..batch.len())
-                .map(|d| if d < pad || v.shape[d - pad] == 1 { 0 } else { v.strides[d - pad] })
-                .collect();
-            (0..nb)
-                .map(|i| {
-                    let (mut off, mut rest) = (v.offset, i);
-                    for d in (0..batch.len()).rev() {
-                        off += (rest % batch[d]) * bstr[d];
-                        rest /= batch[d];
-                    }
-                    off
-                })
-                .collect()
-        };
-        let (oa, ob) = (batch_offsets(&va), batch_offsets(&vb));
-        let uniform = |o: &[usize]| -> Option<usize> {
-            let step = if o.len() > 1 { o[1].checked_sub(o[0])? } else { 0 };
-            o.iter().enumerate().all(|(i, &x)| x == o[0] + i * step).then_some(step)
-        };
+        let (oa, ob) = (batch_offsets(&va, batch), batch_offsets(&vb, batch));
         let os = out_dtype.size_in_bytes();
         // Cᵀ (n × m) = Bᵀ (n × k) · Aᵀ (k × m), column-major.
         let call = |a_off: usize, b_off: usize, c_off: usize, count: usize, sa_: usize, sb_: usize| {
@@ -469,7 +485,7 @@ impl Cuda {
             let cm = Mat { ptr: out + (c_off * os) as u64, ld: n, trans: false, stride: m * n };
             gemm::gemm(st, E::DTYPE, out_dtype, (n, m, k), am, bm, cm, count, beta);
         };
-        match (uniform(&oa), uniform(&ob)) {
+        match (uniform_step(&oa), uniform_step(&ob)) {
             (Some(s_a), Some(s_b)) => call(oa[0], ob[0], 0, nb, s_a, s_b),
             _ => {
                 for i in 0..nb {
@@ -1833,6 +1849,27 @@ const ATTENTION_TILE_BYTES: usize = 128 << 20;
 #[cfg(test)]
 mod tests {
     use super::attention_block;
+
+    #[test]
+    fn gemm_operands_are_copied_only_to_fit_cublas_or_to_batch_in_one_call() {
+        use super::{Strided, needs_copy};
+        let v = |shape: &[usize], strides: &[usize]| Strided {
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            offset: 0,
+        };
+        // Contiguous, transposed and broadcast operands go as they are.
+        assert!(!needs_copy(&v(&[4, 8, 16], &[128, 16, 1]), 8, 16, &[4]));
+        assert!(!needs_copy(&v(&[4, 16, 8], &[128, 1, 16]), 16, 8, &[4]));
+        assert!(!needs_copy(&v(&[8, 16], &[16, 1]), 8, 16, &[4]));
+        // Both matrix strides > 1: copied.
+        assert!(needs_copy(&v(&[4, 8, 16], &[256, 32, 2]), 8, 16, &[4]));
+        // W2's q ([B, H, T, hd] of a [B, T, 3, H, hd] qkv): batch dims B and H do not merge,
+        // its copy's do.
+        assert!(needs_copy(&v(&[2, 4, 128, 64], &[128 * 768, 64, 768, 1]), 128, 64, &[2, 4]));
+        // A [B, 1] broadcast against [B, H]: not uniform, and no copy would make it so.
+        assert!(!needs_copy(&v(&[2, 1, 8, 16], &[128, 128, 16, 1]), 8, 16, &[2, 3]));
+    }
 
     #[test]
     fn long_column_sums_are_split_into_parts_that_cover_the_dim() {

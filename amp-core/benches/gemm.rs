@@ -43,6 +43,22 @@ fn matmul_dw<E: Precision>(b: Bencher<'_, '_>) {
     b.counter(ItemsCount::new(2usize * 1024 * 2048 * 256)).bench_local(|| divan::black_box(dy.t().matmul(&x)));
 }
 
+/// Backward input gradient of the MLP's first layer: `dy [2048, 1024] @ W [1024, 256]` (k =
+/// 1024: more than one k block of the AMX kernel).
+#[divan::bench(types = [f32, bf16, f16], sample_count = 30)]
+fn matmul_dx_k1024<E: Precision>(b: Bencher<'_, '_>) {
+    let (dy, w) = (randn::<E>(&[2048, 1024], 9), randn::<E>(&[1024, 256], 10));
+    b.counter(ItemsCount::new(2usize * 2048 * 1024 * 256)).bench_local(|| divan::black_box(dy.matmul(&w)));
+}
+
+/// Backward weight gradient of the MLP's second layer: `dyᵀ [256, 2048] @ h [2048, 1024]` (m =
+/// 256, B the larger operand).
+#[divan::bench(types = [f32, bf16, f16], sample_count = 30)]
+fn matmul_dw_m256<E: Precision>(b: Bencher<'_, '_>) {
+    let (dy, h) = (randn::<E>(&[2048, 256], 11), randn::<E>(&[2048, 1024], 12));
+    b.counter(ItemsCount::new(2usize * 256 * 2048 * 1024)).bench_local(|| divan::black_box(dy.t().matmul(&h)));
+}
+
 /// Attention scores for 16 sequences × 4 heads: `q [64, 128, 64] @ kᵀ [64, 64, 128]`.
 #[divan::bench(types = [f32, bf16, f16], sample_count = 30)]
 fn attention_scores<E: Precision>(b: Bencher<'_, '_>) {

@@ -28,6 +28,14 @@ def shapes():
         dy, x = torch.randn(2048, 1024, dtype=dt), torch.randn(2048, 256, dtype=dt)
         return lambda: dy.t() @ x
 
+    def matmul_dx_k1024(dt):
+        dy, w = torch.randn(2048, 1024, dtype=dt), torch.randn(1024, 256, dtype=dt)
+        return lambda: dy @ w
+
+    def matmul_dw_m256(dt):
+        dy, h = torch.randn(2048, 256, dtype=dt), torch.randn(2048, 1024, dtype=dt)
+        return lambda: dy.t() @ h
+
     def attention_scores(dt):
         q, k = torch.randn(64, 128, 64, dtype=dt), torch.randn(64, 128, 64, dtype=dt)
         return lambda: q @ k.transpose(1, 2)
@@ -40,6 +48,8 @@ def shapes():
         ("linear_qkv_fwd", 2 * 2048 * 256 * 768, linear_qkv),
         ("matmul_dx", 2 * 2048 * 256 * 1024, matmul_dx),
         ("matmul_dw", 2 * 1024 * 2048 * 256, matmul_dw),
+        ("matmul_dx_k1024", 2 * 2048 * 1024 * 256, matmul_dx_k1024),
+        ("matmul_dw_m256", 2 * 256 * 2048 * 1024, matmul_dw_m256),
         ("attention_scores", 2 * 64 * 128 * 128 * 64, attention_scores),
         ("matmul_1024", 2 * 1024**3, square_1024),
     ]

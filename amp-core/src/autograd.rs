@@ -126,7 +126,11 @@ pub(crate) enum Backward<D: Device> {
     /// The output is entries `start..` of `dim` of its one parent (a narrow): the gradient is
     /// zero outside that window, so the engine adds it into the window of the parent's
     /// gradient buffer instead of materialising a zero-padded copy of the parent's shape.
-    Window { dim: usize, start: usize },
+    /// `order` is the parent's [`Layout::memory_order`], if it has one: windows that tile the
+    /// parent are concatenated in that order, so the parent's gradient has the parent's
+    /// strides and the ops that made the parent as a view (W2's permute and reshape of `qkv`)
+    /// pass it on without a copy.
+    Window { dim: usize, start: usize, order: Option<Arc<[usize]>> },
 }
 
 /// One recorded operation (or a leaf when `backward` is `None`).
@@ -345,7 +349,7 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
     for node in order.iter().rev() {
         if let Some(ws) = windows.remove(&node.id) {
             let acc = pending.remove(&node.id);
-            pending.insert(node.id, add_windows(acc, ws, &node.shape));
+            pending.insert(node.id, add_windows(acc, ws, node));
         }
         let Some(grad) = pending.remove(&node.id) else { continue };
         debug_assert_eq!(grad.shape(), &node.shape[..], "gradient shape of {} node", node.op);
@@ -355,10 +359,11 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
         };
         let backward = match backward {
             Backward::Fn(f) => f,
-            Backward::Window { dim, start } => {
+            Backward::Window { dim, start, order } => {
                 let Some(parent) = &node.parents[0] else { continue };
                 assert_eq!(grad.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
-                windows.entry(parent.id).or_default().push(Window { dim: *dim, start: *start, grad });
+                let order = order.clone();
+                windows.entry(parent.id).or_default().push(Window { dim: *dim, start: *start, order, grad });
                 continue;
             }
         };
@@ -378,7 +383,7 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
             // Earlier windows first: the contributions are summed in arrival order.
             if let Some(ws) = windows.remove(&parent.id) {
                 let acc = pending.remove(&parent.id);
-                pending.insert(parent.id, add_windows(acc, ws, &parent.shape));
+                pending.insert(parent.id, add_windows(acc, ws, parent));
             }
             let merged = match pending.remove(&parent.id) {
                 Some(acc) => accumulate(acc, g),
@@ -433,17 +438,22 @@ fn add_into<E: Precision, D: Device>(dst: &mut Tensor<E, D>, src: &Tensor<E, D>)
     dst.device.clone().write_into(&mut dst.storage, &dl, &src.storage, &src.layout, true);
 }
 
-/// A narrow's gradient waiting to be added into its parent's: entries `start..` of `dim`.
+/// A narrow's gradient waiting to be added into its parent's: entries `start..` of `dim`
+/// (`order`: the parent's memory order, [`Backward::Window`]).
 struct Window<D: Device> {
     dim: usize,
     start: usize,
+    order: Option<Arc<[usize]>>,
     grad: AnyTensor<D>,
 }
 
-/// Adds the windows `ws` (in arrival order) into the running gradient `acc` of a tensor of
-/// `shape`. With no running gradient and windows of one dim that tile it exactly, that is
-/// their concatenation (no zero fill); otherwise each is added in turn ([`add_window`]).
-fn add_windows<D: Device>(acc: Option<AnyTensor<D>>, mut ws: Vec<Window<D>>, shape: &[usize]) -> AnyTensor<D> {
+/// Adds the windows `ws` (in arrival order) into the running gradient `acc` of `node`. With no
+/// running gradient and windows of one dim that tile it exactly, that is their concatenation
+/// (no zero fill), in the node's memory order when it has one and is not a leaf (a leaf's
+/// gradient is handed to the caller, row-major); otherwise each is added in turn
+/// ([`add_window`]).
+fn add_windows<D: Device>(acc: Option<AnyTensor<D>>, mut ws: Vec<Window<D>>, node: &Node<D>) -> AnyTensor<D> {
+    let shape = &node.shape[..];
     let dim = ws[0].dim;
     // (start, len) of each window along `dim`, in order: a tiling has no gap or overlap.
     let mut spans: Vec<(usize, usize)> = ws.iter().map(|w| (w.start, w.grad.shape()[dim])).collect();
@@ -453,34 +463,62 @@ fn add_windows<D: Device>(acc: Option<AnyTensor<D>>, mut ws: Vec<Window<D>>, sha
         && spans.iter().all(|&(start, len)| std::mem::replace(&mut end, start + len) == start)
         && end == shape[dim];
     if acc.is_none() && tiles {
+        let order =
+            ws[0].order.clone().filter(|o| node.backward.is_some() && ws.iter().all(|w| w.order.as_ref() == Some(o)));
         ws.sort_by_key(|w| w.start);
-        return cat_parts(ws.into_iter().map(|w| w.grad).collect(), shape, dim);
+        return cat_parts(ws.into_iter().map(|w| w.grad).collect(), shape, dim, order.as_deref());
     }
     ws.into_iter()
         .fold(acc, |acc, w| Some(add_window(acc, w.grad, shape, w.dim, w.start)))
         .expect("at least one window")
 }
 
-/// The concatenation along `dim` of `parts` (one precision), a tensor of `shape`.
-fn cat_parts<D: Device>(parts: Vec<AnyTensor<D>>, shape: &[usize], dim: usize) -> AnyTensor<D> {
+/// The concatenation along `dim` of `parts` (one precision), a tensor of `shape`: row-major,
+/// or laid out in memory in `order` (outermost dim first; the parts are then read as seen in
+/// that order, and the result has the strides of a tensor of `shape` permuted so).
+fn cat_parts<D: Device>(
+    parts: Vec<AnyTensor<D>>,
+    shape: &[usize],
+    dim: usize,
+    order: Option<&[usize]>,
+) -> AnyTensor<D> {
     fn typed<E: Precision, D: Device>(
         first: Tensor<E, D>,
         rest: Vec<AnyTensor<D>>,
         shape: &[usize],
         dim: usize,
+        order: Option<&[usize]>,
     ) -> AnyTensor<D> {
         let rest: Vec<Tensor<E, D>> =
             rest.into_iter().map(|p| p.downcast::<E>().unwrap_or_else(|e| panic!("narrow backward: {e}"))).collect();
         let all: Vec<&Tensor<E, D>> = std::iter::once(&first).chain(&rest).collect();
-        let (outer, _, inner) = crate::layout::outer_dim_inner(shape, dim);
-        let views: Vec<_> = all.iter().map(|t| (&t.storage, &t.layout, t.shape()[dim])).collect();
+        let identity: Vec<usize> = (0..shape.len()).collect();
+        let order = order.unwrap_or(&identity);
+        // Everything seen in memory order: the parts, the result's shape, the cat dim.
+        let permute = |l: &Layout| Layout {
+            shape: order.iter().map(|&d| l.shape[d]).collect(),
+            strides: order.iter().map(|&d| l.strides[d]).collect(),
+            offset: l.offset,
+        };
+        let mem_shape: Vec<usize> = order.iter().map(|&d| shape[d]).collect();
+        let mem_dim = order.iter().position(|&d| d == dim).expect("the order holds every dim");
+        let (outer, _, inner) = crate::layout::outer_dim_inner(&mem_shape, mem_dim);
+        let layouts: Vec<Layout> = all.iter().map(|t| permute(&t.layout)).collect();
+        let views: Vec<_> = all.iter().zip(&layouts).map(|(t, l)| (&t.storage, l, t.shape()[dim])).collect();
         let dev = first.device.clone();
-        Tensor::from_storage(&dev, dev.cat(&views, outer, inner), shape).into()
+        let storage = dev.cat(&views, outer, inner);
+        // Back to `shape`'s dims: dim order[j] has the memory layout's stride j.
+        let mut strides = vec![0; shape.len()];
+        for (&d, s) in order.iter().zip(crate::layout::contiguous_strides(&mem_shape)) {
+            strides[d] = s;
+        }
+        let layout = Layout { shape: shape.to_vec(), strides, offset: 0 };
+        Tensor { storage, layout, node: None, device: dev }.into()
     }
     let mut parts = parts.into_iter();
     let first = parts.next().expect("at least one window");
     let rest: Vec<_> = parts.collect();
-    with_any!(first, first => typed(first, rest, shape, dim))
+    with_any!(first, first => typed(first, rest, shape, dim, order))
 }
 
 /// Adds `g`, the gradient of the window `start..start + len` of `dim` of a tensor of `shape`,

@@ -92,6 +92,19 @@ impl Layout {
         shape[..new_dim].iter().all(|&d| d == 1).then_some(())?;
         view(strides)
     }
+    /// The order of the dims in memory, outermost first, when the view covers a span of memory
+    /// exactly once and not in row-major order (a permutation of a contiguous tensor, such as
+    /// W2's `qkv` seen as `[3, B, H, T, hd]`): `None` for a row-major view, and for one with
+    /// gaps, overlaps or broadcast dims. Size-1 dims come first.
+    pub(crate) fn memory_order(&self) -> Option<Vec<usize>> {
+        let mut order: Vec<usize> = (0..self.shape.len()).collect();
+        // Size-1 dims outermost (their strides say nothing), then by stride, largest first.
+        order.sort_by_key(|&d| (self.shape[d] != 1, std::cmp::Reverse(self.strides[d])));
+        let shape: Vec<usize> = order.iter().map(|&d| self.shape[d]).collect();
+        let dense =
+            order.iter().zip(contiguous_strides(&shape)).all(|(&d, s)| self.shape[d] == 1 || self.strides[d] == s);
+        (dense && !self.is_contiguous()).then_some(order)
+    }
     /// The layout seen through broadcasting to `shape` (which must be a valid broadcast target).
     pub(crate) fn broadcast_to(&self, shape: &[usize]) -> Layout {
         let pad = shape.len() - self.shape.len();
@@ -244,6 +257,24 @@ mod tests {
         assert_eq!(q.reshaped(&[2, 2, 3, 4]).unwrap().strides, vec![72, 4, 24, 1]);
         // A transposed matrix flattens only by a copy.
         assert!(Layout { shape: vec![3, 2], strides: vec![1, 3], offset: 0 }.reshaped(&[6]).is_none());
+    }
+
+    #[test]
+    fn memory_order_of_dense_permuted_views() {
+        let l =
+            |shape: &[usize], strides: &[usize]| Layout { shape: shape.to_vec(), strides: strides.to_vec(), offset: 0 };
+        // Row-major: no order to keep.
+        assert_eq!(Layout::contiguous(&[2, 3, 4]).memory_order(), None);
+        // W2's qkv [B, T, 3, H, hd] seen as [3, B, H, T, hd].
+        let qkv = l(&[3, 2, 4, 5, 8], &[32, 5 * 96, 8, 96, 1]);
+        assert_eq!(qkv.memory_order(), Some(vec![1, 3, 0, 2, 4]));
+        assert_eq!(l(&[3, 2], &[1, 3]).memory_order(), Some(vec![1, 0]));
+        // A size-1 dim goes first, whatever its stride.
+        assert_eq!(l(&[3, 1, 2], &[1, 7, 3]).memory_order(), Some(vec![1, 2, 0]));
+        // Gaps (a narrow), broadcast dims and overlaps have none.
+        assert_eq!(l(&[2, 3], &[1, 4]).memory_order(), None);
+        assert_eq!(l(&[2, 3], &[0, 1]).memory_order(), None);
+        assert_eq!(l(&[2, 3], &[1, 1]).memory_order(), None);
     }
 
     #[test]

@@ -270,12 +270,13 @@ impl<E: Precision, D: Device> Tensor<E, D> {
 
     /// Records `self` as entries `start..` of `dim` of `parent` (a narrow): the engine adds
     /// its gradient into that window of the parent's gradient buffer.
-    fn record_window(self, parent: Option<Arc<Node<D>>>, dim: usize, start: usize) -> Self {
+    fn record_window(self, parent: Option<Arc<Node<D>>>, parent_layout: &Layout, dim: usize, start: usize) -> Self {
         let parents = vec![parent];
         if !records(&parents) {
             return self;
         }
-        self.record_node("narrow", parents, Backward::Window { dim, start })
+        let order = parent_layout.memory_order().map(Arc::from);
+        self.record_node("narrow", parents, Backward::Window { dim, start, order })
     }
 
     fn record_node(mut self, op: &'static str, parents: Vec<Option<Arc<Node<D>>>>, backward: Backward<D>) -> Self {
@@ -480,7 +481,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         layout.shape[dim] = len;
         // The gradient is zero outside the window: autograd adds it into the window of the
         // input's gradient buffer (one buffer for every narrow of one tensor, as `split`).
-        Ok(self.view(layout).record_window(self.node.clone(), dim, start))
+        Ok(self.view(layout).record_window(self.node.clone(), &self.layout, dim, start))
     }
     /// `len` entries of `dim` starting at `start` (a view).
     #[track_caller]

@@ -342,6 +342,37 @@ fn causal_mask_hides_the_future() {
     assert_eq!(Mask::causal(1).to_vec(), vec![false]);
 }
 
+/// `cat` reads strided parts (permuted, transposed, narrowed, broadcast) in place: the same
+/// values as concatenating their contiguous copies, small and large enough to run in parallel.
+#[test]
+fn cat_of_strided_views_matches_cat_of_their_copies() {
+    let mut rng = Rng::seed(7);
+    let check = |parts: &[&Tensor<f32>], dim: usize| {
+        let copies: Vec<Tensor<f32>> = parts.iter().map(|p| p.contiguous()).collect();
+        let copies: Vec<&Tensor<f32>> = copies.iter().collect();
+        assert_eq!(Tensor::cat(parts, dim).to_vec(), Tensor::cat(&copies, dim).to_vec(), "dim {dim}");
+    };
+    let a = Tensor::<f32>::randn(&[4, 6, 5, 7], &mut rng).permute(&[0, 2, 1, 3]); // [4, 5, 6, 7]
+    let b = Tensor::<f32>::randn(&[4, 5, 3, 7], &mut rng);
+    let c = Tensor::<f32>::randn(&[4, 5, 7, 2], &mut rng).transpose(2, 3); // [4, 5, 2, 7]
+    let d = Tensor::<f32>::randn(&[1, 5, 1, 7], &mut rng).broadcast_to(&[4, 5, 4, 7]);
+    let e = Tensor::<f32>::randn(&[4, 5, 9, 7], &mut rng).narrow(2, 3, 5);
+    check(&[&a, &b, &c, &d, &e], 2);
+    let f = Tensor::<f32>::randn(&[1, 1, 6, 7], &mut rng).broadcast_to(&[4, 2, 6, 7]);
+    check(&[&a.narrow(1, 1, 3), &a.narrow(1, 0, 2), &f], 1);
+    // A part whose memory runs span several output rows (broadcast over the outermost dim).
+    let g = Tensor::<f32>::randn(&[1, 3, 2, 5], &mut rng).broadcast_to(&[4, 3, 2, 5]);
+    check(&[&g, &Tensor::<f32>::randn(&[4, 3, 1, 5], &mut rng)], 2);
+    check(&[&a.transpose(0, 3), &c.transpose(0, 3)], 2);
+    // W2's q, k and v gradients seen in qkv's memory order ([B, T, 1, H, hd] each, concatenated
+    // along the 1), k's transposed: the case autograd's narrow backward builds.
+    let qkv = |rng: &mut Rng| Tensor::<f32>::randn(&[16, 4, 128, 64], rng).reshape(&[1, 16, 4, 128, 64]);
+    let (q, v) = (qkv(&mut rng), qkv(&mut rng));
+    let k = Tensor::<f32>::randn(&[16, 4, 64, 128], &mut rng).transpose(2, 3).reshape(&[1, 16, 4, 128, 64]);
+    let mem = |t: &Tensor<f32>| t.permute(&[1, 3, 0, 2, 4]);
+    check(&[&mem(&q), &mem(&k), &mem(&v)], 2);
+}
+
 #[test]
 fn cat_stack_and_embedding_values() {
     let a = Tensor::<f64>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]);

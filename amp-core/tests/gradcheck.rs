@@ -311,6 +311,16 @@ fn split_gradients_are_exact_and_leave_shared_gradients_alone() {
     let g = loss.backward();
     let want: Vec<f32> = (0..12).map(|j| (j / 4 + 1) as f32).collect();
     assert_eq!(g.get(&x).unwrap().to_vec(), want);
+    // A leaf whose values are a transposed view: its split gradient is still handed back
+    // row-major (the memory-order concatenation is only for views inside the graph).
+    let xt = Tensor::<f32>::from_vec((0..12).map(|v| v as f32).collect(), &[4, 3]).t().requires_grad_();
+    let loss = (0..3)
+        .map(|i| xt.narrow(0, i, 1).mul_scalar((i + 1) as f64).sum_all())
+        .fold(Tensor::scalar(0.0), |a, b| a.add(&b));
+    let gt = loss.backward();
+    let gt = gt.get(&xt).unwrap();
+    assert!(gt.layout().is_contiguous());
+    assert_eq!(gt.to_vec(), want);
     // Accumulating into a copy of a `Grads` leaves the original untouched (shared buffers are
     // never written in place).
     let mut acc: Grads = g.clone();

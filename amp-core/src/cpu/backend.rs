@@ -556,9 +556,8 @@ impl Device for Cpu {
     }
     fn cat<E: Precision>(&self, parts: &[(&Storage<E>, &Layout, usize)], outer: usize, inner: usize) -> Storage<E> {
         profiled!(E, "cat");
-        let views: Vec<_> = parts.iter().map(|(s, l, _)| view(s, l)).collect();
-        let slices: Vec<(&[E], usize)> = views.iter().zip(parts).map(|(v, p)| (&v[..], p.2)).collect();
-        store(index::cat(&slices, outer, inner))
+        let parts: Vec<(&[E], &Layout, usize)> = parts.iter().map(|&(s, l, d)| (&s[..], l, d)).collect();
+        store(index::cat(&parts, outer, inner))
     }
 
     // ---- random numbers

@@ -65,10 +65,15 @@ pub(crate) fn select<E: Precision>(
     out
 }
 
-/// Concatenates contiguous `parts` viewed as `[outer, d_i, inner]` along the middle dim.
-pub(crate) fn cat<E: Precision>(parts: &[(&[E], usize)], outer: usize, inner: usize) -> Vec<E> {
-    let total: usize = parts.iter().map(|p| p.1).sum();
+/// Concatenates `parts` (each a view of its storage whose row-major walk is `[outer, d_i,
+/// inner]`, `d_i` given) along the middle dim. Strided parts are read in place, a run at a time
+/// (the gradient of a permuted `qkv` concatenates q, k and v seen in `qkv`'s memory order: runs
+/// of one head's values), not copied contiguous first.
+pub(crate) fn cat<E: Precision>(parts: &[(&[E], &Layout, usize)], outer: usize, inner: usize) -> Vec<E> {
+    let total: usize = parts.iter().map(|p| p.2).sum();
     let row = total * inner;
+    // Each part's collapsed walk; contiguous parts copy whole rows.
+    let walks: Vec<_> = parts.iter().map(|(_, l, _)| collapse(&l.shape, [&l.strides])).collect();
     let mut out = super::alloc::take::<E>(outer * row); // every row is filled by its parts
     par_rows(
         &mut out,
@@ -76,14 +81,45 @@ pub(crate) fn cat<E: Precision>(parts: &[(&[E], usize)], outer: usize, inner: us
         row,
         #[inline(always)]
         |o0, chunk| {
-            for (k, dst) in chunk.chunks_mut(row).enumerate() {
-                let o = o0 + k;
-                let mut at = 0;
-                for &(src, d) in parts {
-                    let len = d * inner;
-                    dst[at..at + len].copy_from_slice(&src[o * len..(o + 1) * len]);
-                    at += len;
+            let rows = chunk.len() / row.max(1);
+            let mut at = 0;
+            for (&(src, l, d), (shape, strides)) in parts.iter().zip(&walks) {
+                let len = d * inner;
+                if l.is_contiguous() {
+                    for (k, dst) in chunk.chunks_mut(row).enumerate() {
+                        let o = o0 + k;
+                        dst[at..at + len].copy_from_slice(&src[l.offset + o * len..l.offset + (o + 1) * len]);
+                    }
+                } else {
+                    // The part's flat positions o0·len.. of these rows, run by run; a run may
+                    // cross into the next row of the output.
+                    let first = o0 * len;
+                    for_each_run(
+                        shape,
+                        strides,
+                        [l.offset],
+                        first,
+                        first + rows * len,
+                        #[inline(always)]
+                        |pos, [o], [st], n| {
+                            let (mut pos, mut o, mut n) = (pos - first, o, n);
+                            while n > 0 {
+                                let (r, c) = (pos / len, pos % len);
+                                let take = n.min(len - c);
+                                let dst = &mut chunk[r * row + at + c..][..take];
+                                if st == 1 {
+                                    dst.copy_from_slice(&src[o..o + take]);
+                                } else {
+                                    for (i, v) in dst.iter_mut().enumerate() {
+                                        *v = src[o + i * st];
+                                    }
+                                }
+                                (pos, o, n) = (pos + take, o + take * st, n - take);
+                            }
+                        },
+                    );
                 }
+                at += len;
             }
         },
     );

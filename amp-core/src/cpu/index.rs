@@ -66,12 +66,27 @@ pub(crate) fn select<E: Precision>(
 }
 
 /// Concatenates `parts` (each a view of its storage whose row-major walk is `[outer, d_i,
-/// inner]`, `d_i` given) along the middle dim. Strided parts are read in place, a run at a time
-/// (the gradient of a permuted `qkv` concatenates q, k and v seen in `qkv`'s memory order: runs
-/// of one head's values), not copied contiguous first.
+/// inner]`, `d_i` given) along the middle dim. A strided part whose walk has contiguous runs
+/// is read in place, a run at a time (the gradient of a permuted `qkv` concatenates q, k and v
+/// seen in `qkv`'s memory order: runs of one head's values); one without (a transposed part:
+/// k's gradient there) is first gathered contiguous, by tiles (W2's bf16 `qkv` gradient:
+/// 303–345 µs reading k in place one element at a time, 205–208 µs gathering it first).
 pub(crate) fn cat<E: Precision>(parts: &[(&[E], &Layout, usize)], outer: usize, inner: usize) -> Vec<E> {
     let total: usize = parts.iter().map(|p| p.2).sum();
     let row = total * inner;
+    let runs = |l: &Layout| collapse(&l.shape, [&l.strides]).1[0].last().is_none_or(|&s| s == 1);
+    let gathered: Vec<Option<super::alloc::PooledVec<E>>> = parts
+        .iter()
+        .map(|(src, l, _)| (!runs(l)).then(|| super::alloc::PooledVec::from(super::gather(src, l))))
+        .collect();
+    let parts: Vec<(&[E], Layout, usize)> = parts
+        .iter()
+        .zip(&gathered)
+        .map(|(&(src, l, d), g)| match g {
+            Some(g) => (&g[..], Layout::contiguous(&l.shape), d),
+            None => (src, l.clone(), d),
+        })
+        .collect();
     // Each part's collapsed walk; contiguous parts copy whole rows.
     let walks: Vec<_> = parts.iter().map(|(_, l, _)| collapse(&l.shape, [&l.strides])).collect();
     let mut out = super::alloc::take::<E>(outer * row); // every row is filled by its parts
@@ -83,7 +98,7 @@ pub(crate) fn cat<E: Precision>(parts: &[(&[E], &Layout, usize)], outer: usize, 
         |o0, chunk| {
             let rows = chunk.len() / row.max(1);
             let mut at = 0;
-            for (&(src, l, d), (shape, strides)) in parts.iter().zip(&walks) {
+            for (&(src, ref l, d), (shape, strides)) in parts.iter().zip(&walks) {
                 let len = d * inner;
                 if l.is_contiguous() {
                     for (k, dst) in chunk.chunks_mut(row).enumerate() {

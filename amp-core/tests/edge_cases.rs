@@ -373,6 +373,26 @@ fn cat_of_strided_views_matches_cat_of_their_copies() {
     check(&[&mem(&q), &mem(&k), &mem(&v)], 2);
 }
 
+/// `reshape` returns views where strides allow; writing into such a view (`cast_into`) must
+/// not write through to the tensor it views, as no in-place write does on shared storage.
+#[test]
+fn writing_into_a_reshaped_view_leaves_the_viewed_tensor_alone() {
+    let mut rng = Rng::seed(9);
+    let x = Tensor::<f32>::randn(&[3, 2, 4], &mut rng).permute(&[1, 0, 2]); // [2, 3, 4]
+    let before = x.to_vec();
+    // Drops the size-1 dim of a narrow of a permuted tensor: a view of x's storage.
+    let mut v = x.narrow(0, 1, 1).reshape(&[3, 4]);
+    let ones = Tensor::<f64>::ones(&[3, 4]);
+    ones.cast_into(&mut v);
+    assert_eq!(v.to_vec(), vec![1.0; 12]);
+    assert_eq!(x.to_vec(), before);
+    // A view of a whole contiguous tensor, still shared with it.
+    let y = Tensor::<f32>::randn(&[2, 6], &mut rng);
+    let mut w = y.reshape(&[3, 4]);
+    ones.cast_into(&mut w);
+    assert_ne!(y.to_vec(), vec![1.0; 12]);
+}
+
 #[test]
 fn cat_stack_and_embedding_values() {
     let a = Tensor::<f64>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]);

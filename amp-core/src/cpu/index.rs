@@ -74,21 +74,15 @@ pub(crate) fn select<E: Precision>(
 pub(crate) fn cat<E: Precision>(parts: &[(&[E], &Layout, usize)], outer: usize, inner: usize) -> Vec<E> {
     let total: usize = parts.iter().map(|p| p.2).sum();
     let row = total * inner;
-    let runs = |l: &Layout| collapse(&l.shape, [&l.strides]).1[0].last().is_none_or(|&s| s == 1);
+    // Each part's collapsed walk; a part whose innermost stride is not 1 is gathered first.
+    let walks: Vec<_> = parts.iter().map(|(_, l, _)| collapse(&l.shape, [&l.strides])).collect();
     let gathered: Vec<Option<super::alloc::PooledVec<E>>> = parts
         .iter()
-        .map(|(src, l, _)| (!runs(l)).then(|| super::alloc::PooledVec::from(super::gather(src, l))))
-        .collect();
-    let parts: Vec<(&[E], Layout, usize)> = parts
-        .iter()
-        .zip(&gathered)
-        .map(|(&(src, l, d), g)| match g {
-            Some(g) => (&g[..], Layout::contiguous(&l.shape), d),
-            None => (src, l.clone(), d),
+        .zip(&walks)
+        .map(|((src, l, _), (_, [strides]))| {
+            strides.last().is_some_and(|&s| s != 1).then(|| super::alloc::PooledVec::from(super::gather(src, l)))
         })
         .collect();
-    // Each part's collapsed walk; contiguous parts copy whole rows.
-    let walks: Vec<_> = parts.iter().map(|(_, l, _)| collapse(&l.shape, [&l.strides])).collect();
     let mut out = super::alloc::take::<E>(outer * row); // every row is filled by its parts
     par_rows(
         &mut out,
@@ -98,12 +92,17 @@ pub(crate) fn cat<E: Precision>(parts: &[(&[E], &Layout, usize)], outer: usize, 
         |o0, chunk| {
             let rows = chunk.len() / row.max(1);
             let mut at = 0;
-            for (&(src, ref l, d), (shape, strides)) in parts.iter().zip(&walks) {
+            for ((&(src, l, d), (shape, strides)), g) in parts.iter().zip(&walks).zip(&gathered) {
                 let len = d * inner;
-                if l.is_contiguous() {
+                // Whole rows from a dense source: a contiguous part, or a gathered one.
+                let dense = match g {
+                    Some(g) => Some((&g[..], 0)),
+                    None => l.is_contiguous().then_some((src, l.offset)),
+                };
+                if let Some((src, offset)) = dense {
                     for (k, dst) in chunk.chunks_mut(row).enumerate() {
                         let o = o0 + k;
-                        dst[at..at + len].copy_from_slice(&src[l.offset + o * len..l.offset + (o + 1) * len]);
+                        dst[at..at + len].copy_from_slice(&src[offset + o * len..offset + (o + 1) * len]);
                     }
                 } else {
                     // The part's flat positions o0·len.. of these rows, run by run; a run may

@@ -974,10 +974,31 @@ fn pack_pair_tiles(rows: usize, k: usize, x: Operand<'_, bf16>, first: usize, ou
                 }
                 if x.cs == 1 {
                     // Each row's k values are contiguous: 16 pairs (32 values) per chunk row,
-                    // a pair being two adjacent values (a plain copy, which this loop compiles to).
+                    // a pair being two adjacent values. On a little-endian CPU a whole chunk's
+                    // 32 values are its 16 pairs' bytes in order: 64 bytes copied as they are,
+                    // chunk by chunk so the stores run through the buffer in order. (Row by
+                    // row, each row's stores 2 KiB apart, 128 rows of k = 768 took 9.3 us from
+                    // L2 against 5.8, and 11.3 against 8.9 from L3.)
+                    let whole = if cfg!(target_endian = "little") { k / (2 * PAIRS) } else { 0 };
+                    for q in 0..whole {
+                        for r in 0..live {
+                            let src = &x.data[first + r * x.rs + 2 * PAIRS * q..][..2 * PAIRS];
+                            let dst = &mut panel[at(r, q * PAIRS)..][..PAIRS];
+                            // SAFETY: both slices hold 64 bytes (32 bf16, each a plain u16; 16
+                            // u32) and do not overlap (one is borrowed mutably).
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    src.as_ptr().cast::<u8>(),
+                                    dst.as_mut_ptr().cast::<u8>(),
+                                    64,
+                                )
+                            };
+                        }
+                    }
+                    // The last, partial chunk of each row.
                     for r in 0..live {
                         let row = &x.data[first + r * x.rs..][..k];
-                        for (q, part) in row.chunks(2 * PAIRS).enumerate() {
+                        for (q, part) in row.chunks(2 * PAIRS).enumerate().skip(whole) {
                             let dst = &mut panel[at(r, q * PAIRS)..][..PAIRS];
                             for (d, pair) in dst.iter_mut().zip(part.chunks_exact(2)) {
                                 *d = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;

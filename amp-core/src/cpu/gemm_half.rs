@@ -1284,15 +1284,7 @@ fn pack<K: Kernel, const W: usize>(
                         dst[live..].fill(K::ZERO);
                     }
                 }
-                if x.rs == 1 && live == W {
-                    // The panel's rows are adjacent: each k is one contiguous run of W elements.
-                    let run = |j: usize| &x.data[first + j * x.cs..][..W];
-                    for (s, dst) in panel.chunks_exact_mut(W).enumerate() {
-                        let j = s * K::K_STEP;
-                        let hi = (K::K_STEP == 2 && j + 1 < k).then(|| run(j + 1));
-                        K::pack_run(run(j), hi, dst);
-                    }
-                } else if x.cs == 1 {
+                if x.cs == 1 {
                     // Each row's k values are contiguous: a whole panel at once where the
                     // kernel can, else row by row.
                     if live == W && K::pack_rows(x.data, first, x.rs, k, W, panel) {
@@ -1313,12 +1305,53 @@ fn pack<K: Kernel, const W: usize>(
             },
         )
     };
+    // Panels whose rows are adjacent in memory (row stride 1: each k one contiguous run of W
+    // elements; B of `x·W` and of `dyᵀ·h`, read as Bᵀ) are packed a group at a time, one group
+    // per thread, the steps of all the group's panels block by block: each source row is then
+    // read in runs of the group's width. (Panel by panel, a panel read 64 bytes of every row,
+    // rows 2 KiB apart: W2's `h` [2048, 1024] took 370 us to pack, against 180.)
+    let panels = rows.div_ceil(W);
+    let full = rows / W;
+    let threads = if parallel { rayon::current_num_threads() } else { 1 };
+    let per_group = if x.rs == 1 { panels.div_ceil(threads) } else { 1 };
+    let group = |g: usize, dst: &mut [K::Packed]| {
+        let i0 = g * per_group;
+        let in_group = dst.len() / (steps * W);
+        let adjacent = if x.rs == 1 { full.saturating_sub(i0).min(in_group) } else { 0 };
+        if adjacent > 0 {
+            crate::simd::dispatch(
+                #[inline(always)]
+                || {
+                    for s0 in (0..steps).step_by(STEP_BLOCK) {
+                        for p in 0..adjacent {
+                            let first = x.offset + (i0 + p) * W;
+                            let run = |j: usize| &x.data[first + j * x.cs..][..W];
+                            let panel = &mut dst[p * steps * W..][..steps * W];
+                            for s in s0..steps.min(s0 + STEP_BLOCK) {
+                                let j = s * K::K_STEP;
+                                let hi = (K::K_STEP == 2 && j + 1 < k).then(|| run(j + 1));
+                                K::pack_run(run(j), hi, &mut panel[s * W..][..W]);
+                            }
+                        }
+                    }
+                },
+            );
+        }
+        for (p, panel) in dst.chunks_mut(steps * W).enumerate().skip(adjacent) {
+            fill(i0 + p, panel);
+        }
+    };
     if parallel {
-        out.par_chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+        out.par_chunks_mut(per_group * steps * W).enumerate().for_each(|(g, p)| group(g, p));
     } else {
-        out.chunks_mut(steps * W).enumerate().for_each(|(i, p)| fill(i, p));
+        out.chunks_mut(per_group * steps * W).enumerate().for_each(|(g, p)| group(g, p));
     }
 }
+
+/// Steps per panel packed at a time in [`pack`]'s groups of panels: each panel's stores run
+/// `STEP_BLOCK · W` values in order before the next panel's (W2's `h`: 8 steps, 1 KiB, packed
+/// in 180 us against 205 step by step).
+const STEP_BLOCK: usize = 8;
 
 /// The bf16 register-blocked kernel: 2·MR zmm accumulators, two B vectors per pair, A pairs
 /// broadcast from memory. The pair of step p, row r is the (possibly unaligned) u32 at byte

@@ -495,15 +495,10 @@ fn cat_parts<D: Device>(
         let identity: Vec<usize> = (0..shape.len()).collect();
         let order = order.unwrap_or(&identity);
         // Everything seen in memory order: the parts, the result's shape, the cat dim.
-        let permute = |l: &Layout| Layout {
-            shape: order.iter().map(|&d| l.shape[d]).collect(),
-            strides: order.iter().map(|&d| l.strides[d]).collect(),
-            offset: l.offset,
-        };
         let mem_shape: Vec<usize> = order.iter().map(|&d| shape[d]).collect();
         let mem_dim = order.iter().position(|&d| d == dim).expect("the order holds every dim");
         let (outer, _, inner) = crate::layout::outer_dim_inner(&mem_shape, mem_dim);
-        let layouts: Vec<Layout> = all.iter().map(|t| permute(&t.layout)).collect();
+        let layouts: Vec<Layout> = all.iter().map(|t| t.layout.permuted(order)).collect();
         let views: Vec<_> = all.iter().zip(&layouts).map(|(t, l)| (&t.storage, l, t.shape()[dim])).collect();
         let dev = first.device.clone();
         let storage = dev.cat(&views, outer, inner);

@@ -48,6 +48,15 @@ impl Layout {
         }
         true
     }
+    /// The same view with its dims reordered: dim `i` of the result is dim `perm[i]` of this
+    /// one (no element moves).
+    pub(crate) fn permuted(&self, perm: &[usize]) -> Layout {
+        Layout {
+            shape: perm.iter().map(|&p| self.shape[p]).collect(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+            offset: self.offset,
+        }
+    }
     /// This view with the same elements, in the same row-major order, seen as `shape` (same
     /// element count) without moving any: its strides, or `None` when no strides do it
     /// (PyTorch's `view` rule, which `reshape` follows before it copies). Each run of dims
@@ -207,12 +216,7 @@ mod tests {
         let bases: [(&[usize], &[usize]); 3] = [(&[2, 3, 4], &[0, 1, 2]), (&[2, 1, 6], &[2, 0, 1]), (&[4, 6], &[1, 0])];
         let mut views = vec![];
         for (shape, perm) in bases {
-            let base = Layout::contiguous(shape);
-            let permuted = Layout {
-                shape: perm.iter().map(|&p| base.shape[p]).collect(),
-                strides: perm.iter().map(|&p| base.strides[p]).collect(),
-                offset: 0,
-            };
+            let permuted = Layout::contiguous(shape).permuted(perm);
             // Narrow the outermost dim of size > 1 to its second half, too.
             let mut narrowed = permuted.clone();
             if let Some(d) = narrowed.shape.iter().position(|&d| d > 1) {

@@ -422,11 +422,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 shapes: vec![self.shape().to_vec()],
             });
         }
-        let layout = Layout {
-            shape: perm.iter().map(|&p| self.layout.shape[p]).collect(),
-            strides: perm.iter().map(|&p| self.layout.strides[p]).collect(),
-            offset: self.layout.offset,
-        };
+        let layout = self.layout.permuted(perm);
         let mut inverse = vec![0; rank];
         for (i, &p) in perm.iter().enumerate() {
             inverse[p] = i;

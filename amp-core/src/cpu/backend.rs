@@ -169,8 +169,12 @@ impl Device for Cpu {
 
     fn unary<E: Precision, O: UnaryOp>(&self, op: O, x: &Storage<E>, l: &Layout) -> Storage<E> {
         profiled!(E, "{}_fwd", O::NAME);
+        let x = view(x, l);
+        if let Some(y) = super::lut::forward(op, &x) {
+            return store(y);
+        }
         store(super::map_unary(
-            &view(x, l),
+            &x,
             #[inline(always)]
             |v| op.forward(v),
         ))
@@ -198,6 +202,14 @@ impl Device for Cpu {
             }
             (true, false) | (false, true) => {
                 let (v, lv) = if O::DERIVATIVE_READS_X { x } else { y };
+                // A derivative of `x` alone by lookup on f16 and bf16 (GELU's; `lut`).
+                if O::TABULATE
+                    && O::DERIVATIVE_READS_X
+                    && lv.shape() == g.1.shape()
+                    && let Some(gx) = super::lut::backward(op, &view(v, lv), &view(g.0, g.1))
+                {
+                    return store(gx);
+                }
                 store(super::map_binary(
                     v,
                     lv,

@@ -24,6 +24,7 @@ pub(crate) mod dropout;
 pub(crate) mod gemm_half;
 pub(crate) mod index;
 pub(crate) mod loss;
+pub(crate) mod lut;
 pub(crate) mod matmul;
 pub mod memory;
 pub(crate) mod norm;

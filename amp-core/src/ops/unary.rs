@@ -34,7 +34,8 @@ macro_rules! unary_op {
     (
         $(#[$doc:meta])* $name:ident, $method:ident, $NAME:literal,
         |$x:ident| $f:expr, |$dx:tt, $dy:tt| $df:expr,
-        cuda: $cuda_f:literal, $cuda_df:literal
+        cuda: $cuda_f:literal, $cuda_df:literal,
+        tabulate: $tabulate:literal
     ) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug, Default)]
@@ -45,6 +46,7 @@ macro_rules! unary_op {
             const CUDA_DERIVATIVE: &'static str = $cuda_df;
             const DERIVATIVE_READS_X: bool = unary_op!(@reads $dx);
             const DERIVATIVE_READS_Y: bool = unary_op!(@reads $dy);
+            const TABULATE: bool = $tabulate;
             #[inline(always)]
             fn forward<A: Accum>(&self, $x: A) -> A {
                 $f
@@ -68,7 +70,8 @@ unary_op!(
     /// `-x`; derivative -1.
     Neg, neg, "neg", |x| -x, |_, _| -A::one(),
     cuda: "-x",
-    "acc_t(-1)"
+    "acc_t(-1)",
+    tabulate: false
 );
 unary_op!(
     /// `max(x, 0)` (NaN stays NaN); derivative 1 where x > 0, else 0.
@@ -76,7 +79,8 @@ unary_op!(
     |x| if x > A::zero() || x.is_nan() { x } else { A::zero() },
     |x, _| if x > A::zero() { A::one() } else { A::zero() },
     cuda: "(x > acc_t(0) || isnan(x)) ? x : acc_t(0)",
-    "x > acc_t(0) ? acc_t(1) : acc_t(0)"
+    "x > acc_t(0) ? acc_t(1) : acc_t(0)",
+    tabulate: false
 );
 unary_op!(
     /// Exact GELU, `x Φ(x) = x/2 (1 + erf(x/√2))`; derivative `Φ(x) + x φ(x)`.
@@ -90,7 +94,8 @@ unary_op!(
         cdf + x * pdf
     },
     cuda: "acc_t(0.5) * x * (acc_t(1) + erf(x * acc_t(0.7071067811865476)))",
-    "acc_t(0.5) * (acc_t(1) + erf(x * acc_t(0.7071067811865476))) + x * exp(acc_t(-0.5) * x * x) * acc_t(0.3989422804014327)"
+    "acc_t(0.5) * (acc_t(1) + erf(x * acc_t(0.7071067811865476))) + x * exp(acc_t(-0.5) * x * x) * acc_t(0.3989422804014327)",
+    tabulate: true
 );
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 unary_op!(
@@ -103,25 +108,29 @@ unary_op!(
         A::c(0.5) * (A::one() + t) + A::c(0.5) * x * (A::one() - t * t) * dinner
     },
     cuda: "acc_t(0.5) * x * (acc_t(1) + tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x)))",
-    "acc_t(0.5) * (acc_t(1) + tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x))) + acc_t(0.5) * x * (acc_t(1) - tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x)) * tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x))) * acc_t(0.7978845608028654) * (acc_t(1) + acc_t(0.134145) * x * x)"
+    "acc_t(0.5) * (acc_t(1) + tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x))) + acc_t(0.5) * x * (acc_t(1) - tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x)) * tanh(acc_t(0.7978845608028654) * (x + acc_t(0.044715) * x * x * x))) * acc_t(0.7978845608028654) * (acc_t(1) + acc_t(0.134145) * x * x)",
+    tabulate: true
 );
 unary_op!(
     /// `x²`; derivative `2x`.
     Square, square, "square", |x| x * x, |x, _| A::c(2.0) * x,
     cuda: "x * x",
-    "acc_t(2) * x"
+    "acc_t(2) * x",
+    tabulate: false
 );
 unary_op!(
     /// `tanh(x)`; derivative `1 - y²`.
     Tanh, tanh, "tanh", |x| x.vtanh(), |_, y| A::one() - y * y,
     cuda: "tanh(x)",
-    "acc_t(1) - y * y"
+    "acc_t(1) - y * y",
+    tabulate: true
 );
 unary_op!(
     /// `1 / (1 + e^-x)`; derivative `y (1 - y)`.
     Sigmoid, sigmoid, "sigmoid", |x| A::one() / (A::one() + (-x).vexp()), |_, y| y * (A::one() - y),
     cuda: "acc_t(1) / (acc_t(1) + exp(-x))",
-    "y * (acc_t(1) - y)"
+    "y * (acc_t(1) - y)",
+    tabulate: true
 );
 unary_op!(
     /// SiLU (swish), `x σ(x)`; derivative `σ(x) (1 + x (1 - σ(x)))`.
@@ -132,25 +141,29 @@ unary_op!(
         s * (A::one() + x * (A::one() - s))
     },
     cuda: "x / (acc_t(1) + exp(-x))",
-    "(acc_t(1) / (acc_t(1) + exp(-x))) * (acc_t(1) + x * (acc_t(1) - acc_t(1) / (acc_t(1) + exp(-x))))"
+    "(acc_t(1) / (acc_t(1) + exp(-x))) * (acc_t(1) + x * (acc_t(1) - acc_t(1) / (acc_t(1) + exp(-x))))",
+    tabulate: true
 );
 unary_op!(
     /// `e^x`; derivative `y`.
     Exp, exp, "exp", |x| x.vexp(), |_, y| y,
     cuda: "exp(x)",
-    "y"
+    "y",
+    tabulate: true
 );
 unary_op!(
     /// Natural log; derivative `1/x`.
     Log, log, "log", |x| x.vln(), |x, _| A::one() / x,
     cuda: "log(x)",
-    "acc_t(1) / x"
+    "acc_t(1) / x",
+    tabulate: true
 );
 unary_op!(
     /// Square root; derivative `1 / (2y)`.
     Sqrt, sqrt, "sqrt", |x| x.sqrt(), |_, y| A::c(0.5) / y,
     cuda: "sqrt(x)",
-    "acc_t(0.5) / y"
+    "acc_t(0.5) / y",
+    tabulate: false
 );
 
 /// `x^p` for a constant exponent; derivative `p x^(p-1)`.
@@ -159,6 +172,8 @@ pub struct Powf(pub f64);
 impl UnaryOp for Powf {
     const NAME: &'static str = "powf";
     const DERIVATIVE_READS_Y: bool = false;
+    // A libm `powf` per element otherwise.
+    const TABULATE: bool = true;
     const CUDA_FORWARD: &'static str = "pow(x, acc_t(p))";
     const CUDA_DERIVATIVE: &'static str = "acc_t(p) * pow(x, acc_t(p) - acc_t(1))";
     fn param(&self) -> f64 {

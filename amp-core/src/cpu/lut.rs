@@ -73,6 +73,12 @@ fn derivative_tabulated<O: UnaryOp>() -> bool {
     O::DERIVATIVE_READS_X && !O::DERIVATIVE_READS_Y
 }
 
+/// Whether [`backward`] looks up this op's derivative for `E` (else it returns `None`): the
+/// backend asks first, so an operand it would only have copied for the lookup is not copied.
+pub(crate) fn looks_up_backward<E: Precision, O: UnaryOp>() -> bool {
+    O::TABULATE && sixteen_bit::<E>() && derivative_tabulated::<O>()
+}
+
 /// This op's tables for `E`, built on first use; `None` when the op is not tabulated or `E`
 /// is not a 16-bit type.
 fn tables<E: Precision, O: UnaryOp>(op: O) -> Option<&'static Tables> {
@@ -145,7 +151,7 @@ pub(crate) fn forward<E: Precision, O: UnaryOp>(op: O, x: &[E]) -> Option<Vec<E>
 /// table of its derivative for `E`: the caller computes it.
 pub(crate) fn backward<E: Precision, O: UnaryOp>(op: O, x: &[E], g: &[E]) -> Option<Vec<E>> {
     assert_eq!(x.len(), g.len());
-    if !derivative_tabulated::<O>() {
+    if !looks_up_backward::<E, O>() {
         return None;
     }
     let t = tables::<E, O>(op)?;

@@ -36,6 +36,7 @@ use std::thread::LocalKey;
 
 use rayon::prelude::*;
 
+use super::amx::Start;
 use crate::precision::{DType, Precision};
 use crate::{bf16, f16};
 
@@ -47,8 +48,10 @@ pub(super) const NR: usize = 32;
 const KC: usize = 128;
 /// Columns per block of the f32 accumulator buffer.
 const NC: usize = 512;
-/// Most rows per parallel task.
-const MC: usize = 96;
+/// Most rows per parallel task. Small enough that the tasks split evenly between threads:
+/// W2's 2048- and 1024-row products make 32 and 16 tasks (with 96, 22 and 11, one of them
+/// short, so one thread idled at the end: 64 ran those products 3-5% faster on Zen 4).
+const MC: usize = 64;
 /// Below this many flops the product runs on the calling thread.
 const PAR_FLOPS: usize = 1 << 22;
 
@@ -159,15 +162,26 @@ trait Kernel {
     /// This kernel's per-thread pack buffers for A and B, kept between products so the hot
     /// path neither allocates nor zero-fills them.
     fn pack_buffers() -> &'static LocalKey<RefCell<[Vec<Self::Packed>; 2]>>;
-    /// `tile[r * ldc + j] += Σ_s a[s·MR + r] · b[s·NR + j]` over `kc` steps.
-    fn micro(kc: usize, a: &[Self::Packed], b: &[Self::Packed], tile: &mut [f32], ldc: usize);
+    /// `tile[r * ldc + j] = start(r, j) + Σ_s a[s·MR + r] · b[s·NR + j]` over `kc` steps,
+    /// where `start` is the tile as it is, zero, or a bias row ([`Start`]).
+    fn micro(kc: usize, a: &[Self::Packed], b: &[Self::Packed], tile: &mut [f32], ldc: usize, start: Start);
     /// Whether [`Kernel::micro_rows`] exists: a step of a row can be read in place when the
     /// row's k values are contiguous (a bf16 pair is two adjacent elements; an f16 must be
     /// widened, so f16 always packs A).
     const READS_A_ROWS: bool;
     /// [`Kernel::micro`] reading A in place: step s of row r is at `a[first + r * rs + s * K_STEP]`.
     /// Only called when [`Kernel::READS_A_ROWS`] is true.
-    fn micro_rows(kc: usize, a: &[Self::In], first: usize, rs: usize, b: &[Self::Packed], tile: &mut [f32], ldc: usize);
+    #[allow(clippy::too_many_arguments)] // `micro`'s arguments plus A's first element and row stride
+    fn micro_rows(
+        kc: usize,
+        a: &[Self::In],
+        first: usize,
+        rs: usize,
+        b: &[Self::Packed],
+        tile: &mut [f32],
+        ldc: usize,
+        start: Start,
+    );
 }
 
 /// bf16 pairs for `vdpbf16ps`: element (r, 2s) in the low half of the lane, (r, 2s + 1) in
@@ -233,27 +247,36 @@ impl Kernel for Bf16Pairs {
         let _ = (x, first, rs, k, w, panel);
         false
     }
-    fn micro(kc: usize, a: &[u32], b: &[u32], tile: &mut [f32], ldc: usize) {
+    fn micro(kc: usize, a: &[u32], b: &[u32], tile: &mut [f32], ldc: usize, start: Start) {
         assert!(a.len() >= kc * MR && b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm` only runs this kernel after `available()` saw avx512f and avx512bf16
         // on this CPU, and the assert above covers every index the kernel reads and writes:
-        // step s of row r at byte 4·(s·MR + r).
+        // step s of row r at byte 4·(s·MR + r); a bias start holds 32 floats (its contract).
         unsafe {
-            micro_bf16(kc, a.as_ptr().cast(), 4, 4 * MR, b.as_ptr(), tile.as_mut_ptr(), ldc)
+            micro_bf16(kc, a.as_ptr().cast(), 4, 4 * MR, b.as_ptr(), tile.as_mut_ptr(), ldc, start)
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("the native GEMM runs only where available() is true")
     }
     const READS_A_ROWS: bool = true;
-    fn micro_rows(kc: usize, a: &[bf16], first: usize, rs: usize, b: &[u32], tile: &mut [f32], ldc: usize) {
+    fn micro_rows(
+        kc: usize,
+        a: &[bf16],
+        first: usize,
+        rs: usize,
+        b: &[u32],
+        tile: &mut [f32],
+        ldc: usize,
+        start: Start,
+    ) {
         assert!(kc > 0 && first + (MR - 1) * rs + 2 * kc <= a.len());
         assert!(b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `micro`; the assert above covers the last pair the kernel reads, the
         // two bf16 at `first + (MR - 1)·rs + 2(kc - 1)`, read as one unaligned u32.
         unsafe {
-            micro_bf16(kc, a.as_ptr().add(first).cast(), 2 * rs, 4, b.as_ptr(), tile.as_mut_ptr(), ldc)
+            micro_bf16(kc, a.as_ptr().add(first).cast(), 2 * rs, 4, b.as_ptr(), tile.as_mut_ptr(), ldc, start)
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("the native GEMM runs only where available() is true")
@@ -355,19 +378,20 @@ impl Kernel for F16Widened {
         let _ = (x, first, rs, k, w, panel);
         false
     }
-    fn micro(kc: usize, a: &[f32], b: &[f32], tile: &mut [f32], ldc: usize) {
+    fn micro(kc: usize, a: &[f32], b: &[f32], tile: &mut [f32], ldc: usize, start: Start) {
         assert!(a.len() >= kc * MR && b.len() >= kc * NR && tile.len() >= (MR - 1) * ldc + NR);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm` only runs this kernel after `available()` saw avx512f on this CPU, and
-        // the assert above covers every index the kernel reads and writes.
+        // the assert above covers every index the kernel reads and writes; a bias start holds
+        // 32 floats (its contract).
         unsafe {
-            micro_f32(kc, a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), ldc)
+            micro_f32(kc, a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), ldc, start)
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("the native GEMM runs only where available() is true")
     }
     const READS_A_ROWS: bool = false;
-    fn micro_rows(_: usize, _: &[f16], _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize) {
+    fn micro_rows(_: usize, _: &[f16], _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize, _: Start) {
         unreachable!("f16 always packs A (READS_A_ROWS is false)")
     }
 }
@@ -471,6 +495,28 @@ fn multiply<E: Precision, K: Kernel>(
     let threads = if big { rayon::current_num_threads() } else { 1 };
     let rows = (m.div_ceil(2 * threads).div_ceil(MR) * MR).clamp(MR, MC);
     let nc_max = NC.min(n.div_ceil(NR) * NR);
+    // Each MR × NR tile of C is rounded into the output right after its last k block, while
+    // its f32 sums are in L1 ([`round_block`]), rather than in a pass over the task's f32
+    // block (in L2) at the end: that pass was 8% of a [2048, 256]·[256, 1024] product on Zen 4,
+    // bound by writing the output, which the tiles' stores now spread over the kernel's time.
+    // A bf16 output needs every sum last written by `vdpbf16ps` (which flushes subnormal
+    // results, as `vcvtne2ps2bf16` flushes subnormal inputs): a bf16 kernel. With k = 0 no
+    // kernel runs, and the pass at the end rounds the bias (or zero).
+    let direct = steps > 0
+        && match E::DTYPE {
+            DType::BF16 => K::In::DTYPE == DType::BF16,
+            DType::F16 => true,
+            _ => false,
+        }
+        && round_block_available();
+    // The first k block's tiles start from the bias (or zero) in registers; the kernel reads
+    // 32 bias values a tile, so the bias is copied padded to whole panels.
+    let mut bias_copy = Vec::new();
+    let bias_pad: Option<&[f32]> = bias.map(|bias| {
+        let padded = aligned_front(&mut bias_copy, n.div_ceil(NR) * NR, 0.0);
+        padded[..n].copy_from_slice(bias);
+        &*padded
+    });
     let task = |t: usize, dst: &mut [E]| {
         let r0 = t * rows;
         let mc = dst.len() / n;
@@ -480,28 +526,40 @@ fn multiply<E: Precision, K: Kernel>(
                 let nc = NC.min(n - jc);
                 let nc_pad = nc.div_ceil(NR) * NR;
                 let c = &mut c[..mc_pad * nc_pad];
-                match bias {
-                    Some(bias) => c.chunks_mut(nc_pad).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc])),
-                    None => c.fill(0.0),
+                if steps == 0 {
+                    match bias {
+                        Some(bias) => {
+                            c.chunks_mut(nc_pad).for_each(|row| row[..nc].copy_from_slice(&bias[jc..jc + nc]))
+                        }
+                        None => c.fill(0.0),
+                    }
                 }
                 for pc in (0..steps).step_by(KC) {
                     let kc = KC.min(steps - pc);
+                    let last = pc + kc == steps;
                     for jr in 0..nc_pad / NR {
                         let bp = &pb[((jc / NR + jr) * steps + pc) * NR..][..kc * NR];
+                        let start = block_start(bias_pad, jc + jr * NR, pc > 0);
                         for ir in 0..mc_pad / MR {
                             let (row, tile) = (r0 + ir * MR, &mut c[ir * MR * nc_pad + jr * NR..]);
                             if row < full {
                                 let first = a.offset + row * a.rs + pc * K::K_STEP;
-                                K::micro_rows(kc, a.data, first, a.rs, bp, tile, nc_pad);
+                                K::micro_rows(kc, a.data, first, a.rs, bp, tile, nc_pad, start);
                             } else {
                                 let ap = &pa[(((row - full) / MR) * steps + pc) * MR..][..kc * MR];
-                                K::micro(kc, ap, bp, tile, nc_pad);
+                                K::micro(kc, ap, bp, tile, nc_pad, start);
+                            }
+                            if direct && last {
+                                let (rows, cols) = (MR.min(mc - ir * MR), NR.min(nc - jr * NR));
+                                round_tile(tile, nc_pad, &mut dst[ir * MR * n + jc + jr * NR..], n, rows, cols);
                             }
                         }
                     }
                 }
-                for r in 0..mc {
-                    E::from_f32_slice(&c[r * nc_pad..r * nc_pad + nc], &mut dst[r * n + jc..r * n + jc + nc]);
+                if !direct {
+                    for r in 0..mc {
+                        E::from_f32_slice(&c[r * nc_pad..r * nc_pad + nc], &mut dst[r * n + jc..r * n + jc + nc]);
+                    }
                 }
             }
         })
@@ -739,7 +797,7 @@ fn multiply_amx<E: Precision>(
                                     NR,
                                     start,
                                 );
-                                round_block(c, &mut out[at..], n, block_rows, cols, f16_out);
+                                round_block(c, NR, &mut out[at..], n, block_rows, cols, f16_out);
                             }
                         }
                     }
@@ -799,6 +857,7 @@ fn multiply_amx<E: Precision>(
                                                 bp[done * NR..].as_ptr(),
                                                 tile.as_mut_ptr().add(g * MR * ldc),
                                                 ldc,
+                                                Start::Sums,
                                             );
                                         }
                                     }
@@ -868,6 +927,22 @@ fn prefetch_rows_for_write(dst: &[u16], at: usize, ld: usize, rows: usize) {
     }
 }
 
+/// [`round_block`] on bf16 or f16 `dst` (the caller checked [`round_block_available`] and,
+/// for bf16, that no value of the tile is subnormal).
+fn round_tile<E: Precision>(tile: &[f32], ldc: usize, dst: &mut [E], ld: usize, rows: usize, cols: usize) {
+    assert!(matches!(E::DTYPE, DType::BF16 | DType::F16) && round_block_available());
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: E is bf16 or f16 (checked by DTYPE; `Precision` is sealed, one type per DTYPE),
+    // each a plain wrapper of u16; the CPU has what `round_block` needs (asserted), which
+    // asserts its own bounds.
+    unsafe {
+        let bits = std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u16>(), dst.len());
+        round_block(tile, ldc, bits, ld, rows, cols, E::DTYPE == DType::F16)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("round_block_available() is false off x86-64")
+}
+
 /// Whether [`round_block`] runs here.
 fn round_block_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -880,29 +955,30 @@ fn round_block_available() -> bool {
     }
 }
 
-/// Rounds the `rows × cols` corner (at most 32 × 32) of a 32 × 32 f32 block (rows 32 floats
-/// apart) into `dst` as bf16 or (`f16`) f16 bits, rows `ld` apart, one masked 64-byte store
-/// a row. bf16 rounds with `vcvtne2ps2bf16` (as [`f32_to_bf16_cvtne`]: subnormal inputs
-/// flushed, which the callers rule out), f16 with `vcvtps2ph` to nearest even (as the f16
-/// conversions of [`crate::simd`], so the bits are those of `from_f32_slice`).
+/// Rounds the `rows × cols` corner (at most 32 × 32) of an f32 block (rows `src_ld` floats
+/// apart, 32 floats readable in each) into `dst` as bf16 or (`f16`) f16 bits, rows `ld`
+/// apart, one masked 64-byte store a row. bf16 rounds with `vcvtne2ps2bf16` (as
+/// [`f32_to_bf16_cvtne`]: subnormal inputs flushed, which the callers rule out), f16 with
+/// `vcvtps2ph` to nearest even (as the f16 conversions of [`crate::simd`], so the bits are
+/// those of `from_f32_slice`).
 ///
 /// # Safety
-/// The CPU must support avx512f, avx512bw and avx512bf16; `src` must hold 1024 floats, and
-/// `dst` `(rows - 1)·ld + cols` values.
+/// The CPU must support avx512f, avx512bw and avx512bf16; `src` must hold
+/// `(rows - 1)·src_ld + 32` floats, and `dst` `(rows - 1)·ld + cols` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn round_block(src: &[f32], dst: &mut [u16], ld: usize, rows: usize, cols: usize, f16: bool) {
+unsafe fn round_block(src: &[f32], src_ld: usize, dst: &mut [u16], ld: usize, rows: usize, cols: usize, f16: bool) {
     use std::arch::x86_64::*;
-    assert!(src.len() >= 32 * 32 && rows <= 32 && cols <= 32);
-    assert!(rows == 0 || (rows - 1) * ld + cols <= dst.len());
+    assert!(rows <= 32 && cols <= 32);
+    assert!(rows == 0 || ((rows - 1) * src_ld + 32 <= src.len() && (rows - 1) * ld + cols <= dst.len()));
     let mask: __mmask32 = if cols == 32 { !0 } else { (1u32 << cols) - 1 };
-    // SAFETY: each load reads 32 floats of row r < 32 of `src` (1024 floats); each masked
-    // store writes `cols` u16 from `dst[r·ld]`, inside `dst` (asserted); __m512bh is a
-    // 64-byte vector for which every bit pattern is a valid __m512i.
+    // SAFETY: each load reads 32 floats of row r < rows of `src`, and each masked store writes
+    // `cols` u16 from `dst[r·ld]`, inside both (asserted); __m512bh is a 64-byte vector for
+    // which every bit pattern is a valid __m512i.
     unsafe {
         for r in 0..rows {
-            let lo = _mm512_loadu_ps(src.as_ptr().add(32 * r));
-            let hi = _mm512_loadu_ps(src.as_ptr().add(32 * r + 16));
+            let lo = _mm512_loadu_ps(src.as_ptr().add(src_ld * r));
+            let hi = _mm512_loadu_ps(src.as_ptr().add(src_ld * r + 16));
             let v: __m512i = if f16 {
                 const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
                 let l = _mm512_castsi256_si512(_mm512_cvtps_ph::<RNE>(lo));
@@ -1353,26 +1429,53 @@ fn pack<K: Kernel, const W: usize>(
 /// in 180 us against 205 step by step).
 const STEP_BLOCK: usize = 8;
 
+/// The accumulators of an MR × NR tile at their start: the tile's f32 values (`c`, rows `ldc`
+/// apart), zero, or the same NR bias values in every row.
+///
+/// # Safety
+/// The CPU must support avx512f; for [`Start::Sums`], `c` must be readable at `r * ldc + j`
+/// for r < MR, j < NR; for [`Start::Bias`], its pointer for NR floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn start_tile(c: *const f32, ldc: usize, start: Start) -> [[std::arch::x86_64::__m512; 2]; MR] {
+    use std::arch::x86_64::*;
+    // SAFETY: every load is inside what the contract says is readable.
+    unsafe {
+        match start {
+            Start::Zero => [[_mm512_setzero_ps(); 2]; MR],
+            Start::Bias(bias) => [[_mm512_loadu_ps(bias), _mm512_loadu_ps(bias.add(16))]; MR],
+            Start::Sums => {
+                std::array::from_fn(|r| [_mm512_loadu_ps(c.add(r * ldc)), _mm512_loadu_ps(c.add(r * ldc + 16))])
+            }
+        }
+    }
+}
+
 /// The bf16 register-blocked kernel: 2·MR zmm accumulators, two B vectors per pair, A pairs
 /// broadcast from memory. The pair of step p, row r is the (possibly unaligned) u32 at byte
 /// `r * a_row + p * a_step` of `a`: packed panels and rows read in place use the same code.
 ///
 /// # Safety
 /// The CPU must support avx512f and avx512bf16; `a` must be readable for 4 bytes at
-/// `r * a_row + p * a_step` for r < MR, p < kc; `b` for `kc * NR` u32; and `c` readable and
-/// writable at `r * ldc + j` for r < MR, j < NR.
+/// `r * a_row + p * a_step` for r < MR, p < kc; `b` for `kc * NR` u32; `c` readable and
+/// writable at `r * ldc + j` for r < MR, j < NR; and a [`Start::Bias`] readable for NR floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn micro_bf16(kc: usize, a: *const u8, a_row: usize, a_step: usize, b: *const u32, c: *mut f32, ldc: usize) {
+#[allow(clippy::too_many_arguments)] // the tile's operands, strides and start
+unsafe fn micro_bf16(
+    kc: usize,
+    a: *const u8,
+    a_row: usize,
+    a_step: usize,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    start: Start,
+) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    for (r, acc) in acc.iter_mut().enumerate() {
-        // SAFETY: row r < MR of the tile, columns 0..32, inside `c` per the contract.
-        unsafe {
-            acc[0] = _mm512_loadu_ps(c.add(r * ldc));
-            acc[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
-        }
-    }
+    // SAFETY: per the contract.
+    let mut acc = unsafe { start_tile(c, ldc, start) };
     for p in 0..kc {
         // SAFETY: p < kc, so p·NR + 32 ≤ kc·NR stays inside `b`, and each A pair is inside `a`
         // per the contract; __m512i and __m512bh are both 64-byte vectors for which every bit
@@ -1402,19 +1505,14 @@ unsafe fn micro_bf16(kc: usize, a: *const u8, a_row: usize, a_step: usize, b: *c
 ///
 /// # Safety
 /// The CPU must support avx512f; `a` must be readable for `kc * MR` f32, `b` for `kc * NR`,
-/// and `c` readable and writable at `r * ldc + j` for r < MR, j < NR.
+/// `c` readable and writable at `r * ldc + j` for r < MR, j < NR; and a [`Start::Bias`]
+/// readable for NR floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn micro_f32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+unsafe fn micro_f32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, start: Start) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    for (r, acc) in acc.iter_mut().enumerate() {
-        // SAFETY: row r < MR of the tile, columns 0..32, inside `c` per the contract.
-        unsafe {
-            acc[0] = _mm512_loadu_ps(c.add(r * ldc));
-            acc[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
-        }
-    }
+    // SAFETY: per the contract.
+    let mut acc = unsafe { start_tile(c, ldc, start) };
     for p in 0..kc {
         // SAFETY: p < kc, so p·NR + 32 ≤ kc·NR and p·MR + MR ≤ kc·MR stay inside `b` and `a`.
         unsafe {

@@ -423,3 +423,24 @@ fn cat_stack_and_embedding_values() {
     }
     assert_eq!(g.get(&w).unwrap().to_vec(), want, "ascending-position accumulation in f32");
 }
+
+/// The gradient of a transposed operand comes back in the operand's own memory order (as
+/// PyTorch's `mm` backward returns it): `k` of `q @ k.t()` gets a contiguous gradient, which the
+/// `qkv` gradient's concatenation copies in runs (a transposed one it gathered element by
+/// element).
+#[test]
+fn a_transposed_operand_gets_its_gradient_in_its_own_memory_order() {
+    let (q, k) = (randn(&[2, 3, 5, 4], 1).requires_grad_(), randn(&[2, 3, 6, 4], 2).requires_grad_());
+    let g = q.matmul(&k.t()).square().sum_all().backward();
+    let (gq, gk) = (g.get(&q).unwrap(), g.get(&k).unwrap());
+    assert_eq!(gk.shape(), &[2, 3, 6, 4]);
+    assert!(gk.layout().is_contiguous(), "k's gradient: {:?}", gk.layout());
+    // The values of the product taken the other way round: through a contiguous copy of k's
+    // transpose (the same sums in another order of the f64 kernel's blocks).
+    let g2 = q.matmul(&k.t().contiguous()).square().sum_all().backward();
+    for (got, want) in [(gk, g2.get(&k).unwrap()), (gq, g2.get(&q).unwrap())] {
+        for (a, b) in got.to_vec().iter().zip(want.to_vec()) {
+            assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "{a} vs {b}");
+        }
+    }
+}

@@ -48,6 +48,14 @@ fn matmul_2d_batched_and_broadcast() {
     gradcheck(&[randn(&[2, 1, 3, 4], 9), randn(&[3, 4, 2], 10)], |t| t[0].matmul(&t[1]).square().sum_all());
     gradcheck(&[randn(&[4], 11), randn(&[4, 3], 12)], |t| t[0].matmul(&t[1]).square().sum_all());
     gradcheck(&[randn(&[3, 4], 13), randn(&[3, 5], 14)], |t| t[0].t().matmul(&t[1]).square().sum_all());
+    // Transposed (column-major) operands get their gradients as transposed products: the right
+    // one (attention's `q @ k.t()`), both, batched, square, and broadcast over a batch.
+    gradcheck(&[randn(&[3, 4], 15), randn(&[5, 4], 16)], |t| t[0].matmul(&t[1].t()).square().sum_all());
+    gradcheck(&[randn(&[4, 3], 17), randn(&[5, 4], 18)], |t| t[0].t().matmul(&t[1].t()).square().sum_all());
+    gradcheck(&[randn(&[2, 3, 4], 19), randn(&[2, 3, 4], 20)], |t| t[0].matmul(&t[1].t()).square().sum_all());
+    gradcheck(&[randn(&[4, 4], 21), randn(&[4, 4], 22)], |t| t[0].t().matmul(&t[1].t()).square().sum_all());
+    gradcheck(&[randn(&[2, 3, 4], 23), randn(&[5, 4], 24)], |t| t[0].matmul(&t[1].t()).square().sum_all());
+    gradcheck(&[randn(&[4, 2, 3], 25), randn(&[4, 5], 26)], |t| t[0].transpose(0, 2).matmul(&t[1]).square().sum_all());
 }
 
 #[test]

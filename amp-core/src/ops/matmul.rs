@@ -38,6 +38,13 @@ impl<E: Precision, D: Device> LinearOperand<E, D> for Param<E, D> {
     }
 }
 
+/// Whether the matrices of `x` (its last two dims) are stored column by column: the
+/// transpose of a row-major view.
+fn column_major<E: Precision, D: Device>(x: &Tensor<E, D>) -> bool {
+    let (shape, strides, r) = (&x.layout().shape, &x.layout().strides, x.rank());
+    shape[r - 2] > 1 && shape[r - 1] > 1 && strides[r - 2] == 1 && strides[r - 1] != 1
+}
+
 impl<E: Precision, D: Device> Tensor<E, D> {
     /// `self @ rhs` for `[..., m, k] @ [..., k, n] -> [..., m, n]`.
     #[track_caller]
@@ -85,9 +92,19 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         let (a, b) = (self.detach(), rhs.detach());
         let needs = (self.requires_grad(), rhs.requires_grad());
         Ok(out.record("matmul", vec![self.node.clone(), rhs.node.clone()], move |g| {
+            // Each gradient in its operand's memory order, as PyTorch's `mm` backward does: for
+            // a transposed operand (attention's `k.t()`) the transpose of a contiguous product,
+            // so the gradient reaches `k` contiguous, and the `qkv` gradient's concatenation
+            // copies runs instead of gathering a transposed part element by element.
             vec![
-                needs.0.then(|| g.matmul(&b.t()).sum_to_shape(a.shape()).into()),
-                needs.1.then(|| a.t().matmul(&g).sum_to_shape(b.shape()).into()),
+                needs.0.then(|| {
+                    let ga = if column_major(&a) { b.matmul(&g.t()).t() } else { g.matmul(&b.t()) };
+                    ga.sum_to_shape(a.shape()).into()
+                }),
+                needs.1.then(|| {
+                    let gb = if column_major(&b) { g.t().matmul(&a).t() } else { a.t().matmul(&g) };
+                    gb.sum_to_shape(b.shape()).into()
+                }),
             ]
         }))
     }

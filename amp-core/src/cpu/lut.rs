@@ -229,7 +229,11 @@ fn lookup_u16(idx: &[u16], table: &[u16], out: &mut [u16]) {
         // table's pad checked above.
         return unsafe { gather_u16(idx, table, out) };
     }
-    // Four lookups a step, written with one 8-byte store.
+    lookup_u16_scalar(idx, table, out)
+}
+
+/// [`lookup_u16`] without gathers: four lookups a step, written with one 8-byte store.
+fn lookup_u16_scalar(idx: &[u16], table: &[u16], out: &mut [u16]) {
     let mut outs = out.chunks_exact_mut(4);
     let mut ids = idx.chunks_exact(4);
     for (o, i) in (&mut outs).zip(&mut ids) {
@@ -421,6 +425,9 @@ mod tests {
             lookup_scalar(&idx, &table32, &mut got32);
             assert_eq!(got16, want16, "scalar, len {len}");
             assert_eq!(got32, want32, "scalar, len {len}");
+            got16.fill(0);
+            lookup_u16_scalar(&idx, &table16, &mut got16);
+            assert_eq!(got16, want16, "scalar u16 by fours, len {len}");
             // The paths this CPU takes (gathers, or below AVX-512 and for u16 on AMD the scalar
             // loops).
             lookup_u16(&idx, &table16, &mut got16);

@@ -509,14 +509,9 @@ fn multiply<E: Precision, K: Kernel>(
             _ => false,
         }
         && round_block_available();
-    // The first k block's tiles start from the bias (or zero) in registers; the kernel reads
-    // 32 bias values a tile, so the bias is copied padded to whole panels.
+    // The first k block's tiles start from the bias (or zero) in registers.
     let mut bias_copy = Vec::new();
-    let bias_pad: Option<&[f32]> = bias.map(|bias| {
-        let padded = aligned_front(&mut bias_copy, n.div_ceil(NR) * NR, 0.0);
-        padded[..n].copy_from_slice(bias);
-        &*padded
-    });
+    let bias_pad = bias.map(|bias| padded_bias(bias, &mut bias_copy));
     let task = |t: usize, dst: &mut [E]| {
         let r0 = t * rows;
         let mc = dst.len() / n;
@@ -718,14 +713,7 @@ fn multiply_amx<E: Precision>(
     // and aligned); otherwise the f32 block of C is filled with the bias or zero first.
     let tiles_start = steps >= PAIRS;
     let mut bias_pad = Vec::new();
-    let bias_tiles: Option<&[f32]> = match bias {
-        Some(bias) if tiles_start => {
-            let padded = aligned_front(&mut bias_pad, n.div_ceil(NR) * NR, 0.0);
-            padded[..n].copy_from_slice(bias);
-            Some(padded)
-        }
-        _ => None,
-    };
+    let bias_tiles = bias.filter(|_| tiles_start).map(|bias| padded_bias(bias, &mut bias_pad));
     // With a whole chunk, every output was last written by `tdpbf16ps` or `vdpbf16ps`, which
     // flush subnormal results: no output is subnormal.
     let ftz = steps >= PAIRS;
@@ -898,6 +886,14 @@ fn round_ftz_output<E: Precision>(src: &[f32], dst: &mut [E], ftz: bool) {
     }
     let _ = ftz;
     E::from_f32_slice(src, dst)
+}
+
+/// `bias` copied into `buf`, 64-byte aligned and zero-padded to whole NR-column panels: a
+/// tile's [`Start::Bias`] reads NR values, past the bias's end in the last panel.
+fn padded_bias<'a>(bias: &[f32], buf: &'a mut Vec<f32>) -> &'a [f32] {
+    let padded = aligned_front(buf, bias.len().div_ceil(NR) * NR, 0.0);
+    padded[..bias.len()].copy_from_slice(bias);
+    padded
 }
 
 /// What the tile kernel's sums start from for the block of C at column `col`: the f32 block

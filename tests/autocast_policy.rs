@@ -90,6 +90,8 @@ macro_rules! all_cases {
         // fp32 accumulate
         case!("softmax", $low, |x: f16| [f16] Some(x.softmax(1).dtype()));
         case!("log_softmax", $low, |x: bf16| [bf16] Some(x.log_softmax(1).dtype()));
+        case!("softmax_f32", $low, |x: bf16| [bf16] Some(x.softmax_f32(1).dtype()));
+        case!("log_softmax_f32", $low, |x: f16| [f16] Some(x.log_softmax_f32(1).dtype()));
         case!("sum", $low, |x: f16| [f16] Some(x.sum(1, false).dtype()));
         case!("mean", $low, |x: f16| [f16] Some(x.mean(0, true).dtype()));
         case!("sum_all", $low, |x: bf16| [bf16] Some(x.sum_all().dtype()));

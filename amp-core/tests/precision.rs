@@ -256,6 +256,36 @@ fn softmax_family<E: Precision>() {
     check_grad!(E, "softmax dim 0", FROM_ROUNDED, [y.clone()], |t| t[0].softmax(0));
 }
 
+/// `softmax_f32` (PyTorch's `softmax(x, dim, dtype=torch.float32)`) gives the bits of
+/// `cast::<f32>()` then the f32 softmax, and its gradient the bits of that composition's
+/// gradient (the f32 gradient rounded once into `E`): on the last dim and another, log and
+/// not, 0-dim, and rows enough to run in parallel; at every precision, f64 included.
+fn softmax_f32_is_the_cast_then_the_softmax<E: Precision>() {
+    let cases: Vec<(Tensor<f64>, usize)> =
+        vec![(randn(&[4, 37], 64).mul_scalar(3.0), 1), (randn(&[3, 4, 5], 65), 0), (randn(&[70, 1100], 66), 1)];
+    for (x, dim) in cases {
+        for log in [false, true] {
+            let x = x.cast::<E>().requires_grad_();
+            let fused = if log { x.log_softmax_f32(dim) } else { x.softmax_f32(dim) };
+            let composed = if log { x.cast::<f32>().log_softmax(dim) } else { x.cast::<f32>().softmax(dim) };
+            let name = format!("{} {}softmax_f32 {:?} dim {dim}", E::DTYPE, if log { "log_" } else { "" }, x.shape());
+            assert_eq!(fused.to_vec(), composed.to_vec(), "{name}");
+            let w = randn(x.shape(), 67).cast::<f32>();
+            let (gf, gc) = (fused.mul(&w).sum_all().backward(), composed.mul(&w).sum_all().backward());
+            assert_eq!(gf.get(&x).unwrap().to_vec(), gc.get(&x).unwrap().to_vec(), "{name}: gradient");
+        }
+    }
+    let scalar = Tensor::<f64>::from_vec(vec![2.5], &[]).cast::<E>();
+    assert_eq!(scalar.softmax_f32(0).to_vec(), vec![1.0]);
+    assert!(scalar.try_softmax_f32(1).is_err(), "dim 1 of a 0-dim tensor");
+}
+
+#[test]
+fn softmax_f32_matches_cast_then_softmax_bit_for_bit() {
+    for_each_precision!(softmax_f32_is_the_cast_then_the_softmax);
+    softmax_f32_is_the_cast_then_the_softmax::<f64>();
+}
+
 fn norms<E: Precision>() {
     let x = randn(&[6, 37], 70).mul_scalar(2.0).add_scalar(1.0);
     let (w, b) = (randn(&[37], 71), randn(&[37], 72));

@@ -67,4 +67,16 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
     assert_eq!(calls("contiguous_f32"), Some(1), "{table}");
     assert_eq!(calls("cat_f32"), Some(1), "the q, k and v gradients: {table}");
+
+    // In bf16 the scores' softmax reads the bf16 scores and writes f32 probabilities, and its
+    // backward writes the bf16 score gradient: no cast kernel on either side of it.
+    let attn = attn.to_precision::<bf16>();
+    profile::start();
+    let grads = attn.forward::<bf16, f32>(&x, &mut rng).cast::<f32>().mse_loss(&target).backward();
+    let table = profile::stop();
+    assert!(grads.get(&x).is_some());
+    let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
+    assert_eq!(calls("softmax_to_f32_fwd_bf16"), Some(1), "{table}");
+    assert_eq!(calls("softmax_to_f32_bwd_bf16"), Some(1), "{table}");
+    assert_eq!(calls("softmax_fwd_f32"), None, "no f32 softmax of cast scores: {table}");
 }

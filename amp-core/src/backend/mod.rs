@@ -486,6 +486,33 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         d: usize,
         log: bool,
     ) -> Self::Storage<E>;
+    /// [`Device::softmax`] of a view in `E`, computed and written in f32: the values of
+    /// casting to f32 first (PyTorch's `softmax(x, dim, dtype=torch.float32)`, autocast's
+    /// softmax of an f16 or bf16 input). This default is that cast and the f32 softmax; a
+    /// backend overrides it to skip the cast's pass over memory (the CPU does).
+    fn softmax_to_f32<E: Precision>(
+        &self,
+        x: &Self::Storage<E>,
+        l: &Layout,
+        d: usize,
+        log: bool,
+    ) -> Self::Storage<f32> {
+        let x32 = self.cast::<E, f32>(x, l);
+        self.softmax(&x32, &Layout::contiguous(l.shape()), d, log)
+    }
+    /// [`Device::softmax_to_f32`]'s backward: the f32 input gradient from the output `y` and
+    /// the gradient `g`, rounded once into the input's precision `E`. This default is the
+    /// f32 backward and a cast.
+    fn softmax_backward_from_f32<E: Precision>(
+        &self,
+        y: (&Self::Storage<f32>, &Layout),
+        g: (&Self::Storage<f32>, &Layout),
+        d: usize,
+        log: bool,
+    ) -> Self::Storage<E> {
+        let gx = self.softmax_backward(y, g, d, log);
+        self.cast::<f32, E>(&gx, &Layout::contiguous(y.1.shape()))
+    }
     /// Layer norm (or RMS norm with `rms`) of every row of `d` elements, with the optional
     /// weight and bias (contiguous `[d]`); returns the output and what backward needs.
     #[allow(clippy::too_many_arguments)]

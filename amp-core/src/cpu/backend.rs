@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::alloc::{self, PooledVec};
 use super::{amp, attention, batch_norm, conv, dropout, index, loss, matmul, norm, optim, pool, reduce, softmax};
@@ -14,7 +14,7 @@ use crate::backend::{
     Outcomes, Pool2dSpec, ReduceOp, Scalar, ScaleRule, ScaleSlot, SgdArgs, UnaryOp, outcome_row,
 };
 use crate::layout::Layout;
-use crate::precision::{Accum, Precision};
+use crate::precision::{Accum, Precision, as_same, as_same_mut};
 
 /// Times the enclosing backend call for [`crate::profile`] as `"<kernel>_<precision>"` (as the
 /// CUDA kernels are named, so the two devices' tables line up); the name is formatted only
@@ -326,7 +326,13 @@ impl Device for Cpu {
     fn softmax<E: Precision>(&self, x: &Storage<E>, l: &Layout, d: usize, log: bool) -> Storage<E> {
         profiled!(E, "{}softmax_fwd", if log { "log_" } else { "" });
         let x = view(x, l);
-        store(if log { softmax::forward::<E, true>(&x, d) } else { softmax::forward::<E, false>(&x, d) })
+        let mut out = alloc::take::<E>(x.len()); // every row is stored
+        if log {
+            softmax::forward::<E, E, true>(&x, d, &mut out)
+        } else {
+            softmax::forward::<E, E, false>(&x, d, &mut out)
+        }
+        store(out)
     }
     fn softmax_backward<E: Precision>(
         &self,
@@ -337,7 +343,65 @@ impl Device for Cpu {
     ) -> Storage<E> {
         profiled!(E, "{}softmax_bwd", if log { "log_" } else { "" });
         let (y, g) = (view(y.0, y.1), view(g.0, g.1));
-        store(if log { softmax::backward::<E, true>(&y, &g, d) } else { softmax::backward::<E, false>(&y, &g, d) })
+        let mut out = alloc::take::<E>(y.len()); // every row is stored
+        if log {
+            softmax::backward::<E, E, true>(&y, &g, d, &mut out)
+        } else {
+            softmax::backward::<E, E, false>(&y, &g, d, &mut out)
+        }
+        store(out)
+    }
+    fn softmax_to_f32<E: Precision>(&self, x: &Storage<E>, l: &Layout, d: usize, log: bool) -> Storage<f32> {
+        profiled!(E, "{}softmax_to_f32_fwd", if log { "log_" } else { "" });
+        let x = view(x, l);
+        let mut out = alloc::take::<f32>(x.len()); // every row is stored
+        // f16 and bf16 rows are read as they are (no cast pass); f32 is the plain softmax, and
+        // f64 is rounded to f32 first, as a cast would.
+        fn rows<E: Precision<Acc = f32>>(x: &[E], d: usize, log: bool, out: &mut [f32]) {
+            if log { softmax::forward::<E, f32, true>(x, d, out) } else { softmax::forward::<E, f32, false>(x, d, out) }
+        }
+        if let Some(x) = as_same::<E, bf16>(&x) {
+            rows(x, d, log, &mut out);
+        } else if let Some(x) = as_same::<E, f16>(&x) {
+            rows(x, d, log, &mut out);
+        } else if let Some(x) = as_same::<E, f32>(&x) {
+            rows(x, d, log, &mut out);
+        } else {
+            rows(&super::convert_par::<E, f32>(&x), d, log, &mut out);
+        }
+        store(out)
+    }
+    fn softmax_backward_from_f32<E: Precision>(
+        &self,
+        y: (&Storage<f32>, &Layout),
+        g: (&Storage<f32>, &Layout),
+        d: usize,
+        log: bool,
+    ) -> Storage<E> {
+        profiled!(E, "{}softmax_to_f32_bwd", if log { "log_" } else { "" });
+        let (y, g) = (view(y.0, y.1), view(g.0, g.1));
+        let mut out = alloc::take::<E>(y.len()); // every row is stored
+        // The f32 gradient rounded once into f16 or bf16 as each row is done (no cast pass);
+        // f64 widens the f32 gradient, as a cast would.
+        fn rows<E: Precision<Acc = f32>>(y: &[f32], g: &[f32], d: usize, log: bool, out: &mut [E]) {
+            if log {
+                softmax::backward::<f32, E, true>(y, g, d, out)
+            } else {
+                softmax::backward::<f32, E, false>(y, g, d, out)
+            }
+        }
+        if let Some(out) = as_same_mut::<E, bf16>(&mut out) {
+            rows(&y, &g, d, log, out);
+        } else if let Some(out) = as_same_mut::<E, f16>(&mut out) {
+            rows(&y, &g, d, log, out);
+        } else if let Some(out) = as_same_mut::<E, f32>(&mut out) {
+            rows(&y, &g, d, log, out);
+        } else {
+            let mut gx = alloc::take::<f32>(y.len());
+            rows(&y, &g, d, log, &mut gx);
+            super::convert_par_into(&gx, &mut out);
+        }
+        store(out)
     }
     fn norm<E: Precision>(
         &self,

@@ -46,11 +46,13 @@ fn row<A: Accum, const LOG: bool>(x: &[A], y: &mut [A]) {
     }
 }
 
-/// Softmax (or, with `LOG`, log-softmax) of each row of `x` (`rows * d` elements).
-pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E> {
-    let mut out = super::alloc::take::<E>(x.len()); // every row is stored
+/// Softmax (or, with `LOG`, log-softmax) of each row of `x` (`rows * d` elements) into `out`,
+/// in `O` (`E` itself, or f32 for an f16/bf16 input: the softmax that also casts, with no
+/// pass of its own for the cast).
+pub(crate) fn forward<E: Precision, O: Precision<Acc = E::Acc>, const LOG: bool>(x: &[E], d: usize, out: &mut [O]) {
+    assert_eq!(x.len(), out.len());
     par_rows(
-        &mut out,
+        out,
         d,
         d,
         #[inline(always)]
@@ -68,7 +70,6 @@ pub(crate) fn forward<E: Precision, const LOG: bool>(x: &[E], d: usize) -> Vec<E
             }
         },
     );
-    out
 }
 
 /// The input gradient of one row from its output `y` and output gradient `g`, into `gx`.
@@ -88,20 +89,26 @@ fn row_backward<A: Accum, const LOG: bool>(y: &[A], g: &[A], gx: &mut [A]) {
 }
 
 /// The input gradient from the output `y` and its gradient `g` (both `rows * d`):
-/// softmax `y * (g - sum(g * y))`, log-softmax `g - exp(y) * sum(g)`.
-pub(crate) fn backward<E: Precision, const LOG: bool>(y: &[E], g: &[E], d: usize) -> Vec<E> {
-    let mut out = super::alloc::take::<E>(y.len()); // every row is stored
+/// softmax `y * (g - sum(g * y))`, log-softmax `g - exp(y) * sum(g)`, rounded once into the
+/// input's precision `E` (`O` itself, or f16/bf16 for an f32 softmax of an f16/bf16 input).
+pub(crate) fn backward<O: Precision, E: Precision<Acc = O::Acc>, const LOG: bool>(
+    y: &[O],
+    g: &[O],
+    d: usize,
+    out: &mut [E],
+) {
+    assert!(y.len() == out.len() && g.len() == out.len());
     par_rows(
-        &mut out,
+        out,
         d,
         d,
         #[inline(always)]
         |r0, chunk| {
             let r = r0 * d..r0 * d + chunk.len();
             // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
-            let mut by = vec![E::Acc::default(); d];
-            let mut bg = vec![E::Acc::default(); d];
-            let mut bo = vec![E::Acc::default(); d];
+            let mut by = vec![O::Acc::default(); d];
+            let mut bg = vec![O::Acc::default(); d];
+            let mut bo = vec![O::Acc::default(); d];
             for ((y, g), gx) in y[r.clone()].chunks(d).zip(g[r].chunks(d)).zip(chunk.chunks_mut(d)) {
                 let (y, g) = (acc_in(y, &mut by), acc_in(g, &mut bg));
                 acc_out(
@@ -113,5 +120,4 @@ pub(crate) fn backward<E: Precision, const LOG: bool>(y: &[E], g: &[E], d: usize
             }
         },
     );
-    out
 }

@@ -109,7 +109,7 @@ impl<W: Precision, D: Device> CausalSelfAttention<W, D> {
         let (t, hd) = (q.shape()[2], q.shape()[3]);
         let scores = q.matmul(&k.t()).mul_scalar(1.0 / (hd as f64).sqrt());
         let scores = scores.masked_fill(&Mask::causal(t), f64::NEG_INFINITY);
-        let probs = scores.cast::<f32>().softmax(3);
+        let probs = scores.softmax_f32(3);
         let probs = self.attn_dropout.forward(&probs, rng);
         probs.cast::<L>().matmul(v) // [B, H, T, hd]
     }

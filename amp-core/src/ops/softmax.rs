@@ -38,6 +38,39 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         }))
     }
 
+    /// [`Tensor::softmax_impl`] computed and returned in f32 from any input precision: the
+    /// values of `self.cast::<f32>()` then the softmax, in one kernel where the device fuses
+    /// the cast (the CPU, for f16 and bf16). Its backward rounds the f32 input gradient once
+    /// into `E`, as the cast's backward would.
+    #[track_caller]
+    fn softmax_f32_impl<const LOG: bool>(&self, op: &'static str, dim: usize) -> Result<Tensor<f32, D>> {
+        if self.rank() == 0 {
+            if dim != 0 {
+                return Err(Error::DimOutOfRange { op, dim, rank: 0, shape: vec![] });
+            }
+            return Ok(self.reshape(&[1]).softmax_f32_impl::<LOG>(op, 0)?.reshape(&[]));
+        }
+        check_dim(op, dim, self.shape())?;
+        let last = self.rank() - 1;
+        if dim != last {
+            return Ok(self.transpose(dim, last).softmax_f32_impl::<LOG>(op, last)?.transpose(dim, last).contiguous());
+        }
+        if E::DTYPE == crate::precision::DType::F32 {
+            // Already f32: the softmax itself (the cast is the identity).
+            return self.cast::<f32>().softmax_impl::<LOG>(op, dim);
+        }
+        let d = self.shape()[last];
+        let out = self.output(self.device.softmax_to_f32(&self.storage, &self.layout, d, LOG), self.shape());
+        if !self.requires_grad() {
+            return Ok(out);
+        }
+        let y = out.detach();
+        Ok(out.record(op, vec![self.node.clone()], move |g| {
+            let gx = y.device.softmax_backward_from_f32::<E>(y.raw(), g.raw(), d, LOG);
+            vec![Some(y.output(gx, y.shape()).into())]
+        }))
+    }
+
     /// Softmax over `dim`: `y_i = exp(x_i - max) / sum_j exp(x_j - max)`, accumulated in f32
     /// for f16/bf16 and rounded once. Derivative: `dx = y * (g - sum(g * y))`.
     #[track_caller]
@@ -72,5 +105,40 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     #[track_caller]
     pub fn log_softmax(&self, dim: usize) -> Self {
         or_panic(self.try_log_softmax(dim))
+    }
+
+    /// Softmax over `dim` computed and returned in f32, whatever `E` is: PyTorch's
+    /// `softmax(x, dim, dtype=torch.float32)`, and what autocast runs for the softmax of an f16
+    /// or bf16 tensor. The same values as `self.cast::<f32>().softmax(dim)`, without a cast
+    /// pass where the device fuses it (the CPU does for f16 and bf16). Derivative: softmax's,
+    /// in f32, rounded once into `E`.
+    #[track_caller]
+    pub fn try_softmax_f32(&self, dim: usize) -> Result<Tensor<f32, D>> {
+        self.softmax_f32_impl::<false>("softmax", dim)
+    }
+    /// [`Tensor::try_softmax_f32`]; panics if `dim` is out of range.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// use half::bf16;
+    /// let x = Tensor::<f32>::from_vec(vec![0.0, 1.0, 2.0], &[3]).cast::<bf16>();
+    /// let p: Tensor<f32> = x.softmax_f32(0);
+    /// assert_eq!(p.to_vec(), x.cast::<f32>().softmax(0).to_vec());
+    /// ```
+    #[track_caller]
+    pub fn softmax_f32(&self, dim: usize) -> Tensor<f32, D> {
+        or_panic(self.try_softmax_f32(dim))
+    }
+    /// Log-softmax over `dim` computed and returned in f32 (PyTorch's
+    /// `log_softmax(x, dim, dtype=torch.float32)`): the values of
+    /// `self.cast::<f32>().log_softmax(dim)`, without a cast pass where the device fuses it.
+    #[track_caller]
+    pub fn try_log_softmax_f32(&self, dim: usize) -> Result<Tensor<f32, D>> {
+        self.softmax_f32_impl::<true>("log_softmax", dim)
+    }
+    /// [`Tensor::try_log_softmax_f32`]; panics if `dim` is out of range.
+    #[track_caller]
+    pub fn log_softmax_f32(&self, dim: usize) -> Tensor<f32, D> {
+        or_panic(self.try_log_softmax_f32(dim))
     }
 }

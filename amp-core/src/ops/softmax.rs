@@ -44,6 +44,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// into `E`, as the cast's backward would.
     #[track_caller]
     fn softmax_f32_impl<const LOG: bool>(&self, op: &'static str, dim: usize) -> Result<Tensor<f32, D>> {
+        // No reach check (`check_reach`): whatever `E`, this op already computes in f32, as
+        // autocast would run it, so an f16/bf16 input inside a region is not a missed cast.
         if self.rank() == 0 {
             if dim != 0 {
                 return Err(Error::DimOutOfRange { op, dim, rank: 0, shape: vec![] });

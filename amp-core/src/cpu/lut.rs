@@ -20,10 +20,10 @@
 //! - Except the forward's u16 lookups on AMD CPUs, whose `vpgatherdd` is slow (microcoded on
 //!   Zen 4): four scalar lookups into one 8-byte store beat it there (one core of the Zen 4
 //!   VM, 1M lookups: 258 us against 400; W2 bf16's GELU forward 28% faster). The backward's
-//!   f32 lookups stay gathered: scalar ones, faster alone, made its pass 25% slower in W2.
-//! - With AVX-512 the backward is one pass ([`gather_times_g`]): each 16 derivatives are
-//!   gathered, multiplied by `g` and rounded in registers; through f32 buffers (derivatives,
-//!   `g`, products) the pass took about twice as long.
+//!   f32 lookups stay gathered (scalar ones, faster alone, made its pass 25% slower in W2),
+//!   in one pass ([`gather_times_g`]): each 16 derivatives are gathered, multiplied by `g`
+//!   and rounded in registers; through f32 buffers (derivatives, `g`, products) the pass
+//!   took about twice as long.
 //! - Only contiguous operands of one shape are looked up; the backend copies a strided input
 //!   first (as the computed path does) and computes the rare broadcast backward.
 
@@ -166,15 +166,14 @@ pub(crate) fn backward<E: Precision, O: UnaryOp>(op: O, x: &[E], g: &[E]) -> Opt
     let vb = bits(x);
     #[cfg(target_arch = "x86_64")]
     if gathers() {
-        let (gb, half) = (bits(g), E::DTYPE == DType::F16);
         par_chunks_mut(
-            bits_mut(&mut out),
+            &mut out,
             #[inline(always)]
             |ci, o| {
                 let s = ci * CHUNK;
                 // SAFETY: the level in force is AVX-512 (F and BW among its features); the
                 // three slices have o's length.
-                unsafe { gather_times_g(&vb[s..][..o.len()], &gb[s..][..o.len()], &t.derivative, o, half) }
+                unsafe { gather_times_g(&vb[s..][..o.len()], &g[s..][..o.len()], &t.derivative, o) }
             },
         );
         return Some(out);
@@ -299,8 +298,8 @@ unsafe fn gather_u16(idx: &[u16], table: &[u16], out: &mut [u16]) {
     lookup_scalar(&idx[whole..], table, &mut out[whole..])
 }
 
-/// The backward's `round(g · table[x])` in one pass, 16 values at a time, for f16 (`half`) or
-/// bf16 bits: the derivative gathered, `g` widened, the product rounded to nearest even as
+/// The backward's `round(g · table[x])` in one pass, 16 values at a time, for f16 or bf16:
+/// the derivative gathered, `g` widened, the product rounded to nearest even as
 /// [`Precision::store`] does (bf16: the same integer rounding, NaN kept quiet; f16:
 /// `vcvtps2ph`). Writing the gathered derivatives to a buffer, and `g` and the products
 /// through f32 buffers, took about twice as long: 2M bf16 values on the 2-core Zen 4 VM (both
@@ -311,10 +310,12 @@ unsafe fn gather_u16(idx: &[u16], table: &[u16], out: &mut [u16]) {
 /// 65,536 entries.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
-unsafe fn gather_times_g(idx: &[u16], g: &[u16], table: &[f32], out: &mut [u16], half: bool) {
+unsafe fn gather_times_g<E: Precision>(idx: &[u16], g: &[E], table: &[f32], out: &mut [E]) {
     use std::arch::x86_64::*;
     assert!(table.len() >= VALUES && g.len() == idx.len() && out.len() == idx.len());
     let whole = idx.len() / 16 * 16;
+    let half = E::DTYPE == DType::F16;
+    let (gb, ob) = (bits(g), bits_mut(out));
     // SAFETY: each load reads idx[i..i + 16] and g[i..i + 16] and each store writes
     // out[i..i + 16], i + 16 <= whole <= the three lengths; every gathered address is
     // table + 4·i for an index i <= 65,535.
@@ -323,7 +324,7 @@ unsafe fn gather_times_g(idx: &[u16], g: &[u16], table: &[f32], out: &mut [u16],
         for i in (0..whole).step_by(16) {
             let at = _mm512_cvtepu16_epi32(_mm256_loadu_si256(idx.as_ptr().add(i).cast()));
             let d = _mm512_i32gather_ps::<4>(at, table.as_ptr().cast());
-            let gh = _mm256_loadu_si256(g.as_ptr().add(i).cast());
+            let gh = _mm256_loadu_si256(gb.as_ptr().add(i).cast());
             let rounded = if half {
                 let p = _mm512_mul_ps(_mm512_cvtph_ps(gh), d);
                 _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(p)
@@ -337,17 +338,12 @@ unsafe fn gather_times_g(idx: &[u16], g: &[u16], table: &[f32], out: &mut [u16],
                 let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(p, p);
                 _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, quiet)))
             };
-            _mm256_storeu_si256(out.as_mut_ptr().add(i).cast(), rounded);
+            _mm256_storeu_si256(ob.as_mut_ptr().add(i).cast(), rounded);
         }
     }
     // The last few values as the scalar path computes them.
-    for ((o, &x), &gv) in out[whole..].iter_mut().zip(&idx[whole..]).zip(&g[whole..]) {
-        let d = table[usize::from(x)];
-        *o = if half {
-            half::f16::from_f32(half::f16::from_bits(gv).to_f32() * d).to_bits()
-        } else {
-            half::bf16::from_f32(half::bf16::from_bits(gv).to_f32() * d).to_bits()
-        };
+    for ((o, &x), gv) in out[whole..].iter_mut().zip(&idx[whole..]).zip(&g[whole..]) {
+        *o = E::from_acc(gv.to_acc() * E::Acc::c(f64::from(table[usize::from(x)])));
     }
 }
 

@@ -92,6 +92,7 @@ macro_rules! all_cases {
         case!("log_softmax", $low, |x: bf16| [bf16] Some(x.log_softmax(1).dtype()));
         case!("softmax_f32", $low, |x: bf16| [bf16] Some(x.softmax_f32(1).dtype()));
         case!("log_softmax_f32", $low, |x: f16| [f16] Some(x.log_softmax_f32(1).dtype()));
+        case!("scaled_masked_softmax", $low, |x: bf16| [bf16] Some(x.scaled_masked_softmax(0.5, &mask()).dtype()));
         case!("sum", $low, |x: f16| [f16] Some(x.sum(1, false).dtype()));
         case!("mean", $low, |x: f16| [f16] Some(x.mean(0, true).dtype()));
         case!("sum_all", $low, |x: bf16| [bf16] Some(x.sum_all().dtype()));

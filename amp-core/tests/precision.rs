@@ -286,6 +286,86 @@ fn softmax_f32_matches_cast_then_softmax_bit_for_bit() {
     softmax_f32_is_the_cast_then_the_softmax::<f64>();
 }
 
+/// Values as f64 bits, every NaN as one bit pattern (NaN != NaN would fail an equality).
+fn bits<E: Precision>(t: &Tensor<E>) -> Vec<u64> {
+    t.to_f64_vec().into_iter().map(|v| if v.is_nan() { u64::MAX } else { v.to_bits() }).collect()
+}
+
+/// Asserts two tensors hold the same bits (NaN as NaN), naming the first value that differs.
+fn assert_same_bits<E: Precision>(a: &Tensor<E>, b: &Tensor<E>, what: &str) {
+    let (a, b) = (bits(a), bits(b));
+    let first = a.iter().zip(&b).position(|(x, y)| x != y);
+    assert!(a.len() == b.len() && first.is_none(), "{what}: value {first:?} differs");
+}
+
+/// `scaled_masked_softmax` gives the bits of the chain it fuses (`mul_scalar`, `masked_fill`
+/// with -inf, `softmax_f32`, the cast back), values and gradients: a causal mask over rows
+/// enough to run in parallel, a key-padding mask broadcast over the leading dims, a mask
+/// hiding whole rows (NaN, as the chain gives), a strided input, a negative scale (the
+/// masked gradients' zeros take its sign) and a large one (probabilities that underflow to
+/// subnormals and zero); at every precision, f64 included.
+fn scaled_masked_softmax_is_the_chain<E: Precision>() {
+    let pad = Mask::from_vec((0..37).map(|i| i % 5 == 3).collect(), &[1, 37]);
+    let rows = Mask::from_vec(vec![false, true, false, false], &[4, 1]);
+    let cases: Vec<(Tensor<f64>, f64, Mask)> = vec![
+        (randn(&[3, 2, 130, 130], 120), 0.125, Mask::causal(130)),
+        (randn(&[2, 4, 37], 121).mul_scalar(4.0), -0.7, pad),
+        (randn(&[2, 4, 37], 122), 1.0, rows),
+        (
+            randn(&[2, 37, 4], 123).transpose(1, 2),
+            30.0,
+            Mask::from_vec((0..4 * 37).map(|i| i % 37 > i / 37).collect(), &[4, 37]),
+        ),
+    ];
+    for (x, scale, mask) in cases {
+        let x = x.cast::<E>().requires_grad_();
+        let fused = x.scaled_masked_softmax(scale, &mask);
+        let chain = x.mul_scalar(scale).masked_fill(&mask, f64::NEG_INFINITY).softmax_f32(x.rank() - 1).cast::<E>();
+        let name = format!("{} scaled_masked_softmax {:?} scale {scale}", E::DTYPE, x.shape());
+        assert_same_bits(&fused, &chain, &name);
+        let w = randn(x.shape(), 124).cast::<E>();
+        let (gf, gc) = (fused.mul(&w).sum_all().backward(), chain.mul(&w).sum_all().backward());
+        assert_same_bits(gf.get(&x).unwrap(), gc.get(&x).unwrap(), &format!("{name}: gradient"));
+    }
+    // Rows whose masked tail the kernels skip, with infinities: in row 0 an infinite gradient
+    // on a masked probability (the chain's softmax backward multiplies it by the probability's
+    // 0: NaN for the row), in row 1 an infinite score (NaN probabilities, masked ones too).
+    let mut xv = randn(&[2, 40], 126).to_f64_vec();
+    xv[40] = f64::INFINITY; // row 1, unmasked
+    let x = Tensor::<f64>::from_vec(xv, &[2, 40]).cast::<E>().requires_grad_();
+    let mut w = vec![1.0; 80];
+    w[35] = f64::INFINITY; // row 0, masked
+    let w = Tensor::<f64>::from_vec(w, &[2, 40]).cast::<E>();
+    let mask = Mask::from_vec(Mask::causal(40).to_vec()[..80].to_vec(), &[2, 40]); // its first 2 rows
+    let fused = x.scaled_masked_softmax(0.5, &mask);
+    let chain = x.mul_scalar(0.5).masked_fill(&mask, f64::NEG_INFINITY).softmax_f32(1).cast::<E>();
+    assert_same_bits(&fused, &chain, &format!("{}: an infinite score", E::DTYPE));
+    assert!(chain.to_f64_vec()[79].is_nan(), "the chain's row 1 is NaN, masked values too");
+    let (gf, gc) = (fused.mul(&w).sum_all().backward(), chain.mul(&w).sum_all().backward());
+    let (gf, gc) = (gf.get(&x).unwrap(), gc.get(&x).unwrap());
+    assert_same_bits(gf, gc, &format!("{}: an infinite gradient where masked", E::DTYPE));
+    assert!(gc.to_f64_vec()[0].is_nan(), "the chain's row 0 gradient is NaN");
+
+    for shape in [[2, 0], [0, 3]] {
+        let x = Tensor::<f64>::zeros(&shape).cast::<E>().requires_grad_();
+        let y = x.scaled_masked_softmax(0.5, &Mask::full(&shape, false));
+        assert_eq!(y.shape(), shape, "empty scores");
+        assert_eq!(y.sum_all().backward().get(&x).unwrap().shape(), shape, "empty scores' gradient");
+    }
+    let x = randn(&[2, 3], 125).cast::<E>();
+    assert!(x.try_scaled_masked_softmax(1.0, &Mask::causal(2)).is_err(), "a [2, 2] mask over [2, 3] scores");
+    assert!(x.try_scaled_masked_softmax(1.0, &Mask::full(&[4, 2, 3], false)).is_err(), "a mask wider than the scores");
+    assert!(
+        x.reshape(&[6]).narrow(0, 0, 1).reshape(&[]).try_scaled_masked_softmax(1.0, &Mask::full(&[], false)).is_err()
+    );
+}
+
+#[test]
+fn scaled_masked_softmax_matches_its_chain_bit_for_bit() {
+    for_each_precision!(scaled_masked_softmax_is_the_chain);
+    scaled_masked_softmax_is_the_chain::<f64>();
+}
+
 fn norms<E: Precision>() {
     let x = randn(&[6, 37], 70).mul_scalar(2.0).add_scalar(1.0);
     let (w, b) = (randn(&[37], 71), randn(&[37], 72));

@@ -68,15 +68,17 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     assert_eq!(calls("contiguous_f32"), Some(1), "{table}");
     assert_eq!(calls("cat_f32"), Some(1), "the q, k and v gradients: {table}");
 
-    // In bf16 the scores' softmax reads the bf16 scores and writes f32 probabilities, and its
-    // backward writes the bf16 score gradient: no cast kernel on either side of it.
+    // In bf16 the scores' scale, mask, f32 softmax and cast back are one kernel each way,
+    // reading and writing bf16 only: no scale, mask, softmax or cast kernel of their own.
     let attn = attn.to_precision::<bf16>();
     profile::start();
     let grads = attn.forward::<bf16, f32>(&x, &mut rng).cast::<f32>().mse_loss(&target).backward();
     let table = profile::stop();
     assert!(grads.get(&x).is_some());
     let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
-    assert_eq!(calls("softmax_to_f32_fwd_bf16"), Some(1), "{table}");
-    assert_eq!(calls("softmax_to_f32_bwd_bf16"), Some(1), "{table}");
-    assert_eq!(calls("softmax_fwd_f32"), None, "no f32 softmax of cast scores: {table}");
+    assert_eq!(calls("scaled_masked_softmax_fwd_bf16"), Some(1), "{table}");
+    assert_eq!(calls("scaled_masked_softmax_bwd_bf16"), Some(1), "{table}");
+    for separate in ["mul_scalar_fwd_bf16", "select_bf16", "softmax_to_f32_fwd_bf16", "softmax_fwd_f32"] {
+        assert_eq!(calls(separate), None, "{separate}: {table}");
+    }
 }

@@ -140,6 +140,12 @@ pub(crate) const TABLE: &[Op] = &[
     op("log_softmax", Fp32Accumulate, &[O], "log-sum-exp over a dim"),
     op("softmax_f32", Fp32Accumulate, &[O], "softmax with the cast to f32 inside; its output is f32 anyway"),
     op("log_softmax_f32", Fp32Accumulate, &[O], "log_softmax with the cast to f32 inside; its output is f32 anyway"),
+    op(
+        "scaled_masked_softmax",
+        Fp32Accumulate,
+        &[O, O],
+        "attention's scale, mask and softmax, fused; the softmax of many scores needs f32",
+    ),
     op("sum", Fp32Accumulate, &[O, O], "a sum of many values needs f32 range"),
     op("mean", Fp32Accumulate, &[O, O], "a sum of many values needs f32 range"),
     op("sum_all", Fp32Accumulate, &[], "a sum of every value needs f32 range"),

@@ -24,6 +24,42 @@ pub use step_state::{HostValue, Lazy, Scalar, ScaleRule, ScaleSlot, clip_coeffic
 use crate::layout::Layout;
 use crate::precision::{Accum, Precision};
 
+/// [`Device::scaled_masked_softmax`] as PyTorch's chain, op by op: the scores times `scale`
+/// (rounded into `E`), -inf where masked, the softmax in f32, and that cast into `E`.
+pub(crate) fn scaled_masked_softmax_by_ops<D: Device, E: Precision>(
+    dev: &D,
+    (x, l): (&D::Storage<E>, &Layout),
+    scale: f64,
+    mask: (&[bool], &[usize]),
+) -> (D::Storage<f32>, D::Storage<E>) {
+    let shape = l.shape();
+    let c = Layout::contiguous(shape);
+    let scaled = dev.unary(crate::ops::unary::MulScalar(scale), x, l);
+    let fill = dev.full(1, E::from_f64(f64::NEG_INFINITY));
+    let masked = dev.select(mask, (&fill, &Layout::contiguous(&[])), (&scaled, &c), shape);
+    let probs = dev.softmax_to_f32(&masked, &c, shape[shape.len() - 1], false);
+    let out = dev.cast::<f32, E>(&probs, &c);
+    (probs, out)
+}
+
+/// [`Device::scaled_masked_softmax_backward`] as the chain's backward, op by op: the cast's
+/// (to f32), the f32 softmax's (rounded into `E`), the mask's (zeros) and the scale's.
+pub(crate) fn scaled_masked_softmax_backward_by_ops<D: Device, E: Precision>(
+    dev: &D,
+    probs: (&D::Storage<f32>, &Layout),
+    g: (&D::Storage<E>, &Layout),
+    scale: f64,
+    mask: (&[bool], &[usize]),
+) -> D::Storage<E> {
+    let shape = probs.1.shape();
+    let c = Layout::contiguous(shape);
+    let g32 = dev.cast::<E, f32>(g.0, g.1);
+    let gs = dev.softmax_backward_from_f32::<E>(probs, (&g32, &c), shape[shape.len() - 1], false);
+    let zero = dev.full(1, E::from_f64(0.0));
+    let gm = dev.select(mask, (&zero, &Layout::contiguous(&[])), (&gs, &c), shape);
+    dev.unary_backward(crate::ops::unary::MulScalar(scale), (&gm, &c), (&gm, &c), (&gm, &c))
+}
+
 /// An elementwise function of one input and its derivative: the op's value carries both
 /// halves, the Rust expression (CPU, in the accumulation type `A`) and the CUDA C expression.
 ///
@@ -512,6 +548,34 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     ) -> Self::Storage<E> {
         let gx = self.softmax_backward(y, g, d, log);
         self.cast::<f32, E>(&gx, &Layout::contiguous(y.1.shape()))
+    }
+    /// The attention probabilities of the scores `x` over the last dim, in f32 and rounded
+    /// into `E`: the values of `x.mul_scalar(scale).masked_fill(mask, -inf).softmax_f32(last)`
+    /// and of its `.cast::<E>()`, PyTorch's unfused attention under autocast (`mask` is the
+    /// host mask's data and shape, broadcast to `x`'s). The f32 probabilities are what the
+    /// backward reads. This default runs that chain, op by op; a backend overrides it with one
+    /// pass that keeps the scaled scores in registers or cache (the CPU does).
+    fn scaled_masked_softmax<E: Precision>(
+        &self,
+        x: &Self::Storage<E>,
+        l: &Layout,
+        scale: f64,
+        mask: (&[bool], &[usize]),
+    ) -> (Self::Storage<f32>, Self::Storage<E>) {
+        scaled_masked_softmax_by_ops(self, (x, l), scale, mask)
+    }
+    /// [`Device::scaled_masked_softmax`]'s backward from its f32 probabilities and their
+    /// gradient `g` in `E` (views of one shape): the chain's backward, bit for bit (the f32
+    /// softmax's backward rounded into `E`, zero where masked, times `scale`). This default
+    /// runs it op by op.
+    fn scaled_masked_softmax_backward<E: Precision>(
+        &self,
+        probs: (&Self::Storage<f32>, &Layout),
+        g: (&Self::Storage<E>, &Layout),
+        scale: f64,
+        mask: (&[bool], &[usize]),
+    ) -> Self::Storage<E> {
+        scaled_masked_softmax_backward_by_ops(self, probs, g, scale, mask)
     }
     /// Layer norm (or RMS norm with `rms`) of every row of `d` elements, with the optional
     /// weight and bias (contiguous `[d]`); returns the output and what backward needs.

@@ -14,7 +14,7 @@ use crate::backend::{
     Outcomes, Pool2dSpec, ReduceOp, Scalar, ScaleRule, ScaleSlot, SgdArgs, UnaryOp, outcome_row,
 };
 use crate::layout::Layout;
-use crate::precision::{Accum, Precision, as_same, as_same_mut};
+use crate::precision::{Accum, DType, Precision, as_same, as_same_mut};
 
 /// Times the enclosing backend call for [`crate::profile`] as `"<kernel>_<precision>"` (as the
 /// CUDA kernels are named, so the two devices' tables line up); the name is formatted only
@@ -400,6 +400,78 @@ impl Device for Cpu {
             let mut gx = alloc::take::<f32>(y.len());
             rows(&y, &g, d, log, &mut gx);
             super::convert_par_into(&gx, &mut out);
+        }
+        store(out)
+    }
+    fn scaled_masked_softmax<E: Precision>(
+        &self,
+        x: &Storage<E>,
+        l: &Layout,
+        scale: f64,
+        mask: (&[bool], &[usize]),
+    ) -> (Storage<f32>, Storage<E>) {
+        profiled!(E, "scaled_masked_softmax_fwd");
+        if E::DTYPE == DType::F64 {
+            // f64's chain rounds to f32 for the softmax: op by op.
+            return crate::backend::scaled_masked_softmax_by_ops(self, (x, l), scale, mask);
+        }
+        let (shape, x) = (l.shape(), view(x, l));
+        let (rows, d) = (softmax::RowMask::new(mask, shape), shape[shape.len() - 1]);
+        // Every row of both is stored.
+        let (mut probs, mut out) = (alloc::take::<f32>(x.len()), alloc::take::<E>(x.len()));
+        fn pass<E: Precision<Acc = f32>>(
+            x: &[E],
+            d: usize,
+            scale: f64,
+            mask: &softmax::RowMask<'_>,
+            probs: &mut [f32],
+            out: Option<&mut [E]>,
+        ) {
+            softmax::scaled_masked_forward(x, d, scale, mask, probs, out.expect("same type as the input"))
+        }
+        if let Some(x) = as_same::<E, bf16>(&x) {
+            pass(x, d, scale, &rows, &mut probs, as_same_mut(&mut out));
+        } else if let Some(x) = as_same::<E, f16>(&x) {
+            pass(x, d, scale, &rows, &mut probs, as_same_mut(&mut out));
+        } else if let Some(x) = as_same::<E, f32>(&x) {
+            pass(x, d, scale, &rows, &mut probs, as_same_mut(&mut out));
+        } else {
+            unreachable!("f64 ran the chain above")
+        }
+        (store(probs), store(out))
+    }
+    fn scaled_masked_softmax_backward<E: Precision>(
+        &self,
+        probs: (&Storage<f32>, &Layout),
+        g: (&Storage<E>, &Layout),
+        scale: f64,
+        mask: (&[bool], &[usize]),
+    ) -> Storage<E> {
+        profiled!(E, "scaled_masked_softmax_bwd");
+        if E::DTYPE == DType::F64 {
+            return crate::backend::scaled_masked_softmax_backward_by_ops(self, probs, g, scale, mask);
+        }
+        let shape = probs.1.shape();
+        let (probs, g) = (view(probs.0, probs.1), view(g.0, g.1));
+        let (rows, d) = (softmax::RowMask::new(mask, shape), shape[shape.len() - 1]);
+        let mut out = alloc::take::<E>(probs.len()); // every row is stored
+        fn pass<E: Precision<Acc = f32>>(
+            probs: &[f32],
+            g: Option<&[E]>,
+            d: usize,
+            scale: f64,
+            mask: &softmax::RowMask<'_>,
+            out: Option<&mut [E]>,
+        ) {
+            let same = "same type as the gradient";
+            softmax::scaled_masked_backward(probs, g.expect(same), d, scale, mask, out.expect(same))
+        }
+        if E::DTYPE == DType::BF16 {
+            pass::<bf16>(&probs, as_same(&g), d, scale, &rows, as_same_mut(&mut out));
+        } else if E::DTYPE == DType::F16 {
+            pass::<f16>(&probs, as_same(&g), d, scale, &rows, as_same_mut(&mut out));
+        } else {
+            pass::<f32>(&probs, as_same(&g), d, scale, &rows, as_same_mut(&mut out));
         }
         store(out)
     }

@@ -55,6 +55,33 @@ pub(crate) fn par_rows<T: Send, R: Send>(
     }
 }
 
+/// [`par_rows`] over two outputs split into the same rows (`a_row` and `b_row` elements a
+/// row): `f(first_row, a_rows, b_rows)` for a kernel that writes two tensors row by row.
+pub(crate) fn par_rows2<T: Send, U: Send>(
+    (a, a_row): (&mut [T], usize),
+    (b, b_row): (&mut [U], usize),
+    work_row: usize,
+    f: impl Fn(usize, &mut [T], &mut [U]) + Sync + Send,
+) {
+    if a.is_empty() || a_row == 0 || b_row == 0 {
+        return;
+    }
+    assert_eq!(a.len() / a_row, b.len() / b_row, "par_rows2: row counts differ");
+    let rows = a.len() / a_row;
+    let per = rows_per_task(work_row);
+    let task = |(i, (ca, cb)): (usize, (&mut [T], &mut [U]))| {
+        dispatch(
+            #[inline(always)]
+            || f(i * per, ca, cb),
+        )
+    };
+    if rows * work_row >= ROW_PAR_MIN && rows > per {
+        a.par_chunks_mut(per * a_row).zip(b.par_chunks_mut(per * b_row)).enumerate().for_each(task)
+    } else {
+        a.chunks_mut(per * a_row).zip(b.chunks_mut(per * b_row)).enumerate().for_each(task)
+    }
+}
+
 /// Runs `f(rows)` over `0..n_rows` in tasks of about [`CHUNK`] elements of work, in parallel
 /// when there is enough work; returns each task's result in row order (for kernels whose
 /// output is not one slice per row, such as a loss). Tasks run through [`dispatch`], as in

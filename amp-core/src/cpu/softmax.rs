@@ -1,8 +1,12 @@
 //! Fused softmax / log-softmax over the last dim of a contiguous `[rows, d]` tensor, forward
 //! and backward. Each row is loaded once into an `E::Acc` scratch row (f32 for f16/bf16),
 //! max-subtracted, exponentiated and normalised there, and rounded once on store.
+//!
+//! The scaled, masked softmax of attention scores ([`scaled_masked_forward`]) fuses PyTorch's
+//! unfused chain (`mul_scalar`, `masked_fill`, the f32 softmax, the cast back) into one pass
+//! each way, rounding where the chain rounds so that its bits are the chain's.
 
-use super::rows::{dot, exp_in_place, max_buf, par_rows, sum_map};
+use super::rows::{dot, exp_in_place, max_buf, par_rows, par_rows2, sum_map};
 use super::{BUF, acc_in, acc_out};
 use crate::precision::{Accum, Precision};
 
@@ -117,6 +121,260 @@ pub(crate) fn backward<O: Precision, E: Precision<Acc = O::Acc>, const LOG: bool
                     #[inline(always)]
                     |gx| row_backward::<_, LOG>(y, g, gx),
                 );
+            }
+        },
+    );
+}
+
+/// A boolean mask broadcast over the rows of a `[rows, d]` view of a tensor of `shape`: the
+/// mask's shape is right-aligned with `shape` and each of its dims is 1 or equal (NumPy rules,
+/// as `masked_fill` broadcasts it).
+pub(crate) struct RowMask<'a> {
+    data: &'a [bool],
+    /// Whether the mask varies along a row (its last dim is the rows' length, not 1).
+    varies: bool,
+    /// Where each row's mask starts in `data`.
+    offsets: Vec<usize>,
+    /// How many of each row's values the softmax computes (see [`RowMask::kept`]).
+    kept: Vec<usize>,
+}
+
+impl<'a> RowMask<'a> {
+    /// `mask` (data and shape) over a tensor of `shape` (rank 1 or more); the caller has
+    /// checked that the mask broadcasts to `shape`.
+    pub(crate) fn new(mask: (&'a [bool], &[usize]), shape: &[usize]) -> Self {
+        let (data, mshape) = mask;
+        let (n, d) = (shape.len(), shape[shape.len() - 1]);
+        // The mask's strides aligned to `shape`'s dims, 0 where it is missing or 1.
+        let mut strides = vec![0; n];
+        let mut s = 1;
+        for (i, &m) in mshape.iter().enumerate().rev() {
+            strides[n - (mshape.len() - i)] = if m == 1 { 0 } else { s };
+            s *= m;
+        }
+        let varies = strides[n - 1] == 1;
+        // Each row's offset, by an odometer over the leading dims.
+        let rows: usize = shape[..n - 1].iter().product();
+        let (mut offsets, mut index, mut off) = (Vec::with_capacity(rows), vec![0; n - 1], 0);
+        for _ in 0..rows {
+            offsets.push(off);
+            for k in (0..n - 1).rev() {
+                index[k] += 1;
+                off += strides[k];
+                if index[k] < shape[k] {
+                    break;
+                }
+                off -= strides[k] * shape[k];
+                index[k] = 0;
+            }
+        }
+        // One past each mask row's last unmasked value: from there on all is masked (a causal
+        // mask's row `i` ends at `i + 1`). Once per row of the mask, which many rows share.
+        let kept = if d == 0 {
+            vec![0; rows] // empty rows: nothing to compute
+        } else if varies {
+            let ends: Vec<usize> =
+                data.chunks(d).map(|m| m.iter().rposition(|&hidden| !hidden).map_or(0, |j| j + 1)).collect();
+            offsets.iter().map(|&off| Self::kept_of(ends[off / d], d)).collect()
+        } else {
+            offsets.iter().map(|&off| Self::kept_of(if data[off] { 0 } else { d }, d)).collect()
+        };
+        RowMask { data, varies, offsets, kept }
+    }
+
+    /// How many of a row's `d` values the softmax must compute when those from `end` on are
+    /// masked: all but a masked tail, with the same bits as computing them all, because the
+    /// kept length `l` is a multiple of the 8 lanes of `max_buf`, `sum_map` and `dot` (or
+    /// `d`): the lanes then see the same values plus, in the whole row, the tail's -inf (max)
+    /// and exact zeros (sums), which change no lane. `d` when nothing is masked at the end, or
+    /// everything is (a NaN row).
+    fn kept_of(end: usize, d: usize) -> usize {
+        match end.div_ceil(8) * 8 {
+            0 => d,
+            l if l <= d - d % 8 => l,
+            _ => d,
+        }
+    }
+
+    /// Row `r`'s mask.
+    #[inline(always)]
+    fn row(&self, r: usize) -> MaskRow<'a> {
+        let off = self.offsets[r];
+        if self.varies { MaskRow::Each(&self.data[off..]) } else { MaskRow::Whole(self.data[off]) }
+    }
+
+    /// How many of row `r`'s values the softmax computes ([`RowMask::kept_of`]).
+    #[inline(always)]
+    fn kept(&self, r: usize) -> usize {
+        self.kept[r]
+    }
+}
+
+/// One row's mask: one flag for the whole row, or one per value.
+#[derive(Clone, Copy)]
+enum MaskRow<'a> {
+    Whole(bool),
+    Each(&'a [bool]),
+}
+
+impl MaskRow<'_> {
+    /// `fill` where masked, the value itself elsewhere, written as selects (no branch) so the
+    /// loop vectorises.
+    #[inline(always)]
+    fn fill(self, row: &mut [f32], fill: f32) {
+        match self {
+            MaskRow::Whole(true) => row.fill(fill),
+            MaskRow::Whole(false) => {}
+            MaskRow::Each(m) => {
+                let m = &m[..row.len()];
+                for (v, &hidden) in row.iter_mut().zip(m) {
+                    *v = if hidden { fill } else { *v };
+                }
+            }
+        }
+    }
+}
+
+/// [`row`]'s softmax of a row whose values from `l` on are -inf (masked), computing the first
+/// `l` only, with `l` from [`RowMask::kept`]: the same bits as the whole row.
+#[inline(always)]
+fn softmax_kept(x: &[f32], l: usize, y: &mut [f32]) {
+    if l == x.len() {
+        return row::<f32, false>(x, y);
+    }
+    let (x, (y, tail)) = (&x[..l], y.split_at_mut(l));
+    let m = max_buf(x);
+    for (y, v) in y.iter_mut().zip(x) {
+        *y = *v - m;
+    }
+    exp_in_place(y);
+    let inv = 1.0 / sum_map(y, |v| v);
+    for v in y.iter_mut() {
+        *v *= inv;
+    }
+    // What the whole row computes for a -inf value: 0, or NaN in a NaN row.
+    tail.fill((f32::NEG_INFINITY - m).vexp() * inv);
+}
+
+/// [`row_backward`] of a softmax row `y` from [`softmax_kept`], computing the first `l` values
+/// only: the whole row's `sum(g * y)` gets exact zeros from the tail (`y` is 0 there) unless
+/// `g` is infinite or NaN there, when the whole row is computed. (`y`'s tail is NaN only in a
+/// row whose kept values are NaN too: the sum is NaN either way.) The tail's gradient is left
+/// 0: the caller zeroes masked values anyway.
+#[inline(always)]
+fn softmax_backward_kept(y: &[f32], g: &[f32], l: usize, gx: &mut [f32]) {
+    // A fold, not `all`: a loop with an early exit does not vectorise.
+    let finite_tail = g[l..].iter().fold(true, |ok, v| ok & v.is_finite());
+    if l == y.len() || !finite_tail {
+        return row_backward::<f32, false>(y, g, gx);
+    }
+    row_backward::<f32, false>(&y[..l], &g[..l], &mut gx[..l]);
+    gx[l..].fill(0.0);
+}
+
+/// About how many values the scaled, masked softmax converts per call (whole rows): enough to
+/// pay for a conversion call's dispatch, few enough for the f32 scratch rows to stay in L1
+/// (and small enough that the allocator never returns them to the system between tasks).
+const GROUP_VALUES: usize = 2048;
+
+/// The scores of the rows from `r0` as PyTorch's unfused chain has them before its softmax, in
+/// f32 in `s`: `x * scale` rounded into `E` (the `mul_scalar`), then -inf where masked (the
+/// `masked_fill`); `t` is a scratch buffer in `E`. A group of rows at once, so that each
+/// conversion is one call over many rows.
+#[inline(always)]
+fn scaled_masked_rows<E: Precision<Acc = f32>>(
+    x: &[E],
+    d: usize,
+    r0: usize,
+    scale: f32,
+    mask: &RowMask<'_>,
+    t: &mut [E],
+    s: &mut [f32],
+) {
+    E::load(x, s);
+    for v in s.iter_mut() {
+        *v *= scale;
+    }
+    E::store(s, t);
+    E::load(t, s);
+    for (i, row) in s.chunks_mut(d).enumerate() {
+        mask.row(r0 + i).fill(row, f32::NEG_INFINITY);
+    }
+}
+
+/// `x.mul_scalar(scale).masked_fill(mask, -inf).softmax_f32(last)` of each row of `x` (`rows *
+/// d` elements) into `probs`, and the same rounded into `E` (`.cast::<E>()`) into `out`, bit
+/// for bit, in one pass: the scaled scores stay in f32 scratch rows.
+pub(crate) fn scaled_masked_forward<E: Precision<Acc = f32>>(
+    x: &[E],
+    d: usize,
+    scale: f64,
+    mask: &RowMask<'_>,
+    probs: &mut [f32],
+    out: &mut [E],
+) {
+    assert!(x.len() == out.len() && probs.len() == out.len());
+    let scale = f32::c(scale);
+    par_rows2(
+        (probs, d),
+        (out, d),
+        d,
+        #[inline(always)]
+        |r0, probs, out| {
+            let group = GROUP_VALUES.div_ceil(d) * d;
+            let (mut t, mut s) = (vec![E::from_acc(0.0); group], vec![0f32; group]);
+            for (i, (y, out)) in probs.chunks_mut(group).zip(out.chunks_mut(group)).enumerate() {
+                let (n, first) = (y.len(), r0 * d + i * group);
+                let (t, s) = (&mut t[..n], &mut s[..n]);
+                scaled_masked_rows(&x[first..first + n], d, first / d, scale, mask, t, s);
+                for (j, (s, y)) in s.chunks(d).zip(y.chunks_mut(d)).enumerate() {
+                    softmax_kept(s, mask.kept(first / d + j), y);
+                }
+                E::store(y, out);
+            }
+        },
+    );
+}
+
+/// The input gradient of [`scaled_masked_forward`] from its f32 probabilities `probs` and their
+/// gradient `g` (in `E`, the cast's), bit for bit the chain's: softmax's backward in f32 rounded
+/// into `E`, zero where masked, times `scale` rounded into `E`.
+pub(crate) fn scaled_masked_backward<E: Precision<Acc = f32>>(
+    probs: &[f32],
+    g: &[E],
+    d: usize,
+    scale: f64,
+    mask: &RowMask<'_>,
+    out: &mut [E],
+) {
+    assert!(probs.len() == out.len() && g.len() == out.len());
+    let scale = f32::c(scale);
+    par_rows(
+        out,
+        d,
+        d,
+        #[inline(always)]
+        |r0, chunk| {
+            let group = GROUP_VALUES.div_ceil(d) * d;
+            let (mut t, mut bg, mut gx) = (vec![E::from_acc(0.0); group], vec![0f32; group], vec![0f32; group]);
+            for (i, out) in chunk.chunks_mut(group).enumerate() {
+                let (n, first) = (out.len(), r0 * d + i * group);
+                let (t, bg, gx) = (&mut t[..n], &mut bg[..n], &mut gx[..n]);
+                E::load(&g[first..first + n], bg);
+                let y = &probs[first..first + n];
+                for (j, ((y, g), gx)) in y.chunks(d).zip(bg.chunks(d)).zip(gx.chunks_mut(d)).enumerate() {
+                    softmax_backward_kept(y, g, mask.kept(first / d + j), gx);
+                }
+                // The softmax's gradient rounded into `E`, the mask's zeros, then the scale.
+                E::store(gx, t);
+                E::load(t, gx);
+                for (j, row) in gx.chunks_mut(d).enumerate() {
+                    mask.row(first / d + j).fill(row, 0.0);
+                }
+                for v in gx.iter_mut() {
+                    *v *= scale;
+                }
+                E::store(gx, out);
             }
         },
     );

@@ -7,7 +7,9 @@ use crate::{Cpu, Device, Precision, Rng, Tensor};
 /// Causal multi-head self-attention (GPT-2 layout: one `qkv` projection, then `proj`).
 ///
 /// Scores `q kᵀ/√d` and the value product run in `L`; the masked softmax runs in f32 (the
-/// policy table's fp32 category), and the probabilities are cast back to `L` for `p v`.
+/// policy table's fp32 category), and the probabilities are cast back to `L` for `p v`: one
+/// [`Tensor::scaled_masked_softmax`] kernel each way, or, with attention dropout (applied to
+/// the f32 probabilities, as PyTorch's unfused path does), the ops one by one.
 /// With [`CausalSelfAttention::with_fused`] the three steps are one
 /// [`Tensor::causal_attention`] kernel instead (scores and softmax in f32 inside it, no
 /// `t × t` tensor stored: what a long sequence on a GPU needs). Its weights are `W` (f32 by
@@ -98,7 +100,8 @@ impl<W: Precision, D: Device> CausalSelfAttention<W, D> {
         let y = y.permute(&[0, 2, 1, 3]).reshape(&[b, t, d]);
         self.resid_dropout.forward(&self.proj.forward::<L, L>(&y), rng)
     }
-    /// Scores, mask, f32 softmax, dropout and the value product as separate ops.
+    /// Scores, the f32 softmax of the scaled and masked scores (fused unless there is
+    /// dropout), and the value product.
     fn unfused<L: Precision>(
         &self,
         q: &Tensor<L, D>,
@@ -107,9 +110,13 @@ impl<W: Precision, D: Device> CausalSelfAttention<W, D> {
         rng: &mut Rng,
     ) -> Tensor<L, D> {
         let (t, hd) = (q.shape()[2], q.shape()[3]);
-        let scores = q.matmul(&k.t()).mul_scalar(1.0 / (hd as f64).sqrt());
-        let scores = scores.masked_fill(&Mask::causal(t), f64::NEG_INFINITY);
-        let probs = scores.softmax_f32(3);
+        let (scores, scale, causal) = (q.matmul(&k.t()), 1.0 / (hd as f64).sqrt(), Mask::causal(t));
+        if self.attn_dropout.p == 0.0 {
+            // The chain below in one kernel each way, the same bits (no dropout between the
+            // softmax and the cast to drop on the f32 probabilities).
+            return scores.scaled_masked_softmax(scale, &causal).matmul(v); // [B, H, T, hd]
+        }
+        let probs = scores.mul_scalar(scale).masked_fill(&causal, f64::NEG_INFINITY).softmax_f32(3);
         let probs = self.attn_dropout.forward(&probs, rng);
         probs.cast::<L>().matmul(v) // [B, H, T, hd]
     }

@@ -6,7 +6,8 @@
 
 use crate::backend::Device;
 use crate::error::{Error, Result, or_panic};
-use crate::layout::check_dim;
+use crate::indices::Mask;
+use crate::layout::{broadcast_shapes, check_dim};
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
@@ -142,5 +143,65 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     #[track_caller]
     pub fn log_softmax_f32(&self, dim: usize) -> Tensor<f32, D> {
         or_panic(self.try_log_softmax_f32(dim))
+    }
+
+    /// The attention probabilities of scores over their last dim, in one pass each way where
+    /// the device fuses it (the CPU does for f32, f16 and bf16): the values and gradients of
+    /// `self.mul_scalar(scale).masked_fill(mask, -inf).softmax_f32(last).cast::<E>()` bit for
+    /// bit, which is PyTorch's unfused attention under autocast (`(q @ k.T) * scale`,
+    /// `masked_fill(mask, -inf)`, the softmax in f32, the probabilities cast back for `@ v`).
+    /// `mask` (true where a score is hidden) broadcasts to `self`'s shape. The f32
+    /// probabilities are kept for the backward (as the chain's softmax keeps them); no f32 copy
+    /// of the scores is made.
+    ///
+    /// A row masked everywhere gives NaN, as the chain does.
+    #[track_caller]
+    pub fn try_scaled_masked_softmax(&self, scale: f64, mask: &Mask) -> Result<Self> {
+        // No reach check (`check_reach`): the softmax runs in f32 whatever `E` is, as autocast
+        // would run it; the scale's rounding into `E` is the chain's own.
+        let op = "scaled_masked_softmax";
+        if self.rank() == 0 {
+            return Err(Error::InvalidArgument {
+                op,
+                name: "self",
+                detail: "a 0-dim tensor has no last dim to take the softmax over".into(),
+            });
+        }
+        let shape = broadcast_shapes(op, mask.shape(), self.shape())?;
+        if shape != self.shape() {
+            return Err(Error::Shape {
+                op,
+                detail: "the mask must broadcast to the scores' shape".into(),
+                shapes: vec![mask.shape().to_vec(), self.shape().to_vec()],
+            });
+        }
+        let m = (mask.as_slice(), mask.shape());
+        let (probs, out) = self.device.scaled_masked_softmax(&self.storage, &self.layout, scale, m);
+        let out = self.output(out, self.shape());
+        if !self.requires_grad() {
+            return Ok(out);
+        }
+        let (probs, mask) = (self.output(probs, self.shape()), mask.clone());
+        Ok(out.record(op, vec![self.node.clone()], move |g| {
+            let m = (mask.as_slice(), mask.shape());
+            let gx = probs.device.scaled_masked_softmax_backward::<E>(probs.raw(), g.raw(), scale, m);
+            vec![Some(probs.output(gx, probs.shape()).into())]
+        }))
+    }
+    /// [`Tensor::try_scaled_masked_softmax`]; panics if the mask does not broadcast to `self`.
+    ///
+    /// ```
+    /// # use amp_core::{Mask, Tensor};
+    /// use half::bf16;
+    /// let scores = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]).cast::<bf16>();
+    /// let causal = Mask::causal(2);
+    /// let p = scores.scaled_masked_softmax(0.5, &causal);
+    /// let chain = scores.mul_scalar(0.5).masked_fill(&causal, f64::NEG_INFINITY).softmax_f32(1).cast::<bf16>();
+    /// assert_eq!(p.to_vec(), chain.to_vec());
+    /// assert_eq!(p.to_vec()[..2], [bf16::ONE, bf16::ZERO]); // the first row sees itself only
+    /// ```
+    #[track_caller]
+    pub fn scaled_masked_softmax(&self, scale: f64, mask: &Mask) -> Self {
+        or_panic(self.try_scaled_masked_softmax(scale, mask))
     }
 }

@@ -78,6 +78,12 @@ macro_rules! all_cases {
             let w = w.narrow(0, 0, 1).reshape(&[3]);
             Some(x.layer_norm(Some(&w), Some(&w), 1e-5).dtype())
         });
+        // With its output type named (a turbofish, which `#[autocast]` leaves as written) on
+        // the f32 input the region's layer norm would read.
+        case!("layer_norm_to", $low, |x: f32, w: f32| [f32] {
+            let w = w.narrow(0, 0, 1).reshape(&[3]);
+            Some(x.layer_norm_to::<f32>(Some(&w), Some(&w), 1e-5).dtype())
+        });
         case!("rms_norm", $low, |x: bf16, w: bf16| [bf16] {
             let w = w.narrow(0, 0, 1).reshape(&[3]);
             Some(x.rms_norm(Some(&w), 1e-6).dtype())

@@ -366,6 +366,43 @@ fn scaled_masked_softmax_matches_its_chain_bit_for_bit() {
     scaled_masked_softmax_is_the_chain::<f64>();
 }
 
+/// `layer_norm_to::<O>` gives the bits of `layer_norm` then `cast::<O>()`, values and the
+/// gradients of the input, weight and bias: with and without the affine parameters, rows
+/// enough to run in parallel, and for input/output pairs the CPU fuses (f32 to f16 and bf16)
+/// and those it runs as the norm and a cast.
+fn layer_norm_to_is_the_norm_then_the_cast<E: Precision, O: Precision>() {
+    for (shape, seed) in [([6, 37], 130), ([80, 1000], 131)] {
+        let d = shape[1];
+        let x = randn(&shape, seed).mul_scalar(2.0).add_scalar(1.0).cast::<E>().requires_grad_();
+        let (w, b) =
+            (randn(&[d], seed + 1).cast::<E>().requires_grad_(), randn(&[d], seed + 2).cast::<E>().requires_grad_());
+        for affine in [true, false] {
+            let (wo, bo) = if affine { (Some(&w), Some(&b)) } else { (None, None) };
+            let fused: Tensor<O> = x.layer_norm_to(wo, bo, 1e-5);
+            let chain = x.layer_norm(wo, bo, 1e-5).cast::<O>();
+            let name = format!("layer_norm_to {} -> {} {shape:?} affine {affine}", E::DTYPE, O::DTYPE);
+            assert_same_bits(&fused, &chain, &name);
+            let g = randn(&shape, seed + 3).cast::<O>();
+            let (gf, gc) = (fused.mul(&g).sum_all().backward(), chain.mul(&g).sum_all().backward());
+            let leaves = if affine { vec![&x, &w, &b] } else { vec![&x] };
+            for (i, leaf) in leaves.into_iter().enumerate() {
+                assert_same_bits(gf.get(leaf).unwrap(), gc.get(leaf).unwrap(), &format!("{name}: gradient {i}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn layer_norm_to_matches_the_norm_then_the_cast_bit_for_bit() {
+    layer_norm_to_is_the_norm_then_the_cast::<f32, bf16>();
+    layer_norm_to_is_the_norm_then_the_cast::<f32, f16>();
+    layer_norm_to_is_the_norm_then_the_cast::<f32, f32>();
+    layer_norm_to_is_the_norm_then_the_cast::<f16, f32>();
+    layer_norm_to_is_the_norm_then_the_cast::<f64, bf16>();
+    let x = randn(&[2, 3], 132).cast::<f32>();
+    assert!(x.try_layer_norm_to::<bf16>(Some(&randn(&[2], 133).cast::<f32>()), None, 1e-5).is_err(), "weight shape");
+}
+
 fn norms<E: Precision>() {
     let x = randn(&[6, 37], 70).mul_scalar(2.0).add_scalar(1.0);
     let (w, b) = (randn(&[37], 71), randn(&[37], 72));

@@ -81,4 +81,18 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     for separate in ["mul_scalar_fwd_bf16", "select_bf16", "softmax_to_f32_fwd_bf16", "softmax_fwd_f32"] {
         assert_eq!(calls(separate), None, "{separate}: {table}");
     }
+
+    // A layer norm whose output a bf16 layer reads writes bf16 and reads the bf16 gradient:
+    // no cast kernel on either side.
+    let norm = amp_core::nn::LayerNorm::new(16);
+    profile::start();
+    let grads = norm.forward_to::<bf16, f32>(&x).cast::<f32>().mse_loss(&target).backward();
+    let table = profile::stop();
+    assert!(grads.get(&x).is_some() && grads.get(&norm.weight).is_some());
+    let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
+    assert_eq!(calls("layer_norm_to_bf16_fwd_f32"), Some(1), "{table}");
+    assert_eq!(calls("layer_norm_to_bf16_bwd_f32"), Some(1), "{table}");
+    assert_eq!(calls("layer_norm_fwd_f32"), None, "{table}");
+    // The one cast each way is this test's own `cast::<f32>()` of the output for the loss.
+    assert_eq!((calls("cast_to_f32_bf16"), calls("cast_to_bf16_f32")), (Some(1), Some(1)), "{table}");
 }

@@ -21,7 +21,7 @@ use amp_core::{
 use mirror::{CALLS, Mirror, host_reads};
 
 /// A small GPT-like step touching every op family: embedding, cat, linear, matmul with a
-/// transpose, causal mask, softmax, scaled masked softmax, fused causal attention, layer norm, RMS norm, gelu, dropout, casts to f16 and
+/// transpose, causal mask, softmax, scaled masked softmax, fused causal attention, layer norm (and into bf16), RMS norm, gelu, dropout, casts to f16 and
 /// bf16, reductions, max, where, log-softmax, cross-entropy and MSE. Returns the loss and
 /// the gradients of the two leaves, all as f64.
 fn step<D: Device>(dev: &D) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
@@ -37,6 +37,7 @@ fn step<D: Device>(dev: &D) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let q = h16.matmul(&h16.t()).cast::<f32>().div_scalar((c as f64).sqrt()); // [t, t]
     let att = q.masked_fill(&Mask::causal(t), f64::NEG_INFINITY).softmax(1);
     let y = att.matmul(&h).layer_norm(None, None, 1e-5);
+    let y = y.add(&y.layer_norm_to::<bf16>(None, None, 1e-5).cast::<f32>());
     let (hb, xb) = (h.cast::<bf16>(), x.cast::<bf16>());
     let y = y.add(&hb.causal_attention(&xb, &hb).cast::<f32>());
     let y = y.add(&h16.matmul(&h16.t()).scaled_masked_softmax(0.3, &Mask::causal(t)).matmul(&h16).cast::<f32>());

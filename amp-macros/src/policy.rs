@@ -131,6 +131,7 @@ pub(crate) const TABLE: &[Op] = &[
     op("sqrt", Fp32, &[], "used in norms; f32 as PyTorch's rsqrt"),
     op("powf", Fp32, &[O], "overflows and underflows in 16 bits"),
     op("layer_norm", Fp32, &[OptT, OptT, O], "mean and variance of many values"),
+    op("layer_norm_to", Fp32, &[OptT, OptT, O], "layer_norm with the cast of its output inside"),
     op("rms_norm", Fp32, &[OptT, O], "mean of squares of many values"),
     op("cross_entropy", Fp32, &[O], "log-sum-exp and the loss in f32: the loss is always f32"),
     op("cross_entropy_with", Fp32, &[O, O], "as cross_entropy, with options"),

@@ -602,6 +602,40 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         needs: (bool, bool),
         rms: bool,
     ) -> (Self::Storage<E>, Option<Self::Storage<E>>, Option<Self::Storage<E>>);
+    /// [`Device::norm`] with its output rounded into `O`: the values of the norm then a cast
+    /// (autocast's f32 layer norm feeding a low-precision matmul). This default is that norm
+    /// and cast; a backend overrides it to skip the cast's pass over memory (the CPU does for
+    /// an f32 input and an f16 or bf16 output).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_to<E: Precision, O: Precision>(
+        &self,
+        x: (&Self::Storage<E>, &Layout),
+        d: usize,
+        weight: Option<(&Self::Storage<E>, &Layout)>,
+        bias: Option<(&Self::Storage<E>, &Layout)>,
+        eps: f64,
+        rms: bool,
+    ) -> (Self::Storage<O>, Self::RowStats<E>) {
+        let (y, stats) = self.norm(x, d, weight, bias, eps, rms);
+        (self.cast::<E, O>(&y, &Layout::contiguous(x.1.shape())), stats)
+    }
+    /// [`Device::norm_to`]'s backward: [`Device::norm_backward`] from the output gradient in
+    /// `O`, as the cast's backward (a cast into `E`) then the norm's would give. This default
+    /// is that cast and backward.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn norm_backward_from<E: Precision, O: Precision>(
+        &self,
+        x: (&Self::Storage<E>, &Layout),
+        g: (&Self::Storage<O>, &Layout),
+        d: usize,
+        weight: Option<(&Self::Storage<E>, &Layout)>,
+        stats: &Self::RowStats<E>,
+        needs: (bool, bool),
+        rms: bool,
+    ) -> (Self::Storage<E>, Option<Self::Storage<E>>, Option<Self::Storage<E>>) {
+        let ge = self.cast::<O, E>(g.0, g.1);
+        self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms)
+    }
     /// Cross-entropy of logits `[rows, c]`: the mean loss over counted rows (0-dim, rounded
     /// once into `E`), the row statistics for backward, and the number of counted rows.
     fn cross_entropy<E: Precision>(

@@ -487,10 +487,11 @@ impl Device for Cpu {
         profiled!(E, "{}_norm_fwd", if rms { "rms" } else { "layer" });
         let x = view(x.0, x.1);
         let (w, b) = (view_opt(weight), view_opt(bias));
-        let (y, stats) = if rms {
-            norm::forward::<E, true>(&x, d, w.as_deref(), b.as_deref(), eps)
+        let mut y = alloc::take::<E>(x.len()); // every row is stored
+        let stats = if rms {
+            norm::forward::<E, E, true>(&x, d, w.as_deref(), b.as_deref(), eps, &mut y)
         } else {
-            norm::forward::<E, false>(&x, d, w.as_deref(), b.as_deref(), eps)
+            norm::forward::<E, E, false>(&x, d, w.as_deref(), b.as_deref(), eps, &mut y)
         };
         (store(y), RowStats::Norm(stats))
     }
@@ -507,12 +508,108 @@ impl Device for Cpu {
         profiled!(E, "{}_norm_bwd", if rms { "rms" } else { "layer" });
         let RowStats::Norm(stats) = stats else { unreachable!("norm backward with cross-entropy statistics") };
         let (x, g, w) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
-        let (gx, gw, gb) = if rms {
-            norm::backward::<E, true>(&x, &g, d, w.as_deref(), stats, needs)
+        let mut gx = alloc::take::<E>(x.len()); // every row is stored
+        let (gw, gb) = if rms {
+            norm::backward::<E, E, true>(&x, &g, d, w.as_deref(), stats, needs, &mut gx)
         } else {
-            norm::backward::<E, false>(&x, &g, d, w.as_deref(), stats, needs)
+            norm::backward::<E, E, false>(&x, &g, d, w.as_deref(), stats, needs, &mut gx)
         };
         (store(gx), gw.map(store), gb.map(store))
+    }
+    fn norm_to<E: Precision, O: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        d: usize,
+        weight: Option<(&Storage<E>, &Layout)>,
+        bias: Option<(&Storage<E>, &Layout)>,
+        eps: f64,
+        rms: bool,
+    ) -> (Storage<O>, RowStats<E::Acc>) {
+        // An f32 norm written as f16 or bf16 in one pass; any other pair is the norm and a cast.
+        let (xs, ws, bs) = (view(x.0, x.1), view_opt(weight), view_opt(bias));
+        let Some(xf) = as_same::<E, f32>(&xs) else {
+            let (y, stats) = self.norm(x, d, weight, bias, eps, rms);
+            return (self.cast::<E, O>(&y, &Layout::contiguous(x.1.shape())), stats);
+        };
+        fn f32s<E: Precision>(v: &[E]) -> &[f32] {
+            as_same::<E, f32>(v).expect("the weight and bias are in the input's precision")
+        }
+        let (wf, bf) = (ws.as_deref().map(f32s), bs.as_deref().map(f32s));
+        type Affine<'a> = Option<&'a [f32]>;
+        fn rows<O: Precision<Acc = f32>>(
+            (x, d, w, b): (&[f32], usize, Affine<'_>, Affine<'_>),
+            eps: f64,
+            rms: bool,
+            out: &mut [O],
+        ) -> norm::NormStats<f32> {
+            if rms {
+                norm::forward::<f32, O, true>(x, d, w, b, eps, out)
+            } else {
+                norm::forward::<f32, O, false>(x, d, w, b, eps, out)
+            }
+        }
+        let mut y = alloc::take::<O>(xs.len()); // every row is stored
+        let args = (xf, d, wf, bf);
+        let stats = if let Some(out) = as_same_mut::<O, bf16>(&mut y) {
+            profiled!(f32, "{}_norm_to_bf16_fwd", if rms { "rms" } else { "layer" });
+            rows(args, eps, rms, out)
+        } else if let Some(out) = as_same_mut::<O, f16>(&mut y) {
+            profiled!(f32, "{}_norm_to_f16_fwd", if rms { "rms" } else { "layer" });
+            rows(args, eps, rms, out)
+        } else {
+            drop(y);
+            let (y, stats) = self.norm(x, d, weight, bias, eps, rms);
+            return (self.cast::<E, O>(&y, &Layout::contiguous(x.1.shape())), stats);
+        };
+        (store(y), RowStats::Norm(stats.to::<E::Acc>()))
+    }
+    fn norm_backward_from<E: Precision, O: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        g: (&Storage<O>, &Layout),
+        d: usize,
+        weight: Option<(&Storage<E>, &Layout)>,
+        stats: &RowStats<E::Acc>,
+        needs: (bool, bool),
+        rms: bool,
+    ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
+        let RowStats::Norm(st) = stats else { unreachable!("norm backward with cross-entropy statistics") };
+        let (xs, gs, ws) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
+        let mut gx = alloc::take::<E>(xs.len()); // every row is stored
+        let (Some(xf), Some(gxf)) = (as_same::<E, f32>(&xs), as_same_mut::<E, f32>(&mut gx)) else {
+            drop(gx);
+            let ge = self.cast::<O, E>(g.0, g.1);
+            return self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms);
+        };
+        // The f32 norm's backward reading the f16 or bf16 gradient as it is (no cast pass).
+        fn rows<O: Precision<Acc = f32>>(
+            (x, g, d, w): (&[f32], &[O], usize, Option<&[f32]>),
+            st: &norm::NormStats<f32>,
+            needs: (bool, bool),
+            rms: bool,
+            gx: &mut [f32],
+        ) -> (Option<Vec<f32>>, Option<Vec<f32>>) {
+            if rms {
+                norm::backward::<f32, O, true>(x, g, d, w, st, needs, gx)
+            } else {
+                norm::backward::<f32, O, false>(x, g, d, w, st, needs, gx)
+            }
+        }
+        let wf = ws.as_deref().map(|w| as_same::<E, f32>(w).expect("the weight is in the input's precision"));
+        let st = st.to::<f32>();
+        let (gw, gb) = if let Some(g) = as_same::<O, bf16>(&gs) {
+            profiled!(f32, "{}_norm_to_bf16_bwd", if rms { "rms" } else { "layer" });
+            rows((xf, g, d, wf), &st, needs, rms, gxf)
+        } else if let Some(g) = as_same::<O, f16>(&gs) {
+            profiled!(f32, "{}_norm_to_f16_bwd", if rms { "rms" } else { "layer" });
+            rows((xf, g, d, wf), &st, needs, rms, gxf)
+        } else {
+            drop(gx);
+            let ge = self.cast::<O, E>(g.0, g.1);
+            return self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms);
+        };
+        let back = |v: Vec<f32>| store(super::convert_par::<f32, E>(&v));
+        (store(gx), gw.map(back), gb.map(back))
     }
     fn causal_attention<E: Precision>(
         &self,

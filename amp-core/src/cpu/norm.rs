@@ -19,6 +19,15 @@ pub struct NormStats<A> {
     pub(crate) rstd: Vec<A>,
 }
 
+impl<A: Accum> NormStats<A> {
+    /// The statistics in the accumulation type `B`, through f64: exact when `B` is `A` itself
+    /// seen through a generic parameter (f32 as `E::Acc` for `E = f32`).
+    pub(crate) fn to<B: Accum>(&self) -> NormStats<B> {
+        let to = |v: &[A]| v.iter().map(|x| B::c(x.f64())).collect();
+        NormStats { mean: to(&self.mean), rstd: to(&self.rstd) }
+    }
+}
+
 fn load_opt<E: Precision>(v: Option<&[E]>) -> Option<Vec<E::Acc>> {
     v.map(|v| {
         let mut out = vec![E::Acc::default(); v.len()];
@@ -54,21 +63,24 @@ fn normalize<A: Accum>(x: &[A], y: &mut [A], mean: A, rstd: A, w: Option<&[A]>, 
     }
 }
 
-/// Normalises each row of `x` (`rows * d`): layer norm `(x - mean) * rstd * w + b`, or with
-/// `RMS`, `x * rstd * w` where `rstd = 1 / sqrt(mean(x²) + eps)`.
-pub(crate) fn forward<E: Precision, const RMS: bool>(
+/// Normalises each row of `x` (`rows * d`) into `out`: layer norm `(x - mean) * rstd * w + b`, or with
+/// `RMS`, `x * rstd * w` where `rstd = 1 / sqrt(mean(x²) + eps)`, rounded once into `O` (`E`
+/// itself, or f16/bf16 for an f32 norm whose output a low-precision op reads: the norm and the
+/// cast in one pass).
+pub(crate) fn forward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool>(
     x: &[E],
     d: usize,
     w: Option<&[E]>,
     b: Option<&[E]>,
     eps: f64,
-) -> (Vec<E>, NormStats<E::Acc>) {
+    out: &mut [O],
+) -> NormStats<E::Acc> {
     let (wa, ba) = (load_opt(w), load_opt(b));
     let eps = E::Acc::c(eps);
     let inv_d = E::Acc::c(1.0 / d as f64);
-    let mut out = super::alloc::take::<E>(x.len()); // every row is stored
+    assert_eq!(x.len(), out.len());
     let stats = par_rows(
-        &mut out,
+        out,
         d,
         d,
         #[inline(always)]
@@ -94,26 +106,29 @@ pub(crate) fn forward<E: Precision, const RMS: bool>(
         },
     );
     let (mean, rstd) = stats.into_iter().flatten().unzip();
-    (out, NormStats { mean, rstd })
+    NormStats { mean, rstd }
 }
 
-/// Gradients of a norm: the input's (always) and the weight's and bias's sums over rows when
+/// Gradients of a norm: the input's (always, into `gx`) and the weight's and bias's sums over rows when
 /// asked for. With `x̂ = (x - mean) * rstd` and `ĝ = g * w`:
 /// layer norm `dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂))`, RMS norm
-/// `dx = rstd * (ĝ - x̂ * mean(ĝ * x̂))`; `dw = sum_rows(g * x̂)`, `db = sum_rows(g)`.
-pub(crate) fn backward<E: Precision, const RMS: bool>(
+/// `dx = rstd * (ĝ - x̂ * mean(ĝ * x̂))`; `dw = sum_rows(g * x̂)`, `db = sum_rows(g)`. The output
+/// gradient `g` is in the forward's output precision `O`, read as it is (no cast pass); the
+/// input's gradient goes into `gx`.
+pub(crate) fn backward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool>(
     x: &[E],
-    g: &[E],
+    g: &[O],
     d: usize,
     w: Option<&[E]>,
     stats: &NormStats<E::Acc>,
     (need_w, need_b): (bool, bool),
-) -> (Vec<E>, Option<Vec<E>>, Option<Vec<E>>) {
+    gx: &mut [E],
+) -> (Option<Vec<E>>, Option<Vec<E>>) {
+    assert_eq!(x.len(), gx.len());
     let wa = load_opt(w);
     let inv_d = E::Acc::c(1.0 / d as f64);
-    let mut gx = super::alloc::take::<E>(x.len()); // every row is stored
     let partials = par_rows(
-        &mut gx,
+        gx,
         d,
         d,
         #[inline(always)]
@@ -181,7 +196,5 @@ pub(crate) fn backward<E: Precision, const RMS: bool>(
             out
         })
     };
-    let gw = finish(need_w, &pw);
-    let gb = finish(need_b, &pb);
-    (gx, gw, gb)
+    (finish(need_w, &pw), finish(need_b, &pb))
 }

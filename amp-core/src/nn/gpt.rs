@@ -77,9 +77,10 @@ impl<W: Precision, D: Device> Block<W, D> {
     }
     /// `x: [B, T, d]` (f32 residual stream) to the same shape.
     pub fn forward<L: Precision>(&self, x: &Tensor<f32, D>, rng: &mut Rng) -> Tensor<f32, D> {
-        let a = self.attn.forward::<L, f32>(&self.ln1.forward(x), rng);
+        // The norms write `L`, which the attention's and MLP's first linears read.
+        let a = self.attn.forward::<L, L>(&self.ln1.forward_to::<L, f32>(x), rng);
         let x = x.add(&a.cast::<f32>());
-        let m = self.mlp.forward::<L, f32>(&self.ln2.forward(&x), rng);
+        let m = self.mlp.forward::<L, L>(&self.ln2.forward_to::<L, f32>(&x), rng);
         x.add(&m.cast::<f32>())
     }
 }
@@ -167,7 +168,7 @@ impl<W: Precision, D: Device> Gpt<W, D> {
         for block in &self.blocks {
             x = block.forward::<L>(&x, rng);
         }
-        self.head.forward::<L, f32>(&self.ln_f.forward(&x))
+        self.head.forward::<L, L>(&self.ln_f.forward_to::<L, f32>(&x))
     }
     /// Mean cross-entropy (in f32) of next-token predictions; targets `[B, T]` with -100 to
     /// ignore a position.

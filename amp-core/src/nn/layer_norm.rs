@@ -26,7 +26,14 @@ impl LayerNorm {
 impl<W: Precision, D: Device> LayerNorm<W, D> {
     /// Normalises `x: [..., dim]`, returning f32 (bf16 weights are widened to f32 first).
     pub fn forward<X: Precision>(&self, x: &Tensor<X, D>) -> Tensor<f32, D> {
-        x.cast::<f32>().layer_norm(Some(&self.weight.cast::<f32>()), Some(&self.bias.cast::<f32>()), self.eps)
+        self.forward_to::<f32, X>(x)
+    }
+    /// [`LayerNorm::forward`] with the output rounded into `O`: the norm in f32 and the cast
+    /// that a low-precision layer reading it would make, in one pass where the device fuses
+    /// them ([`Tensor::layer_norm_to`]); the same values as `forward(x).cast::<O>()`.
+    pub fn forward_to<O: Precision, X: Precision>(&self, x: &Tensor<X, D>) -> Tensor<O, D> {
+        let (w, b) = (self.weight.cast::<f32>(), self.bias.cast::<f32>());
+        x.cast::<f32>().layer_norm_to::<O>(Some(&w), Some(&b), self.eps)
     }
     /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
     pub fn to_precision<P: Precision>(&self) -> LayerNorm<P, D> {

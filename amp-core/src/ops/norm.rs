@@ -8,13 +8,14 @@ use crate::precision::Precision;
 use crate::tensor::Tensor;
 
 impl<E: Precision, D: Device> Tensor<E, D> {
-    fn norm_impl<const RMS: bool>(
+    /// Checks a norm's arguments; returns the normalised dim's size.
+    fn check_norm(
         &self,
         op: &'static str,
         weight: Option<&Tensor<E, D>>,
         bias: Option<&Tensor<E, D>>,
         eps: f64,
-    ) -> Result<Self> {
+    ) -> Result<usize> {
         let mut shapes = vec![self.shape().to_vec()];
         shapes.extend(weight.iter().chain(&bias).map(|t| t.shape().to_vec()));
         if self.rank() == 0 {
@@ -39,6 +40,17 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 detail: format!("must be finite and >= 0, got {eps} (input shape {:?})", self.shape()),
             });
         }
+        Ok(d)
+    }
+
+    fn norm_impl<const RMS: bool>(
+        &self,
+        op: &'static str,
+        weight: Option<&Tensor<E, D>>,
+        bias: Option<&Tensor<E, D>>,
+        eps: f64,
+    ) -> Result<Self> {
+        let d = self.check_norm(op, weight, bias, eps)?;
         let (y, stats) = self.device.norm(self.raw(), d, weight.map(Tensor::raw), bias.map(Tensor::raw), eps, RMS);
         let out = self.output(y, self.shape());
         let needs =
@@ -82,6 +94,64 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     #[track_caller]
     pub fn layer_norm(&self, weight: Option<&Tensor<E, D>>, bias: Option<&Tensor<E, D>>, eps: f64) -> Self {
         or_panic(self.try_layer_norm(weight, bias, eps))
+    }
+
+    /// [`Tensor::try_layer_norm`] with the output rounded into `O`: the values of
+    /// `self.layer_norm(weight, bias, eps).cast::<O>()` and its gradients, in one pass each way
+    /// where the device fuses the cast (the CPU does for an f32 input and an f16 or bf16
+    /// output): autocast's f32 layer norm feeding a low-precision matmul, which would otherwise
+    /// write the f32 output, read it to cast it, and cast its gradient back.
+    #[track_caller]
+    pub fn try_layer_norm_to<O: Precision>(
+        &self,
+        weight: Option<&Tensor<E, D>>,
+        bias: Option<&Tensor<E, D>>,
+        eps: f64,
+    ) -> Result<Tensor<O, D>> {
+        crate::__private::check_reach("layer_norm_to", E::DTYPE);
+        let op = "layer_norm_to";
+        if O::DTYPE == E::DTYPE {
+            return Ok(self.norm_impl::<false>(op, weight, bias, eps)?.cast::<O>()); // no cast to fuse
+        }
+        let d = self.check_norm(op, weight, bias, eps)?;
+        let (w, b) = (weight.map(Tensor::raw), bias.map(Tensor::raw));
+        let (y, stats) = self.device.norm_to::<E, O>(self.raw(), d, w, b, eps, false);
+        let out = self.output(y, self.shape());
+        let needs =
+            (self.requires_grad(), weight.is_some_and(Tensor::requires_grad), bias.is_some_and(Tensor::requires_grad));
+        if needs == (false, false, false) {
+            return Ok(out);
+        }
+        let xs = self.detach();
+        let ws = weight.map(Tensor::detach);
+        let parents = vec![self.node.clone(), weight.and_then(|w| w.node.clone()), bias.and_then(|b| b.node.clone())];
+        Ok(out.record(op, parents, move |g| {
+            let w = ws.as_ref().map(Tensor::raw);
+            let (gx, gw, gb) = xs.device.norm_backward_from(xs.raw(), g.raw(), d, w, &stats, (needs.1, needs.2), false);
+            vec![
+                needs.0.then(|| xs.output(gx, xs.shape()).into()),
+                gw.map(|v| xs.output(v, &[d]).into()),
+                gb.map(|v| xs.output(v, &[d]).into()),
+            ]
+        }))
+    }
+    /// [`Tensor::try_layer_norm_to`]; panics on a weight/bias shape mismatch or a bad `eps`.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// use half::bf16;
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, 4.0], &[1, 3]);
+    /// let y: Tensor<bf16> = x.layer_norm_to(None, None, 1e-5);
+    /// assert_eq!(y.to_vec(), x.layer_norm(None, None, 1e-5).cast::<bf16>().to_vec());
+    /// ```
+    #[track_caller]
+    pub fn layer_norm_to<O: Precision>(
+        &self,
+        weight: Option<&Tensor<E, D>>,
+        bias: Option<&Tensor<E, D>>,
+        eps: f64,
+    ) -> Tensor<O, D> {
+        or_panic(self.try_layer_norm_to(weight, bias, eps))
     }
 
     /// RMS norm over the last dim `D`: `y = x / sqrt(mean(x²) + eps) * weight`, `weight` of

@@ -53,23 +53,46 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         let d = self.check_norm(op, weight, bias, eps)?;
         let (y, stats) = self.device.norm(self.raw(), d, weight.map(Tensor::raw), bias.map(Tensor::raw), eps, RMS);
         let out = self.output(y, self.shape());
+        Ok(self.record_norm(op, out, weight, bias, move |x, g, w, needs| {
+            x.device.norm_backward(x.raw(), g.raw(), d, w, &stats, needs, RMS)
+        }))
+    }
+
+    /// Records a norm's backward on its output `out` (of any precision `O`): `backward(x, g,
+    /// weight, (weight needed, bias needed))` gives the input's gradient and the weight's and
+    /// bias's where asked.
+    #[allow(clippy::type_complexity)]
+    fn record_norm<O: Precision>(
+        &self,
+        op: &'static str,
+        out: Tensor<O, D>,
+        weight: Option<&Tensor<E, D>>,
+        bias: Option<&Tensor<E, D>>,
+        backward: impl Fn(
+            &Tensor<E, D>,
+            &Tensor<O, D>,
+            Option<(&D::Storage<E>, &crate::layout::Layout)>,
+            (bool, bool),
+        ) -> (D::Storage<E>, Option<D::Storage<E>>, Option<D::Storage<E>>)
+        + Send
+        + Sync
+        + 'static,
+    ) -> Tensor<O, D> {
         let needs =
             (self.requires_grad(), weight.is_some_and(Tensor::requires_grad), bias.is_some_and(Tensor::requires_grad));
         if needs == (false, false, false) {
-            return Ok(out);
+            return out;
         }
-        let xs = self.detach();
-        let ws = weight.map(Tensor::detach);
+        let (xs, ws, d) = (self.detach(), weight.map(Tensor::detach), self.shape()[self.rank() - 1]);
         let parents = vec![self.node.clone(), weight.and_then(|w| w.node.clone()), bias.and_then(|b| b.node.clone())];
-        Ok(out.record(op, parents, move |g| {
-            let w = ws.as_ref().map(Tensor::raw);
-            let (gx, gw, gb) = xs.device.norm_backward(xs.raw(), g.raw(), d, w, &stats, (needs.1, needs.2), RMS);
+        out.record(op, parents, move |g| {
+            let (gx, gw, gb) = backward(&xs, &g, ws.as_ref().map(Tensor::raw), (needs.1, needs.2));
             vec![
                 needs.0.then(|| xs.output(gx, xs.shape()).into()),
                 gw.map(|v| xs.output(v, &[d]).into()),
                 gb.map(|v| xs.output(v, &[d]).into()),
             ]
-        }))
+        })
     }
 
     /// Layer norm over the last dim `D`: `y = (x - mean) / sqrt(var + eps) * weight + bias`
@@ -117,22 +140,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         let (w, b) = (weight.map(Tensor::raw), bias.map(Tensor::raw));
         let (y, stats) = self.device.norm_to::<E, O>(self.raw(), d, w, b, eps, false);
         let out = self.output(y, self.shape());
-        let needs =
-            (self.requires_grad(), weight.is_some_and(Tensor::requires_grad), bias.is_some_and(Tensor::requires_grad));
-        if needs == (false, false, false) {
-            return Ok(out);
-        }
-        let xs = self.detach();
-        let ws = weight.map(Tensor::detach);
-        let parents = vec![self.node.clone(), weight.and_then(|w| w.node.clone()), bias.and_then(|b| b.node.clone())];
-        Ok(out.record(op, parents, move |g| {
-            let w = ws.as_ref().map(Tensor::raw);
-            let (gx, gw, gb) = xs.device.norm_backward_from(xs.raw(), g.raw(), d, w, &stats, (needs.1, needs.2), false);
-            vec![
-                needs.0.then(|| xs.output(gx, xs.shape()).into()),
-                gw.map(|v| xs.output(v, &[d]).into()),
-                gb.map(|v| xs.output(v, &[d]).into()),
-            ]
+        Ok(self.record_norm(op, out, weight, bias, move |x, g, w, needs| {
+            x.device.norm_backward_from(x.raw(), g.raw(), d, w, &stats, needs, false)
         }))
     }
     /// [`Tensor::try_layer_norm_to`]; panics on a weight/bias shape mismatch or a bad `eps`.

@@ -526,11 +526,12 @@ impl Device for Cpu {
         rms: bool,
     ) -> (Storage<O>, RowStats<E::Acc>) {
         // An f32 norm written as f16 or bf16 in one pass; any other pair is the norm and a cast.
-        let (xs, ws, bs) = (view(x.0, x.1), view_opt(weight), view_opt(bias));
-        let Some(xf) = as_same::<E, f32>(&xs) else {
+        let unfused = || {
             let (y, stats) = self.norm(x, d, weight, bias, eps, rms);
-            return (self.cast::<E, O>(&y, &Layout::contiguous(x.1.shape())), stats);
+            (self.cast::<E, O>(&y, &Layout::contiguous(x.1.shape())), stats)
         };
+        let (xs, ws, bs) = (view(x.0, x.1), view_opt(weight), view_opt(bias));
+        let Some(xf) = as_same::<E, f32>(&xs) else { return unfused() };
         fn f32s<E: Precision>(v: &[E]) -> &[f32] {
             as_same::<E, f32>(v).expect("the weight and bias are in the input's precision")
         }
@@ -558,8 +559,7 @@ impl Device for Cpu {
             rows(args, eps, rms, out)
         } else {
             drop(y);
-            let (y, stats) = self.norm(x, d, weight, bias, eps, rms);
-            return (self.cast::<E, O>(&y, &Layout::contiguous(x.1.shape())), stats);
+            return unfused();
         };
         (store(y), RowStats::Norm(stats.to::<E::Acc>()))
     }
@@ -573,13 +573,16 @@ impl Device for Cpu {
         needs: (bool, bool),
         rms: bool,
     ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
+        let unfused = || {
+            let ge = self.cast::<O, E>(g.0, g.1);
+            self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms)
+        };
         let RowStats::Norm(st) = stats else { unreachable!("norm backward with cross-entropy statistics") };
         let (xs, gs, ws) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
         let mut gx = alloc::take::<E>(xs.len()); // every row is stored
         let (Some(xf), Some(gxf)) = (as_same::<E, f32>(&xs), as_same_mut::<E, f32>(&mut gx)) else {
             drop(gx);
-            let ge = self.cast::<O, E>(g.0, g.1);
-            return self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms);
+            return unfused();
         };
         // The f32 norm's backward reading the f16 or bf16 gradient as it is (no cast pass).
         fn rows<O: Precision<Acc = f32>>(
@@ -605,8 +608,7 @@ impl Device for Cpu {
             rows((xf, g, d, wf), &st, needs, rms, gxf)
         } else {
             drop(gx);
-            let ge = self.cast::<O, E>(g.0, g.1);
-            return self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms);
+            return unfused();
         };
         let back = |v: Vec<f32>| store(super::convert_par::<f32, E>(&v));
         (store(gx), gw.map(back), gb.map(back))

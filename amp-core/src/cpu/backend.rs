@@ -419,22 +419,12 @@ impl Device for Cpu {
         let (rows, d) = (softmax::RowMask::new(mask, shape), shape[shape.len() - 1]);
         // Every row of both is stored.
         let (mut probs, mut out) = (alloc::take::<f32>(x.len()), alloc::take::<E>(x.len()));
-        fn pass<E: Precision<Acc = f32>>(
-            x: &[E],
-            d: usize,
-            scale: f64,
-            mask: &softmax::RowMask<'_>,
-            probs: &mut [f32],
-            out: Option<&mut [E]>,
-        ) {
-            softmax::scaled_masked_forward(x, d, scale, mask, probs, out.expect("same type as the input"))
-        }
-        if let Some(x) = as_same::<E, bf16>(&x) {
-            pass(x, d, scale, &rows, &mut probs, as_same_mut(&mut out));
-        } else if let Some(x) = as_same::<E, f16>(&x) {
-            pass(x, d, scale, &rows, &mut probs, as_same_mut(&mut out));
-        } else if let Some(x) = as_same::<E, f32>(&x) {
-            pass(x, d, scale, &rows, &mut probs, as_same_mut(&mut out));
+        if let (Some(x), Some(o)) = (as_same::<E, bf16>(&x), as_same_mut::<E, bf16>(&mut out)) {
+            softmax::scaled_masked_forward(x, d, scale, &rows, &mut probs, o);
+        } else if let (Some(x), Some(o)) = (as_same::<E, f16>(&x), as_same_mut::<E, f16>(&mut out)) {
+            softmax::scaled_masked_forward(x, d, scale, &rows, &mut probs, o);
+        } else if let (Some(x), Some(o)) = (as_same::<E, f32>(&x), as_same_mut::<E, f32>(&mut out)) {
+            softmax::scaled_masked_forward(x, d, scale, &rows, &mut probs, o);
         } else {
             unreachable!("f64 ran the chain above")
         }
@@ -455,23 +445,14 @@ impl Device for Cpu {
         let (probs, g) = (view(probs.0, probs.1), view(g.0, g.1));
         let (rows, d) = (softmax::RowMask::new(mask, shape), shape[shape.len() - 1]);
         let mut out = alloc::take::<E>(probs.len()); // every row is stored
-        fn pass<E: Precision<Acc = f32>>(
-            probs: &[f32],
-            g: Option<&[E]>,
-            d: usize,
-            scale: f64,
-            mask: &softmax::RowMask<'_>,
-            out: Option<&mut [E]>,
-        ) {
-            let same = "same type as the gradient";
-            softmax::scaled_masked_backward(probs, g.expect(same), d, scale, mask, out.expect(same))
-        }
-        if E::DTYPE == DType::BF16 {
-            pass::<bf16>(&probs, as_same(&g), d, scale, &rows, as_same_mut(&mut out));
-        } else if E::DTYPE == DType::F16 {
-            pass::<f16>(&probs, as_same(&g), d, scale, &rows, as_same_mut(&mut out));
+        if let (Some(g), Some(o)) = (as_same::<E, bf16>(&g), as_same_mut::<E, bf16>(&mut out)) {
+            softmax::scaled_masked_backward(&probs, g, d, scale, &rows, o);
+        } else if let (Some(g), Some(o)) = (as_same::<E, f16>(&g), as_same_mut::<E, f16>(&mut out)) {
+            softmax::scaled_masked_backward(&probs, g, d, scale, &rows, o);
+        } else if let (Some(g), Some(o)) = (as_same::<E, f32>(&g), as_same_mut::<E, f32>(&mut out)) {
+            softmax::scaled_masked_backward(&probs, g, d, scale, &rows, o);
         } else {
-            pass::<f32>(&probs, as_same(&g), d, scale, &rows, as_same_mut(&mut out));
+            unreachable!("f64 ran the chain above")
         }
         store(out)
     }

@@ -50,7 +50,7 @@ impl ResBlock {
         let h = self.bn1.forward(&c).relu();
         let c = self.conv2.forward(&h);
         let h = self.bn2.forward(&c);
-        x.add(&h.cast::<f32>()).relu()
+        x.add_cast(&h).relu()
     }
 }
 

@@ -84,6 +84,8 @@ macro_rules! all_cases {
             let w = w.narrow(0, 0, 1).reshape(&[3]);
             Some(x.layer_norm_to::<f32>(Some(&w), Some(&w), 1e-5).dtype())
         });
+        // The bf16 argument is read into the f32 receiver's precision, as written.
+        case!("add_cast", $low, |x: f32, y: bf16| [f32, bf16] Some(x.add_cast(&y).dtype()));
         case!("rms_norm", $low, |x: bf16, w: bf16| [bf16] {
             let w = w.narrow(0, 0, 1).reshape(&[3]);
             Some(x.rms_norm(Some(&w), 1e-6).dtype())

@@ -403,6 +403,44 @@ fn layer_norm_to_matches_the_norm_then_the_cast_bit_for_bit() {
     assert!(x.try_layer_norm_to::<bf16>(Some(&randn(&[2], 133).cast::<f32>()), None, 1e-5).is_err(), "weight shape");
 }
 
+/// `add_cast` gives the bits of `cast` then `add`, values and both gradients: same shapes
+/// (enough values to run in parallel), the argument broadcast (its gradient summed back),
+/// the receiver broadcast, a strided argument, values past the narrower type's range and
+/// NaN, for the pairs the CPU fuses (f16 and bf16 into f32) and those it runs as the cast and
+/// the add (f32 into bf16, rounding; f64 into f32; the same precision).
+fn add_cast_is_the_cast_then_the_add<E: Precision, O: Precision>() {
+    let mut wide = randn(&[5, 7], 142).mul_scalar(1e5).to_f64_vec();
+    wide[3] = f64::NAN;
+    let cases: Vec<(Tensor<f64>, Tensor<f64>)> = vec![
+        (randn(&[300, 257], 140), randn(&[300, 257], 141)),
+        (randn(&[5, 7], 143), randn(&[7], 144)),
+        (randn(&[1, 7], 145), randn(&[5, 7], 146)),
+        (randn(&[5, 7], 147), randn(&[7, 5], 148).t()),
+        (randn(&[5, 7], 149), Tensor::from_vec(wide, &[5, 7])),
+    ];
+    for (a, b) in cases {
+        let (a, b) = (a.cast::<E>().requires_grad_(), b.cast::<O>().requires_grad_());
+        let (fused, chain) = (a.add_cast(&b), a.add(&b.cast::<E>()));
+        let name = format!("add_cast {} + {} {:?} + {:?}", E::DTYPE, O::DTYPE, a.shape(), b.shape());
+        assert_same_bits(&fused, &chain, &name);
+        let g = randn(fused.shape(), 150).cast::<E>();
+        let (gf, gc) = (fused.mul(&g).sum_all().backward(), chain.mul(&g).sum_all().backward());
+        assert_same_bits(gf.get(&a).unwrap(), gc.get(&a).unwrap(), &format!("{name}: receiver's gradient"));
+        assert_same_bits(gf.get(&b).unwrap(), gc.get(&b).unwrap(), &format!("{name}: argument's gradient"));
+    }
+    let (a, b) = (randn(&[2, 3], 151).cast::<E>(), randn(&[3, 2], 152).cast::<O>());
+    assert!(a.try_add_cast(&b).is_err(), "[2, 3] + [3, 2] does not broadcast");
+}
+
+#[test]
+fn add_cast_matches_the_cast_then_the_add_bit_for_bit() {
+    add_cast_is_the_cast_then_the_add::<f32, bf16>();
+    add_cast_is_the_cast_then_the_add::<f32, f16>();
+    add_cast_is_the_cast_then_the_add::<bf16, f32>();
+    add_cast_is_the_cast_then_the_add::<f32, f64>();
+    add_cast_is_the_cast_then_the_add::<f16, f16>();
+}
+
 fn norms<E: Precision>() {
     let x = randn(&[6, 37], 70).mul_scalar(2.0).add_scalar(1.0);
     let (w, b) = (randn(&[37], 71), randn(&[37], 72));

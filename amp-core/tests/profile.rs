@@ -95,4 +95,15 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     assert_eq!(calls("layer_norm_fwd_f32"), None, "{table}");
     // The one cast each way is this test's own `cast::<f32>()` of the output for the loss.
     assert_eq!((calls("cast_to_f32_bf16"), calls("cast_to_bf16_f32")), (Some(1), Some(1)), "{table}");
+
+    // A residual add of a bf16 branch into the f32 stream reads the branch as it is: one
+    // kernel, no cast of the branch to f32 first.
+    let branch = x.cast::<bf16>();
+    profile::start();
+    let y = x.add_cast(&branch);
+    let table = profile::stop();
+    assert_eq!(y.shape(), x.shape());
+    let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
+    assert_eq!(calls("add_cast_bf16_f32"), Some(1), "{table}");
+    assert_eq!((calls("cast_to_f32_bf16"), calls("add_f32")), (None, None), "{table}");
 }

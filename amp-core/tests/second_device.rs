@@ -39,7 +39,7 @@ fn step<D: Device>(dev: &D) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let y = att.matmul(&h).layer_norm(None, None, 1e-5);
     let y = y.add(&y.layer_norm_to::<bf16>(None, None, 1e-5).cast::<f32>());
     let (hb, xb) = (h.cast::<bf16>(), x.cast::<bf16>());
-    let y = y.add(&hb.causal_attention(&xb, &hb).cast::<f32>());
+    let y = y.add_cast(&hb.causal_attention(&xb, &hb));
     let y = y.add(&h16.matmul(&h16.t()).scaled_masked_softmax(0.3, &Mask::causal(t)).matmul(&h16).cast::<f32>());
     let y = y.cast::<bf16>().rms_norm(None, 1e-6).cast::<f32>();
     let y = y.dropout(0.25, true, &mut Rng::seed(3)).add(&h.tanh());

@@ -168,6 +168,7 @@ pub(crate) const TABLE: &[Op] = &[
     op("sigmoid", Passthrough, &[], "bounded"),
     op("silu", Passthrough, &[], "computed in f32 inside the kernel"),
     op("square", Passthrough, &[], "elementwise, computed in f32 inside the kernel"),
+    op("add_cast", Passthrough, &[T], "the argument is cast into the receiver's precision inside, as written"),
     op("add_scalar", Passthrough, &[O], "elementwise"),
     op("sub_scalar", Passthrough, &[O], "elementwise"),
     op("mul_scalar", Passthrough, &[O], "elementwise"),

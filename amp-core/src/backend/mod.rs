@@ -60,6 +60,17 @@ pub(crate) fn scaled_masked_softmax_backward_by_ops<D: Device, E: Precision>(
     dev.unary_backward(crate::ops::unary::MulScalar(scale), (&gm, &c), (&gm, &c), (&gm, &c))
 }
 
+/// [`Device::add_cast`] as the chain, op by op: `b` cast into `E`, then the add.
+pub(crate) fn add_cast_by_ops<D: Device, E: Precision, O: Precision>(
+    dev: &D,
+    a: (&D::Storage<E>, &Layout),
+    b: (&D::Storage<O>, &Layout),
+    shape: &[usize],
+) -> D::Storage<E> {
+    let cast = dev.cast::<O, E>(b.0, b.1);
+    dev.binary(crate::ops::binary::Add, a, (&cast, &Layout::contiguous(b.1.shape())), shape)
+}
+
 /// An elementwise function of one input and its derivative: the op's value carries both
 /// halves, the Rust expression (CPU, in the accumulation type `A`) and the CUDA C expression.
 ///
@@ -450,6 +461,18 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         b: (&Self::Storage<E>, &Layout),
         shape: &[usize],
     ) -> Self::Storage<E>;
+    /// `a + b.cast::<E>()` with both broadcast to `shape`, the values of the cast then the
+    /// add: autocast's residual add of a low-precision branch into an f32 stream. This
+    /// default casts and adds ([`add_cast_by_ops`]); a backend reads `b` as it is where the
+    /// cast is exact (the CPU does, for f16/bf16 into f32).
+    fn add_cast<E: Precision, O: Precision>(
+        &self,
+        a: (&Self::Storage<E>, &Layout),
+        b: (&Self::Storage<O>, &Layout),
+        shape: &[usize],
+    ) -> Self::Storage<E> {
+        add_cast_by_ops(self, a, b, shape)
+    }
     /// `mask ? a : b` with the host mask (contiguous, of shape `mask_shape`) and both
     /// operands broadcast to `shape` (the ternary map).
     fn select<E: Precision>(

@@ -244,6 +244,45 @@ impl Device for Cpu {
             |x, y| op.apply(x, y),
         ))
     }
+    fn add_cast<E: Precision, O: Precision>(
+        &self,
+        a: (&Storage<E>, &Layout),
+        b: (&Storage<O>, &Layout),
+        shape: &[usize],
+    ) -> Storage<E> {
+        profiled!(E, "add_cast_{}", O::DTYPE);
+        // f16 and bf16 widen into f32 exactly: the add reads them as they are, in one pass.
+        let exact = E::DTYPE == DType::F32 && matches!(O::DTYPE, DType::F16 | DType::BF16);
+        if !exact {
+            return crate::backend::add_cast_by_ops(self, a, b, shape);
+        }
+        let mut out = alloc::take::<E>(shape.iter().product()); // every element is written
+        let (a32, o) = (as_same::<E, f32>(a.0).unwrap(), as_same_mut::<E, f32>(&mut out).unwrap());
+        if let Some(b16) = as_same::<O, bf16>(b.0) {
+            super::map_binary_into(
+                a32,
+                a.1,
+                b16,
+                b.1,
+                shape,
+                o,
+                #[inline(always)]
+                |x, y| x + y,
+            );
+        } else if let Some(h) = as_same::<O, f16>(b.0) {
+            super::map_binary_into(
+                a32,
+                a.1,
+                h,
+                b.1,
+                shape,
+                o,
+                #[inline(always)]
+                |x, y| x + y,
+            );
+        }
+        store(out)
+    }
     fn select<E: Precision>(
         &self,
         mask: (&[bool], &[usize]),

@@ -412,13 +412,29 @@ pub(crate) fn map_binary<E: Precision>(
     out_shape: &[usize],
     f: impl Fn(E::Acc, E::Acc) -> E::Acc + Sync + Send,
 ) -> Vec<E> {
+    let mut out = alloc::take::<E>(out_shape.iter().product());
+    map_binary_into(a, la, b, lb, out_shape, &mut out, f);
+    out
+}
+
+/// [`map_binary`] into `out` (every element written). `b` may be in another precision with
+/// the same accumulation type (a bf16 `b` for an f32 `a`), read into it as it is.
+pub(crate) fn map_binary_into<E: Precision, B: Precision<Acc = E::Acc>>(
+    a: &[E],
+    la: &Layout,
+    b: &[B],
+    lb: &Layout,
+    out_shape: &[usize],
+    out: &mut [E],
+    f: impl Fn(E::Acc, E::Acc) -> E::Acc + Sync + Send,
+) {
     let n: usize = out_shape.iter().product();
+    assert_eq!(out.len(), n, "map_binary_into: output length");
     let la = la.broadcast_to(out_shape);
     let lb = lb.broadcast_to(out_shape);
     let (shape, strides) = collapse(out_shape, [&la.strides, &lb.strides]);
-    let mut out = alloc::take::<E>(n);
     par_chunks_mut(
-        &mut out,
+        out,
         #[inline(always)]
         |ci, chunk| {
             let start = ci * CHUNK;
@@ -455,7 +471,6 @@ pub(crate) fn map_binary<E: Precision>(
             );
         },
     );
-    out
 }
 
 /// Sum of a buffer with eight independent lanes, so the compiler can vectorise it.

@@ -78,10 +78,11 @@ impl<W: Precision, D: Device> Block<W, D> {
     /// `x: [B, T, d]` (f32 residual stream) to the same shape.
     pub fn forward<L: Precision>(&self, x: &Tensor<f32, D>, rng: &mut Rng) -> Tensor<f32, D> {
         // The norms write `L`, which the attention's and MLP's first linears read.
+        // The branches' outputs are added to the f32 stream as they are (`add_cast`).
         let a = self.attn.forward::<L, L>(&self.ln1.forward_to::<L, f32>(x), rng);
-        let x = x.add(&a.cast::<f32>());
+        let x = x.add_cast(&a);
         let m = self.mlp.forward::<L, L>(&self.ln2.forward_to::<L, f32>(&x), rng);
-        x.add(&m.cast::<f32>())
+        x.add_cast(&m)
     }
 }
 

@@ -109,6 +109,43 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     }
 }
 
+impl<E: Precision, D: Device> Tensor<E, D> {
+    /// `self + rhs.cast::<E>()`, broadcasting: the values and gradients of the cast then the
+    /// add, in one pass where the device reads `rhs` as it is (the CPU does for an f16 or bf16
+    /// `rhs` and an f32 `self`). Autocast's residual add, `x + branch(x)`, where the f32
+    /// stream `x` meets a low-precision branch (PyTorch promotes inside its add kernel; here
+    /// the types say which side is cast). Derivatives: `g`, and `g` cast into `rhs`'s precision.
+    pub fn try_add_cast<O: Precision>(&self, rhs: &Tensor<O, D>) -> Result<Self> {
+        let shape = broadcast_shapes("add_cast", self.shape(), rhs.shape())?;
+        let out = self.output(self.device.add_cast(self.raw(), rhs.raw(), &shape), &shape);
+        if !self.requires_grad() && !rhs.requires_grad() {
+            return Ok(out);
+        }
+        let needs = (self.requires_grad(), rhs.requires_grad());
+        let (a_shape, b_shape) = (self.shape().to_vec(), rhs.shape().to_vec());
+        Ok(out.record("add_cast", vec![self.node.clone(), rhs.node.clone()], move |g| {
+            vec![
+                needs.0.then(|| g.sum_to_shape(&a_shape).into()),
+                needs.1.then(|| g.sum_to_shape(&b_shape).cast::<O>().into()),
+            ]
+        }))
+    }
+    /// `self + rhs.cast::<E>()`, broadcasting ([`Tensor::try_add_cast`]); panics on
+    /// incompatible shapes.
+    ///
+    /// ```
+    /// # use amp_core::Tensor;
+    /// use half::bf16;
+    /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2]);
+    /// let branch = Tensor::<f32>::from_vec(vec![0.1, 0.2], &[2]).cast::<bf16>();
+    /// assert_eq!(x.add_cast(&branch).to_vec(), x.add(&branch.cast::<f32>()).to_vec());
+    /// ```
+    #[track_caller]
+    pub fn add_cast<O: Precision>(&self, rhs: &Tensor<O, D>) -> Self {
+        or_panic(self.try_add_cast(rhs))
+    }
+}
+
 // Operators on owned and borrowed tensors. Only `Tensor<E, D> op Tensor<E, D>` exists: a `Tensor<f16>`
 // plus a `Tensor<f32>` has no impl, so mixing precisions is a compile error.
 macro_rules! tensor_operator {

@@ -20,6 +20,9 @@
 //!   contributes) are concatenated instead, with no zero fill (PyTorch's `split` backward).
 //!   Same sums in the same order as adding separate tensors: the values are unchanged, but
 //!   for the sign of a zero (a concatenated -0 stays -0, where 0 + -0 gave +0).
+//! - A norm's backward may add its input's gradient into that running sum as its kernel
+//!   writes it ([`Backward::FnInto`]): the residual stream's norms, whose input already has
+//!   the skip connection's gradient. The same one rounding per element as the separate add.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -119,10 +122,21 @@ impl<E: Precision, D: Device> From<Tensor<E, D>> for AnyTensor<D> {
 /// A backward function: the output's gradient in, one optional gradient per parent out.
 pub(crate) type BackwardFn<D> = Box<dyn Fn(AnyTensor<D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync>;
 
+/// A backward function handed its first parent's gradient so far (if any) with the output's
+/// gradient; the first gradient it returns is that parent's total.
+pub(crate) type BackwardIntoFn<D> =
+    Box<dyn Fn(AnyTensor<D>, Option<AnyTensor<D>>) -> Vec<Option<AnyTensor<D>>> + Send + Sync>;
+
 /// How a node hands its gradient on to its parents.
 pub(crate) enum Backward<D: Device> {
     /// The general case: a closure from the output's gradient to one gradient per parent.
     Fn(BackwardFn<D>),
+    /// [`Backward::Fn`] for an op whose kernel adds its first input's gradient into that
+    /// input's gradient so far as it writes it: a norm of the residual stream, whose gradient
+    /// the skip connection delivered first. The engine hands that running gradient over and
+    /// takes the first gradient returned as the total (it must return one), which saves the
+    /// separate add's pass over memory.
+    FnInto(BackwardIntoFn<D>),
     /// The output is entries `start..` of `dim` of its one parent (a narrow): the gradient is
     /// zero outside that window, so the engine adds it into the window of the parent's
     /// gradient buffer instead of materialising a zero-padded copy of the parent's shape.
@@ -357,8 +371,14 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
             out.map.insert(node.id, grad);
             continue;
         };
-        let backward = match backward {
-            Backward::Fn(f) => f,
+        let (parent_grads, first_is_total) = match backward {
+            Backward::Fn(f) => (f(grad), false),
+            Backward::FnInto(f) => {
+                let acc = node.parents[0].as_ref().and_then(|p| running_grad(&mut pending, &mut windows, p));
+                let grads = f(grad, acc);
+                assert!(grads[0].is_some(), "autograd invariant: {} backward returned no total", node.op);
+                (grads, true)
+            }
             Backward::Window { dim, start, order } => {
                 let Some(parent) = &node.parents[0] else { continue };
                 assert_eq!(grad.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
@@ -367,9 +387,8 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
                 continue;
             }
         };
-        let parent_grads = backward(grad);
         debug_assert_eq!(parent_grads.len(), node.parents.len(), "{} backward arity", node.op);
-        for (parent, g) in node.parents.iter().zip(parent_grads) {
+        for (i, (parent, g)) in node.parents.iter().zip(parent_grads).enumerate() {
             let (Some(parent), Some(g)) = (parent, g) else { continue };
             assert_eq!(
                 g.shape(),
@@ -380,14 +399,13 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
                 parent.shape
             );
             assert_eq!(g.dtype(), parent.dtype, "autograd invariant: {} backward precision", node.op);
-            // Earlier windows first: the contributions are summed in arrival order.
-            if let Some(ws) = windows.remove(&parent.id) {
-                let acc = pending.remove(&parent.id);
-                pending.insert(parent.id, add_windows(acc, ws, parent));
-            }
-            let merged = match pending.remove(&parent.id) {
-                Some(acc) => accumulate(acc, g),
-                None => g,
+            let merged = if i == 0 && first_is_total {
+                g // the running gradient is in it already
+            } else {
+                match running_grad(&mut pending, &mut windows, parent) {
+                    Some(acc) => accumulate(acc, g),
+                    None => g,
+                }
             };
             pending.insert(parent.id, merged);
         }
@@ -395,12 +413,26 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
     out
 }
 
+/// Takes `node`'s gradient so far out of `pending`, with its narrows' windows added in
+/// first (earlier windows first: contributions are summed in arrival order).
+fn running_grad<D: Device>(
+    pending: &mut HashMap<TensorId, AnyTensor<D>>,
+    windows: &mut HashMap<TensorId, Vec<Window<D>>>,
+    node: &Node<D>,
+) -> Option<AnyTensor<D>> {
+    let acc = pending.remove(&node.id);
+    match windows.remove(&node.id) {
+        Some(ws) => Some(add_windows(acc, ws, node)),
+        None => acc,
+    }
+}
+
 // ---- gradient accumulation ------------------------------------------------------------------
 
 /// `a + b` for two gradients of one tensor, written into whichever buffer is owned alone
 /// (a fresh tensor only when neither is). Each element is `a + b` in `E::Acc` rounded once,
 /// exactly what the `add` op computes, so the sums do not depend on which path ran.
-fn accumulate<D: Device>(a: AnyTensor<D>, b: AnyTensor<D>) -> AnyTensor<D> {
+pub(crate) fn accumulate<D: Device>(a: AnyTensor<D>, b: AnyTensor<D>) -> AnyTensor<D> {
     match (a, b) {
         (AnyTensor::F16(a), AnyTensor::F16(b)) => accumulate_typed(a, b).into(),
         (AnyTensor::BF16(a), AnyTensor::BF16(b)) => accumulate_typed(a, b).into(),
@@ -428,7 +460,7 @@ fn accumulate_typed<E: Precision, D: Device>(mut a: Tensor<E, D>, mut b: Tensor<
 
 /// Whether `t` views all of its buffer in order and is the buffer's only holder (so writing
 /// into it changes nothing anyone else can see).
-fn owns_whole<E: Precision, D: Device>(t: &Tensor<E, D>) -> bool {
+pub(crate) fn owns_whole<E: Precision, D: Device>(t: &Tensor<E, D>) -> bool {
     t.layout.is_contiguous() && t.layout.offset == 0 && D::len(&t.storage) == t.numel() && D::is_exclusive(&t.storage)
 }
 

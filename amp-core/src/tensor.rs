@@ -268,6 +268,25 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         self.record_node(op, parents, backward)
     }
 
+    /// [`Tensor::record`] for an op whose backward adds its first input's gradient into that
+    /// input's gradient so far ([`Backward::FnInto`]): `backward` gets the output's gradient
+    /// and the running gradient (if any), and returns the first input's total first.
+    pub(crate) fn record_into(
+        self,
+        op: &'static str,
+        parents: Vec<Option<Arc<Node<D>>>>,
+        backward: impl Fn(Tensor<E, D>, Option<AnyTensor<D>>) -> Vec<Option<AnyTensor<D>>> + Send + Sync + 'static,
+    ) -> Self {
+        if !records(&parents) {
+            return self;
+        }
+        let backward = Backward::FnInto(Box::new(move |g: AnyTensor<D>, acc| {
+            let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
+            backward(g, acc)
+        }));
+        self.record_node(op, parents, backward)
+    }
+
     /// Records `self` as entries `start..` of `dim` of `parent` (a narrow): the engine adds
     /// its gradient into that window of the parent's gradient buffer.
     fn record_window(self, parent: Option<Arc<Node<D>>>, parent_layout: &Layout, dim: usize, start: usize) -> Self {

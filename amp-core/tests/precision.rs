@@ -388,6 +388,22 @@ fn layer_norm_to_is_the_norm_then_the_cast<E: Precision, O: Precision>() {
             for (i, leaf) in leaves.into_iter().enumerate() {
                 assert_same_bits(gf.get(leaf).unwrap(), gc.get(leaf).unwrap(), &format!("{name}: gradient {i}"));
             }
+            // A residual stream, `x + f(norm(x))`: the skip connection's gradient reaches `x`
+            // first and the norm's backward adds into it. Once with that gradient's buffer
+            // owned alone, once shared (`x` added twice: one buffer for both contributions).
+            for twice in [false, true] {
+                let skip = if twice { x.add(&x) } else { x.clone() };
+                let fused = skip.add_cast(&x.layer_norm_to::<O>(wo, bo, 1e-5).mul(&g));
+                let chain = skip.add(&x.layer_norm(wo, bo, 1e-5).cast::<O>().mul(&g).cast::<E>());
+                assert_same_bits(&fused, &chain, &format!("{name} residual {twice}"));
+                let h = randn(&shape, seed + 4).cast::<E>();
+                let (gf, gc) = (fused.mul(&h).sum_all().backward(), chain.mul(&h).sum_all().backward());
+                let leaves = if affine { vec![&x, &w, &b] } else { vec![&x] };
+                for (i, leaf) in leaves.into_iter().enumerate() {
+                    let what = format!("{name} residual {twice}: gradient {i}");
+                    assert_same_bits(gf.get(leaf).unwrap(), gc.get(leaf).unwrap(), &what);
+                }
+            }
         }
     }
 }

@@ -106,4 +106,15 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
     assert_eq!(calls("add_cast_bf16_f32"), Some(1), "{table}");
     assert_eq!((calls("cast_to_f32_bf16"), calls("add_f32")), (None, None), "{table}");
+
+    // In a residual block the norm's backward adds its input gradient into the skip
+    // connection's as it writes it: no separate accumulation pass.
+    profile::start();
+    let y = x.add_cast(&norm.forward_to::<bf16, f32>(&x));
+    let grads = y.mse_loss(&target).backward();
+    let table = profile::stop();
+    assert!(grads.get(&x).is_some());
+    let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
+    assert_eq!(calls("layer_norm_to_bf16_bwd_into_f32"), Some(1), "{table}");
+    assert_eq!((calls("layer_norm_to_bf16_bwd_f32"), calls("add_into_f32")), (None, None), "{table}");
 }

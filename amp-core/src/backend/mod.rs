@@ -659,6 +659,29 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         let ge = self.cast::<O, E>(g.0, g.1);
         self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms)
     }
+    /// [`Device::norm_backward_from`] with the input's gradient added into `acc` (the input's
+    /// gradient so far: contiguous, of the input's shape, owned alone), each element rounded
+    /// once as the separate add would; returns the weight's and bias's gradients. The norm of
+    /// a residual stream, whose gradient the skip connection has already delivered. This
+    /// default computes the gradient and adds it; a backend adds as it writes (the CPU does
+    /// where it fuses `norm_backward_from`).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward_into<E: Precision, O: Precision>(
+        &self,
+        x: (&Self::Storage<E>, &Layout),
+        g: (&Self::Storage<O>, &Layout),
+        d: usize,
+        weight: Option<(&Self::Storage<E>, &Layout)>,
+        stats: &Self::RowStats<E>,
+        needs: (bool, bool),
+        rms: bool,
+        acc: &mut Self::Storage<E>,
+    ) -> (Option<Self::Storage<E>>, Option<Self::Storage<E>>) {
+        let (gx, gw, gb) = self.norm_backward_from(x, g, d, weight, stats, needs, rms);
+        let l = Layout::contiguous(x.1.shape());
+        self.write_into(acc, &l, &gx, &l, true);
+        (gw, gb)
+    }
     /// Cross-entropy of logits `[rows, c]`: the mean loss over counted rows (0-dim, rounded
     /// once into `E`), the row statistics for backward, and the number of counted rows.
     fn cross_entropy<E: Precision>(

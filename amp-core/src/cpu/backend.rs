@@ -70,6 +70,53 @@ pub(crate) fn view<'a, E: Precision>(s: &'a [E], l: &Layout) -> Contiguous<'a, E
     }
 }
 
+/// The backward of an f32 norm whose output was f16 or bf16 (`layer_norm_to`), reading the
+/// gradient `g` as it is (no cast pass): the input's gradient written into `gx`, or with
+/// `ADD` added into it; returns the weight's and bias's gradients, or `None` (nothing done)
+/// for any other pair of precisions.
+#[allow(clippy::too_many_arguments)]
+fn norm_backward_f32<E: Precision, O: Precision, const ADD: bool>(
+    x: (&Storage<E>, &Layout),
+    g: (&Storage<O>, &Layout),
+    d: usize,
+    weight: Option<(&Storage<E>, &Layout)>,
+    stats: &RowStats<E::Acc>,
+    needs: (bool, bool),
+    rms: bool,
+    gx: &mut [f32],
+) -> Option<(Option<Storage<E>>, Option<Storage<E>>)> {
+    let RowStats::Norm(st) = stats else { unreachable!("norm backward with cross-entropy statistics") };
+    let (xs, gs, ws) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
+    let xf = as_same::<E, f32>(&xs)?;
+    fn rows<O: Precision<Acc = f32>, const ADD: bool>(
+        (x, g, d, w): (&[f32], &[O], usize, Option<&[f32]>),
+        st: &norm::NormStats<f32>,
+        needs: (bool, bool),
+        rms: bool,
+        gx: &mut [f32],
+    ) -> (Option<Vec<f32>>, Option<Vec<f32>>) {
+        if rms {
+            norm::backward::<f32, O, true, ADD>(x, g, d, w, st, needs, gx)
+        } else {
+            norm::backward::<f32, O, false, ADD>(x, g, d, w, st, needs, gx)
+        }
+    }
+    let wf = ws.as_deref().map(|w| as_same::<E, f32>(w).expect("the weight is in the input's precision"));
+    let st = st.to::<f32>();
+    let into = if ADD { "_into" } else { "" };
+    let (gw, gb) = if let Some(g) = as_same::<O, bf16>(&gs) {
+        profiled!(f32, "{}_norm_to_bf16_bwd{into}", if rms { "rms" } else { "layer" });
+        rows::<_, ADD>((xf, g, d, wf), &st, needs, rms, gx)
+    } else if let Some(g) = as_same::<O, f16>(&gs) {
+        profiled!(f32, "{}_norm_to_f16_bwd{into}", if rms { "rms" } else { "layer" });
+        rows::<_, ADD>((xf, g, d, wf), &st, needs, rms, gx)
+    } else {
+        return None;
+    };
+    let back = |v: Vec<f32>| store(super::convert_par::<f32, E>(&v));
+    Some((gw.map(back), gb.map(back)))
+}
+
 fn store<E: Precision>(v: Vec<E>) -> Storage<E> {
     Arc::new(PooledVec::from(v))
 }
@@ -530,9 +577,9 @@ impl Device for Cpu {
         let (x, g, w) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
         let mut gx = alloc::take::<E>(x.len()); // every row is stored
         let (gw, gb) = if rms {
-            norm::backward::<E, E, true>(&x, &g, d, w.as_deref(), stats, needs, &mut gx)
+            norm::backward::<E, E, true, false>(&x, &g, d, w.as_deref(), stats, needs, &mut gx)
         } else {
-            norm::backward::<E, E, false>(&x, &g, d, w.as_deref(), stats, needs, &mut gx)
+            norm::backward::<E, E, false, false>(&x, &g, d, w.as_deref(), stats, needs, &mut gx)
         };
         (store(gx), gw.map(store), gb.map(store))
     }
@@ -593,45 +640,36 @@ impl Device for Cpu {
         needs: (bool, bool),
         rms: bool,
     ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
-        let unfused = || {
-            let ge = self.cast::<O, E>(g.0, g.1);
-            self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms)
-        };
-        let RowStats::Norm(st) = stats else { unreachable!("norm backward with cross-entropy statistics") };
-        let (xs, gs, ws) = (view(x.0, x.1), view(g.0, g.1), view_opt(weight));
-        let mut gx = alloc::take::<E>(xs.len()); // every row is stored
-        let (Some(xf), Some(gxf)) = (as_same::<E, f32>(&xs), as_same_mut::<E, f32>(&mut gx)) else {
-            drop(gx);
-            return unfused();
-        };
-        // The f32 norm's backward reading the f16 or bf16 gradient as it is (no cast pass).
-        fn rows<O: Precision<Acc = f32>>(
-            (x, g, d, w): (&[f32], &[O], usize, Option<&[f32]>),
-            st: &norm::NormStats<f32>,
-            needs: (bool, bool),
-            rms: bool,
-            gx: &mut [f32],
-        ) -> (Option<Vec<f32>>, Option<Vec<f32>>) {
-            if rms {
-                norm::backward::<f32, O, true>(x, g, d, w, st, needs, gx)
-            } else {
-                norm::backward::<f32, O, false>(x, g, d, w, st, needs, gx)
-            }
+        let mut gx = alloc::take::<E>(x.1.numel()); // every row is stored
+        if let Some(gx32) = as_same_mut::<E, f32>(&mut gx)
+            && let Some((gw, gb)) = norm_backward_f32::<E, O, false>(x, g, d, weight, stats, needs, rms, gx32)
+        {
+            return (store(gx), gw, gb);
         }
-        let wf = ws.as_deref().map(|w| as_same::<E, f32>(w).expect("the weight is in the input's precision"));
-        let st = st.to::<f32>();
-        let (gw, gb) = if let Some(g) = as_same::<O, bf16>(&gs) {
-            profiled!(f32, "{}_norm_to_bf16_bwd", if rms { "rms" } else { "layer" });
-            rows((xf, g, d, wf), &st, needs, rms, gxf)
-        } else if let Some(g) = as_same::<O, f16>(&gs) {
-            profiled!(f32, "{}_norm_to_f16_bwd", if rms { "rms" } else { "layer" });
-            rows((xf, g, d, wf), &st, needs, rms, gxf)
-        } else {
-            drop(gx);
-            return unfused();
-        };
-        let back = |v: Vec<f32>| store(super::convert_par::<f32, E>(&v));
-        (store(gx), gw.map(back), gb.map(back))
+        drop(gx);
+        let ge = self.cast::<O, E>(g.0, g.1);
+        self.norm_backward(x, (&ge, &Layout::contiguous(g.1.shape())), d, weight, stats, needs, rms)
+    }
+    fn norm_backward_into<E: Precision, O: Precision>(
+        &self,
+        x: (&Storage<E>, &Layout),
+        g: (&Storage<O>, &Layout),
+        d: usize,
+        weight: Option<(&Storage<E>, &Layout)>,
+        stats: &RowStats<E::Acc>,
+        needs: (bool, bool),
+        rms: bool,
+        acc: &mut Storage<E>,
+    ) -> (Option<Storage<E>>, Option<Storage<E>>) {
+        if let Some(acc32) = as_same_mut::<E, f32>(exclusive(acc))
+            && let Some(grads) = norm_backward_f32::<E, O, true>(x, g, d, weight, stats, needs, rms, acc32)
+        {
+            return grads;
+        }
+        let (gx, gw, gb) = self.norm_backward_from(x, g, d, weight, stats, needs, rms);
+        let l = Layout::contiguous(x.1.shape());
+        self.write_into(acc, &l, &gx, &l, true);
+        (gw, gb)
     }
     fn causal_attention<E: Precision>(
         &self,

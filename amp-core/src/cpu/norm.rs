@@ -114,8 +114,9 @@ pub(crate) fn forward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool>
 /// layer norm `dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂))`, RMS norm
 /// `dx = rstd * (ĝ - x̂ * mean(ĝ * x̂))`; `dw = sum_rows(g * x̂)`, `db = sum_rows(g)`. The output
 /// gradient `g` is in the forward's output precision `O`, read as it is (no cast pass); the
-/// input's gradient goes into `gx`.
-pub(crate) fn backward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool>(
+/// input's gradient goes into `gx`, or with `ADD` is added into it (f32 and f64: each element
+/// `gx + dx` rounded once, as a separate add would, without its pass over memory).
+pub(crate) fn backward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool, const ADD: bool>(
     x: &[E],
     g: &[O],
     d: usize,
@@ -125,6 +126,8 @@ pub(crate) fn backward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool
     gx: &mut [E],
 ) -> (Option<Vec<E>>, Option<Vec<E>>) {
     assert_eq!(x.len(), gx.len());
+    // Adding reads `gx` in place: only where it is in the accumulation type.
+    assert!(!ADD || E::as_acc(gx).is_some(), "a norm backward adds into f32 or f64 only");
     let wa = load_opt(w);
     let inv_d = E::Acc::c(1.0 / d as f64);
     let partials = par_rows(
@@ -173,7 +176,8 @@ pub(crate) fn backward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool
                     #[inline(always)]
                     |o| {
                         for ((o, h), xh) in o.iter_mut().zip(&bh).zip(&bx) {
-                            *o = rstd * (*h - mean_gh - *xh * mean_ghx);
+                            let v = rstd * (*h - mean_gh - *xh * mean_ghx);
+                            *o = if ADD { *o + v } else { v };
                         }
                     },
                 );

@@ -2,6 +2,7 @@
 //! kernels (the device's `norm` and `norm_backward`): statistics in `E::Acc`, one rounding, gradients for the input,
 //! the weight and the bias from one backward pass.
 
+use crate::autograd::AnyTensor;
 use crate::backend::Device;
 use crate::error::{Error, Result, or_panic};
 use crate::precision::Precision;
@@ -53,14 +54,18 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         let d = self.check_norm(op, weight, bias, eps)?;
         let (y, stats) = self.device.norm(self.raw(), d, weight.map(Tensor::raw), bias.map(Tensor::raw), eps, RMS);
         let out = self.output(y, self.shape());
-        Ok(self.record_norm(op, out, weight, bias, move |x, g, w, needs| {
-            x.device.norm_backward(x.raw(), g.raw(), d, w, &stats, needs, RMS)
+        Ok(self.record_norm(op, out, weight, bias, false, move |x, g, w, needs, _into| {
+            let (gx, gw, gb) = x.device.norm_backward(x.raw(), g.raw(), d, w, &stats, needs, RMS);
+            (Some(gx), gw, gb)
         }))
     }
 
     /// Records a norm's backward on its output `out` (of any precision `O`): `backward(x, g,
-    /// weight, (weight needed, bias needed))` gives the input's gradient and the weight's and
-    /// bias's where asked.
+    /// weight, (weight needed, bias needed), into)` gives the input's gradient (`None` when it
+    /// added it `into` the buffer given) and the weight's and bias's where asked. With `adds`,
+    /// the input's gradient so far, when its buffer is this tensor's alone, is handed to
+    /// `backward` to add into (the residual stream's norms: the skip connection's gradient
+    /// arrives first); otherwise it is `None` and the engine adds.
     #[allow(clippy::type_complexity)]
     fn record_norm<O: Precision>(
         &self,
@@ -68,12 +73,14 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         out: Tensor<O, D>,
         weight: Option<&Tensor<E, D>>,
         bias: Option<&Tensor<E, D>>,
+        adds: bool,
         backward: impl Fn(
             &Tensor<E, D>,
             &Tensor<O, D>,
             Option<(&D::Storage<E>, &crate::layout::Layout)>,
             (bool, bool),
-        ) -> (D::Storage<E>, Option<D::Storage<E>>, Option<D::Storage<E>>)
+            Option<&mut D::Storage<E>>,
+        ) -> (Option<D::Storage<E>>, Option<D::Storage<E>>, Option<D::Storage<E>>)
         + Send
         + Sync
         + 'static,
@@ -85,13 +92,37 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         }
         let (xs, ws, d) = (self.detach(), weight.map(Tensor::detach), self.shape()[self.rank() - 1]);
         let parents = vec![self.node.clone(), weight.and_then(|w| w.node.clone()), bias.and_then(|b| b.node.clone())];
-        out.record(op, parents, move |g| {
-            let (gx, gw, gb) = backward(&xs, &g, ws.as_ref().map(Tensor::raw), (needs.1, needs.2));
-            vec![
-                needs.0.then(|| xs.output(gx, xs.shape()).into()),
-                gw.map(|v| xs.output(v, &[d]).into()),
-                gb.map(|v| xs.output(v, &[d]).into()),
-            ]
+        let affine = move |xs: &Tensor<E, D>, gw: Option<D::Storage<E>>, gb: Option<D::Storage<E>>| {
+            [gw.map(|v| xs.output(v, &[d]).into()), gb.map(|v| xs.output(v, &[d]).into())]
+        };
+        if !(adds && needs.0) {
+            return out.record(op, parents, move |g| {
+                let (gx, gw, gb) = backward(&xs, &g, ws.as_ref().map(Tensor::raw), (needs.1, needs.2), None);
+                let gx = needs.0.then(|| xs.output(gx.expect("the input's gradient"), xs.shape()).into());
+                let [gw, gb] = affine(&xs, gw, gb);
+                vec![gx, gw, gb]
+            });
+        }
+        out.record_into(op, parents, move |g, acc| {
+            let w = ws.as_ref().map(Tensor::raw);
+            let acc = acc.map(|a| a.downcast::<E>().expect("autograd invariant: a norm's input gradient precision"));
+            let (total, gw, gb) = match acc {
+                Some(mut acc) if crate::autograd::owns_whole(&acc) => {
+                    let (_, gw, gb) = backward(&xs, &g, w, (needs.1, needs.2), Some(&mut acc.storage));
+                    (acc.into(), gw, gb)
+                }
+                acc => {
+                    let (gx, gw, gb) = backward(&xs, &g, w, (needs.1, needs.2), None);
+                    let gx: AnyTensor<D> = xs.output(gx.expect("the input's gradient"), xs.shape()).into();
+                    let total = match acc {
+                        Some(acc) => crate::autograd::accumulate(acc.into(), gx),
+                        None => gx,
+                    };
+                    (total, gw, gb)
+                }
+            };
+            let [gw, gb] = affine(&xs, gw, gb);
+            vec![Some(total), gw, gb]
         })
     }
 
@@ -140,8 +171,17 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         let (w, b) = (weight.map(Tensor::raw), bias.map(Tensor::raw));
         let (y, stats) = self.device.norm_to::<E, O>(self.raw(), d, w, b, eps, false);
         let out = self.output(y, self.shape());
-        Ok(self.record_norm(op, out, weight, bias, move |x, g, w, needs| {
-            x.device.norm_backward_from(x.raw(), g.raw(), d, w, &stats, needs, false)
+        // The residual stream's norm: its input's gradient is added into the skip
+        // connection's as the backward writes it.
+        Ok(self.record_norm(op, out, weight, bias, true, move |x, g, w, needs, into| match into {
+            Some(acc) => {
+                let (gw, gb) = x.device.norm_backward_into(x.raw(), g.raw(), d, w, &stats, needs, false, acc);
+                (None, gw, gb)
+            }
+            None => {
+                let (gx, gw, gb) = x.device.norm_backward_from(x.raw(), g.raw(), d, w, &stats, needs, false);
+                (Some(gx), gw, gb)
+            }
         }))
     }
     /// [`Tensor::try_layer_norm_to`]; panics on a weight/bias shape mismatch or a bad `eps`.

@@ -665,7 +665,7 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     /// a residual stream, whose gradient the skip connection has already delivered. This
     /// default computes the gradient and adds it; a backend adds as it writes (the CPU does
     /// where it fuses `norm_backward_from`).
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn norm_backward_into<E: Precision, O: Precision>(
         &self,
         x: (&Self::Storage<E>, &Layout),

@@ -74,7 +74,7 @@ pub(crate) fn view<'a, E: Precision>(s: &'a [E], l: &Layout) -> Contiguous<'a, E
 /// gradient `g` as it is (no cast pass): the input's gradient written into `gx`, or with
 /// `ADD` added into it; returns the weight's and bias's gradients, or `None` (nothing done)
 /// for any other pair of precisions.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn norm_backward_f32<E: Precision, O: Precision, const ADD: bool>(
     x: (&Storage<E>, &Layout),
     g: (&Storage<O>, &Layout),

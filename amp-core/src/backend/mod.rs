@@ -71,6 +71,26 @@ pub(crate) fn add_cast_by_ops<D: Device, E: Precision, O: Precision>(
     dev.binary(crate::ops::binary::Add, a, (&cast, &Layout::contiguous(b.1.shape())), shape)
 }
 
+/// [`Device::norm_backward_into`] as two ops: the norm's backward, then its input gradient
+/// added into `acc` ([`Device::write_into`]).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub(crate) fn norm_backward_into_by_ops<D: Device, E: Precision, O: Precision>(
+    dev: &D,
+    x: (&D::Storage<E>, &Layout),
+    g: (&D::Storage<O>, &Layout),
+    d: usize,
+    weight: Option<(&D::Storage<E>, &Layout)>,
+    stats: &D::RowStats<E>,
+    needs: (bool, bool),
+    rms: bool,
+    acc: &mut D::Storage<E>,
+) -> (Option<D::Storage<E>>, Option<D::Storage<E>>) {
+    let (gx, gw, gb) = dev.norm_backward_from(x, g, d, weight, stats, needs, rms);
+    let l = Layout::contiguous(x.1.shape());
+    dev.write_into(acc, &l, &gx, &l, true);
+    (gw, gb)
+}
+
 /// An elementwise function of one input and its derivative: the op's value carries both
 /// halves, the Rust expression (CPU, in the accumulation type `A`) and the CUDA C expression.
 ///
@@ -663,8 +683,8 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     /// gradient so far: contiguous, of the input's shape, owned alone), each element rounded
     /// once as the separate add would; returns the weight's and bias's gradients. The norm of
     /// a residual stream, whose gradient the skip connection has already delivered. This
-    /// default computes the gradient and adds it; a backend adds as it writes (the CPU does
-    /// where it fuses `norm_backward_from`).
+    /// default computes the gradient and adds it ([`norm_backward_into_by_ops`]); a backend
+    /// adds as it writes (the CPU does where it fuses `norm_backward_from`).
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn norm_backward_into<E: Precision, O: Precision>(
         &self,
@@ -677,10 +697,7 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         rms: bool,
         acc: &mut Self::Storage<E>,
     ) -> (Option<Self::Storage<E>>, Option<Self::Storage<E>>) {
-        let (gx, gw, gb) = self.norm_backward_from(x, g, d, weight, stats, needs, rms);
-        let l = Layout::contiguous(x.1.shape());
-        self.write_into(acc, &l, &gx, &l, true);
-        (gw, gb)
+        norm_backward_into_by_ops(self, x, g, d, weight, stats, needs, rms, acc)
     }
     /// Cross-entropy of logits `[rows, c]`: the mean loss over counted rows (0-dim, rounded
     /// once into `E`), the row statistics for backward, and the number of counted rows.

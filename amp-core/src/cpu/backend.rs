@@ -666,10 +666,7 @@ impl Device for Cpu {
         {
             return grads;
         }
-        let (gx, gw, gb) = self.norm_backward_from(x, g, d, weight, stats, needs, rms);
-        let l = Layout::contiguous(x.1.shape());
-        self.write_into(acc, &l, &gx, &l, true);
-        (gw, gb)
+        crate::backend::norm_backward_into_by_ops(self, x, g, d, weight, stats, needs, rms, acc)
     }
     fn causal_attention<E: Precision>(
         &self,

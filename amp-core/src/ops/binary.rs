@@ -117,6 +117,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// the types say which side is cast). Derivatives: `g`, and `g` cast into `rhs`'s precision.
     pub fn try_add_cast<O: Precision>(&self, rhs: &Tensor<O, D>) -> Result<Self> {
         let shape = broadcast_shapes("add_cast", self.shape(), rhs.shape())?;
+        if O::DTYPE == E::DTYPE {
+            return self.try_add(&rhs.cast::<E>()); // no cast to fuse (this `cast` moves)
+        }
         let out = self.output(self.device.add_cast(self.raw(), rhs.raw(), &shape), &shape);
         if !self.requires_grad() && !rhs.requires_grad() {
             return Ok(out);

@@ -467,6 +467,10 @@ fn norms<E: Precision>() {
         1e-5
     ));
     check!(E, "layer_norm (parallel)", ONCE, [randn(&[80, 1000], 73)], |t| t[0].layer_norm(None, None, 1e-5));
+    // An odd number of rows: the forward normalises rows two at a time.
+    check!(E, "layer_norm odd rows", ONCE, [randn(&[7, 37], 77).mul_scalar(3.0)], |t| t[0]
+        .layer_norm(None, None, 1e-5));
+    check!(E, "rms_norm odd rows", ONCE, [randn(&[7, 37], 78)], |t| t[0].rms_norm(None, 1e-6));
     check!(E, "rms_norm", ONCE, [x.clone()], |t| t[0].rms_norm(None, 1e-6));
     check!(E, "rms_norm weight", ONCE, [x.clone(), w.clone()], |t| t[0].rms_norm(Some(&t[1]), 1e-6));
     check_grad!(E, "layer_norm", ONCE, [x.clone(), w.clone(), b.clone()], |t| t[0].layer_norm(

@@ -6,7 +6,7 @@
 //! the input gradient row by row and the weight and bias gradients as per-task partial sums
 //! added in task order (deterministic for any thread count).
 
-use super::rows::{dot, par_rows, sum_map};
+use super::rows::{dot, par_rows, sum_and_dot, sum_map2};
 use super::{acc_in, acc_out};
 use crate::precision::{Accum, Precision};
 use num_traits::{Float, One, Zero};
@@ -85,22 +85,28 @@ pub(crate) fn forward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool>
         d,
         #[inline(always)]
         |r0, chunk| {
-            let (mut buf, mut by) = (vec![E::Acc::default(); d], vec![E::Acc::default(); d]);
+            let [mut b0, mut b1, mut by] = std::array::from_fn(|_| vec![E::Acc::default(); d]);
             let mut st = Vec::with_capacity(chunk.len() / d);
-            for (k, y) in chunk.chunks_mut(d).enumerate() {
-                let r = r0 + k;
+            // Two rows at a time: their statistics' sums interleaved (`sum_map2`), the same
+            // bits as one row at a time.
+            for (k, ys) in chunk.chunks_mut(2 * d).enumerate() {
+                let r = r0 + 2 * k;
                 // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
-                let xa = acc_in(&x[r * d..(r + 1) * d], &mut buf);
-                let mean = if RMS { E::Acc::zero() } else { sum_map(xa, |v| v) * inv_d };
-                let var = sum_map(xa, |v| (v - mean) * (v - mean)) * inv_d;
-                let rstd = E::Acc::one() / (var + eps).sqrt();
-                st.push((mean, rstd));
-                acc_out(
-                    y,
-                    &mut by,
-                    #[inline(always)]
-                    |y| normalize(xa, y, mean, rstd, wa.as_deref(), ba.as_deref()),
-                );
+                let x0 = acc_in(&x[r * d..(r + 1) * d], &mut b0);
+                let x1 = if ys.len() == 2 * d { acc_in(&x[(r + 1) * d..(r + 2) * d], &mut b1) } else { x0 };
+                let (m0, m1) = if RMS { (E::Acc::zero(), E::Acc::zero()) } else { sum_map2(x0, |v| v, x1, |v| v) };
+                let (m0, m1) = (m0 * inv_d, m1 * inv_d);
+                let (v0, v1) = sum_map2(x0, |v| (v - m0) * (v - m0), x1, |v| (v - m1) * (v - m1));
+                for ((xa, y), (mean, var)) in [x0, x1].into_iter().zip(ys.chunks_mut(d)).zip([(m0, v0), (m1, v1)]) {
+                    let rstd = E::Acc::one() / (var * inv_d + eps).sqrt();
+                    st.push((mean, rstd));
+                    acc_out(
+                        y,
+                        &mut by,
+                        #[inline(always)]
+                        |y| normalize(xa, y, mean, rstd, wa.as_deref(), ba.as_deref()),
+                    );
+                }
             }
             st
         },
@@ -168,8 +174,12 @@ pub(crate) fn backward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool
                     }
                     None => bh.copy_from_slice(ga),
                 }
-                let mean_gh = if RMS { E::Acc::zero() } else { sum_map(&bh, |v| v) * inv_d };
-                let mean_ghx = dot(&bh, &bx) * inv_d;
+                let (mean_gh, mean_ghx) = if RMS {
+                    (E::Acc::zero(), dot(&bh, &bx) * inv_d)
+                } else {
+                    let (s, sx) = sum_and_dot(&bh, &bx);
+                    (s * inv_d, sx * inv_d)
+                };
                 acc_out(
                     out,
                     &mut bo,

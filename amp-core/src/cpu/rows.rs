@@ -123,6 +123,30 @@ pub(crate) fn sum_map<A: Accum>(x: &[A], f: impl Fn(A) -> A) -> A {
     super::combine_lanes(lanes, s)
 }
 
+/// [`sum_map`] of two buffers of one length at once: the same two sums, bit for bit, with
+/// their two dependency chains interleaved (a row's sum is bound by its adds' latency, not
+/// their throughput).
+#[inline(always)]
+pub(crate) fn sum_map2<A: Accum>(x: &[A], fx: impl Fn(A) -> A, y: &[A], fy: impl Fn(A) -> A) -> (A, A) {
+    assert_eq!(x.len(), y.len());
+    let (mut lx, mut ly) = ([A::zero(); 8], [A::zero(); 8]);
+    let (mut ix, mut iy) = (x.chunks_exact(8), y.chunks_exact(8));
+    for (cx, cy) in (&mut ix).zip(&mut iy) {
+        for i in 0..8 {
+            lx[i] += fx(cx[i]);
+            ly[i] += fy(cy[i]);
+        }
+    }
+    let (mut sx, mut sy) = (A::zero(), A::zero());
+    for v in ix.remainder() {
+        sx += fx(*v);
+    }
+    for v in iy.remainder() {
+        sy += fy(*v);
+    }
+    (super::combine_lanes(lx, sx), super::combine_lanes(ly, sy))
+}
+
 /// `sum(a[i] * b[i])` with eight independent lanes (vectorisable).
 #[inline(always)]
 pub(crate) fn dot<A: Accum>(a: &[A], b: &[A]) -> A {
@@ -139,6 +163,27 @@ pub(crate) fn dot<A: Accum>(a: &[A], b: &[A]) -> A {
         s += *x * *y;
     }
     super::combine_lanes(lanes, s)
+}
+
+/// `(sum(a), dot(a, b))` in one loop: the bits of [`sum_map`] and [`dot`], their dependency
+/// chains interleaved.
+#[inline(always)]
+pub(crate) fn sum_and_dot<A: Accum>(a: &[A], b: &[A]) -> (A, A) {
+    debug_assert_eq!(a.len(), b.len());
+    let (mut ls, mut ld) = ([A::zero(); 8], [A::zero(); 8]);
+    let (mut ia, mut ib) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (ca, cb) in (&mut ia).zip(&mut ib) {
+        for i in 0..8 {
+            ls[i] += ca[i];
+            ld[i] += ca[i] * cb[i];
+        }
+    }
+    let (mut ss, mut sd) = (A::zero(), A::zero());
+    for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
+        ss += *x;
+        sd += *x * *y;
+    }
+    (super::combine_lanes(ls, ss), super::combine_lanes(ld, sd))
 }
 
 /// Max of a buffer (NaN wins, as in PyTorch), with eight lanes; `-inf` for an empty buffer.
@@ -166,6 +211,21 @@ pub(crate) fn exp_in_place<A: Accum>(x: &mut [A]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interleaved_sums_are_the_separate_sums_bit_for_bit() {
+        // Lengths with and without a remainder past the 8 lanes; magnitudes that round.
+        for n in [0, 5, 8, 37, 256] {
+            let x: Vec<f32> =
+                (0..n).map(|i| ((i * 7919) % 97) as f32 * 1.37e-3 - 0.05 + (i as f32).sin() * 1e4).collect();
+            let y: Vec<f32> = (0..n).map(|i| ((i * 104729) % 89) as f32 * -2.9e-2 + 1e-7 * i as f32).collect();
+            let (f, g) = (|v: f32| (v - 0.3) * (v - 0.3), |v: f32| v * 3.1);
+            let (a, b) = sum_map2(&x, f, &y, g);
+            assert_eq!((a.to_bits(), b.to_bits()), (sum_map(&x, f).to_bits(), sum_map(&y, g).to_bits()), "n = {n}");
+            let (s, d) = sum_and_dot(&x, &y);
+            assert_eq!((s.to_bits(), d.to_bits()), (sum_map(&x, |v| v).to_bits(), dot(&x, &y).to_bits()), "n = {n}");
+        }
+    }
 
     #[test]
     fn lane_sums_and_max() {

@@ -417,6 +417,15 @@ fn layer_norm_to_matches_the_norm_then_the_cast_bit_for_bit() {
     layer_norm_to_is_the_norm_then_the_cast::<f64, bf16>();
     let x = randn(&[2, 3], 132).cast::<f32>();
     assert!(x.try_layer_norm_to::<bf16>(Some(&randn(&[2], 133).cast::<f32>()), None, 1e-5).is_err(), "weight shape");
+    // A 1-D input that is also the norm's weight: its gradient gets the skip's, the norm's
+    // input gradient (added in the kernel) and the weight's (added by the engine after).
+    let x = randn(&[37], 134).cast::<f32>().requires_grad_();
+    let fused = x.add_cast(&x.layer_norm_to::<bf16>(Some(&x), None, 1e-5));
+    let chain = x.add(&x.layer_norm(Some(&x), None, 1e-5).cast::<bf16>().cast::<f32>());
+    assert_same_bits(&fused, &chain, "input as weight");
+    let h = randn(&[37], 135).cast::<f32>();
+    let (gf, gc) = (fused.mul(&h).sum_all().backward(), chain.mul(&h).sum_all().backward());
+    assert_same_bits(gf.get(&x).unwrap(), gc.get(&x).unwrap(), "input as weight: gradient");
 }
 
 /// `add_cast` gives the bits of `cast` then `add`, values and both gradients: same shapes

@@ -299,34 +299,27 @@ impl Device for Cpu {
     ) -> Storage<E> {
         profiled!(E, "add_cast_{}", O::DTYPE);
         // f16 and bf16 widen into f32 exactly: the add reads them as they are, in one pass.
-        let exact = E::DTYPE == DType::F32 && matches!(O::DTYPE, DType::F16 | DType::BF16);
-        if !exact {
-            return crate::backend::add_cast_by_ops(self, a, b, shape);
+        fn add<O: Precision<Acc = f32>>(a: (&[f32], &Layout), b: (&[O], &Layout), shape: &[usize], o: &mut [f32]) {
+            super::map_binary_into(
+                a.0,
+                a.1,
+                b.0,
+                b.1,
+                shape,
+                o,
+                #[inline(always)]
+                |x, y| x + y,
+            );
         }
+        let (Some(a32), true) = (as_same::<E, f32>(a.0), matches!(O::DTYPE, DType::F16 | DType::BF16)) else {
+            return crate::backend::add_cast_by_ops(self, a, b, shape);
+        };
         let mut out = alloc::take::<E>(shape.iter().product()); // every element is written
-        let (a32, o) = (as_same::<E, f32>(a.0).unwrap(), as_same_mut::<E, f32>(&mut out).unwrap());
+        let o = as_same_mut::<E, f32>(&mut out).expect("the receiver is f32");
         if let Some(b16) = as_same::<O, bf16>(b.0) {
-            super::map_binary_into(
-                a32,
-                a.1,
-                b16,
-                b.1,
-                shape,
-                o,
-                #[inline(always)]
-                |x, y| x + y,
-            );
+            add((a32, a.1), (b16, b.1), shape, o);
         } else if let Some(h) = as_same::<O, f16>(b.0) {
-            super::map_binary_into(
-                a32,
-                a.1,
-                h,
-                b.1,
-                shape,
-                o,
-                #[inline(always)]
-                |x, y| x + y,
-            );
+            add((a32, a.1), (h, b.1), shape, o);
         }
         store(out)
     }

@@ -8,7 +8,7 @@
 
 use super::rows::{dot, exp_in_place, max_buf, par_rows, par_rows2, sum_map};
 use super::{BUF, acc_in, acc_out};
-use crate::precision::{Accum, Precision};
+use crate::precision::{Accum, DType, Precision};
 
 /// `log(sum(exp(row - m))) + m` for a row already in the accumulation type, where `m` is the
 /// row's max: the log-sum-exp, exact for rows with a large max. Always inlined: called inside a
@@ -272,6 +272,22 @@ fn softmax_backward_kept(y: &[f32], g: &[f32], l: usize, gx: &mut [f32]) {
     gx[l..].fill(0.0);
 }
 
+/// Rounds each of `s` into `E` and back (`E::store` into the scratch `t`, then `E::load`), so
+/// `s` holds what a chain that stores an `E` tensor there reads back. bf16 is rounded in
+/// place, in registers: the bits of the round trip without its narrowing and widening passes
+/// (the backward 10% faster on Zen 4).
+#[inline(always)]
+fn round_through<E: Precision<Acc = f32>>(s: &mut [f32], t: &mut [E]) {
+    match E::DTYPE {
+        DType::F32 => {}
+        DType::BF16 => s.iter_mut().for_each(|v| *v = E::from_acc(*v).to_acc()),
+        _ => {
+            E::store(s, t);
+            E::load(t, s);
+        }
+    }
+}
+
 /// About how many values the scaled, masked softmax converts per call (whole rows): enough to
 /// pay for a conversion call's dispatch, few enough for the f32 scratch rows to stay in L1
 /// (and small enough that the allocator never returns them to the system between tasks).
@@ -291,12 +307,17 @@ fn scaled_masked_rows<E: Precision<Acc = f32>>(
     t: &mut [E],
     s: &mut [f32],
 ) {
-    E::load(x, s);
-    for v in s.iter_mut() {
-        *v *= scale;
+    match E::DTYPE {
+        // Loaded, scaled and rounded in registers, one pass (a bf16 load is a shift).
+        DType::BF16 => s.iter_mut().zip(x).for_each(|(v, x)| *v = E::from_acc(x.to_acc() * scale).to_acc()),
+        _ => {
+            E::load(x, s);
+            for v in s.iter_mut() {
+                *v *= scale;
+            }
+            round_through(s, t);
+        }
     }
-    E::store(s, t);
-    E::load(t, s);
     for (i, row) in s.chunks_mut(d).enumerate() {
         mask.row(r0 + i).fill(row, f32::NEG_INFINITY);
     }
@@ -366,8 +387,7 @@ pub(crate) fn scaled_masked_backward<E: Precision<Acc = f32>>(
                     softmax_backward_kept(y, g, mask.kept(first / d + j), gx);
                 }
                 // The softmax's gradient rounded into `E`, the mask's zeros, then the scale.
-                E::store(gx, t);
-                E::load(t, gx);
+                round_through(gx, t);
                 for (j, row) in gx.chunks_mut(d).enumerate() {
                     mask.row(first / d + j).fill(row, 0.0);
                 }

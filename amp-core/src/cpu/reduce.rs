@@ -188,13 +188,27 @@ fn accumulate<E: Precision>(
     // 160-200 us). f16's conversion is only fast over a slice (F16C), so f16 and max keep
     // the buffer.
     let inline = kind == Reduce::Sum && E::DTYPE != DType::F16;
+    let row = |j: usize| &x[o * d * inner + j * inner + i0..][..n];
+    if inline {
+        // Four rows per pass over the accumulators, added in row order (the same bits as one
+        // row at a time) with one load and store of each accumulator instead of four: the
+        // bias gradient of `[2048, 1024]` bf16, 2 threads on Zen 4, 51-68 -> 43-44 us.
+        let mut j = rows.start;
+        while j + 4 <= rows.end {
+            let (r0, r1, r2, r3) = (row(j), row(j + 1), row(j + 2), row(j + 3));
+            for ((((a, v0), v1), v2), v3) in y.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3) {
+                *a = *a + v0.to_acc() + v1.to_acc() + v2.to_acc() + v3.to_acc();
+            }
+            j += 4;
+        }
+        for j in j..rows.end {
+            y.iter_mut().zip(row(j)).for_each(|(a, v)| *a += v.to_acc());
+        }
+        return;
+    }
     let mut buf = [E::Acc::default(); BUF];
     for j in rows {
-        let row = &x[o * d * inner + j * inner + i0..][..n];
-        if inline {
-            y.iter_mut().zip(row).for_each(|(a, v)| *a += v.to_acc());
-            continue;
-        }
+        let row = row(j);
         for (c, ys) in row.chunks(BUF).zip(y.chunks_mut(BUF)) {
             let b = &mut buf[..c.len()];
             E::load(c, b);
@@ -272,6 +286,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A sum over rows is, per column, each group of [`GROUP_ROWS`] rows added row after row
+    /// in f32 from zero, the groups' sums added in order, then scaled and rounded once: bit
+    /// for bit, for row counts that are and are not multiples of the four rows the inline sum
+    /// takes per pass, one group or several.
+    #[test]
+    fn sums_over_rows_add_each_group_row_by_row_bit_for_bit() {
+        fn check<E: Precision<Acc = f32>>() {
+            for (d, inner) in [(7, 33), (128, 40), (131, 17), (300, 64), (2, 5)] {
+                // Magnitudes spread over 2^-12..2^12, so a different order of the adds would
+                // round differently.
+                let x: Vec<E> = (0..d * inner)
+                    .map(|i| {
+                        let k = (i * 7919 + 13) % 10007;
+                        E::from_f64((k as f64 / 10007.0 - 0.4) * 2f64.powi((k % 25) as i32 - 12))
+                    })
+                    .collect();
+                let got = reduce_dim(&x, (1, d, inner), Reduce::Sum, 0.5);
+                for i in 0..inner {
+                    let mut total = 0f32;
+                    for (g, rows) in (0..d).collect::<Vec<_>>().chunks(GROUP_ROWS).enumerate() {
+                        let group = rows.iter().fold(0f32, |a, &j| a + x[j * inner + i].to_acc());
+                        total = if g == 0 { group } else { total + group };
+                    }
+                    let want = E::from_acc(total * 0.5);
+                    assert_eq!(
+                        got[i].to_f64().to_bits(),
+                        want.to_f64().to_bits(),
+                        "{} {d}x{inner} column {i}",
+                        E::DTYPE
+                    );
+                }
+            }
+        }
+        check::<bf16>();
+        check::<f32>();
     }
 
     /// A NaN in the third group of rows wins the max of its column, and only there.

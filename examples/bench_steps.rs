@@ -9,7 +9,8 @@
 //! cell's PyTorch time is taken right after ours (a Python process per cell), so a drift of
 //! the machine's speed during the run moves both sides of a ratio alike.
 //! `--profile` adds, after each cell's timed steps, a table of where 3 more steps spent their
-//! time, kernel by kernel (`amp::profile`), with the time outside any kernel.
+//! time, kernel by kernel (`amp::profile`), with the time outside any kernel, and a line with
+//! the GEMMs' time a step and the time outside them (its share of the wall time).
 //! The run starts by naming the CPU (model, the SIMD and AMX flags it reports) and the kernels
 //! this build runs on it.
 //! `--fused-attention` runs W2's attention as the fused kernel (`Gpt::with_fused_attention`)
@@ -77,6 +78,10 @@ impl Timing {
     const SKIPPED: Timing = Timing { secs: f64::NAN, faults: f64::NAN, peak_bytes: 0, reserved_bytes: 0 };
 }
 
+/// The profile rows that are GEMMs (`matmul_bf16`, `linear_f32`, ...): what the time outside
+/// the GEMMs leaves out.
+const GEMM_KERNELS: [&str; 2] = ["matmul_", "linear_"];
+
 /// Steps `--profile` times after the timed ones.
 const PROFILED_STEPS: usize = 3;
 
@@ -125,7 +130,17 @@ fn time_steps<M: Params, K: LossScaler>(
             step(model);
         }
         let table = amp::profile::stop();
-        println!("\nProfile of {label}: {PROFILED_STEPS} more steps (times are totals over them)\n{table}\n");
+        println!("\nProfile of {label}: {PROFILED_STEPS} more steps (times are totals over them)\n{table}");
+        // Issue 13's measure: the GEMM kernels' share of the wall time, and the rest.
+        let gemms: f64 =
+            table.rows.iter().filter(|r| GEMM_KERNELS.iter().any(|k| r.name.starts_with(k))).map(|r| r.seconds).sum();
+        let (wall, per) = (table.wall_seconds, 1e3 / PROFILED_STEPS as f64);
+        println!(
+            "GEMMs {:.1} ms a step; outside the GEMMs {:.1} ms a step ({:.1}% of the wall time)\n",
+            gemms * per,
+            (wall - gemms) * per,
+            100.0 * (wall - gemms) / wall
+        );
     }
     let memory = amp::cpu_memory::memory_stats();
     Timing {

@@ -386,13 +386,18 @@ pub(crate) fn scaled_masked_backward<E: Precision<Acc = f32>>(
                 for (j, ((y, g), gx)) in y.chunks(d).zip(bg.chunks(d)).zip(gx.chunks_mut(d)).enumerate() {
                     softmax_backward_kept(y, g, mask.kept(first / d + j), gx);
                 }
-                // The softmax's gradient rounded into `E`, the mask's zeros, then the scale.
-                round_through(gx, t);
-                for (j, row) in gx.chunks_mut(d).enumerate() {
-                    mask.row(first / d + j).fill(row, 0.0);
+                // The softmax's gradient rounded into `E`, the mask's zeros, then the scale: a
+                // masked value is `0 * scale` (-0 for a negative scale), so the scale can come
+                // first, in the rounding's pass.
+                match E::DTYPE {
+                    DType::BF16 => gx.iter_mut().for_each(|v| *v = E::from_acc(*v).to_acc() * scale),
+                    _ => {
+                        round_through(gx, t);
+                        gx.iter_mut().for_each(|v| *v *= scale);
+                    }
                 }
-                for v in gx.iter_mut() {
-                    *v *= scale;
+                for (j, row) in gx.chunks_mut(d).enumerate() {
+                    mask.row(first / d + j).fill(row, 0.0 * scale);
                 }
                 E::store(gx, out);
             }

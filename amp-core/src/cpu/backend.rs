@@ -320,6 +320,8 @@ impl Device for Cpu {
             add((a32, a.1), (b16, b.1), shape, o);
         } else if let Some(h) = as_same::<O, f16>(b.0) {
             add((a32, a.1), (h, b.1), shape, o);
+        } else {
+            unreachable!("O is f16 or bf16 (checked above)");
         }
         store(out)
     }

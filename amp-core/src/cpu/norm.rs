@@ -93,6 +93,7 @@ pub(crate) fn forward<E: Precision, O: Precision<Acc = E::Acc>, const RMS: bool>
                 let r = r0 + 2 * k;
                 // f32 and f64 rows in place; f16 and bf16 rows through f32 scratch rows.
                 let x0 = acc_in(&x[r * d..(r + 1) * d], &mut b0);
+                // A task's odd last row pairs with itself; the zip below keeps one result.
                 let x1 = if ys.len() == 2 * d { acc_in(&x[(r + 1) * d..(r + 2) * d], &mut b1) } else { x0 };
                 let (m0, m1) = if RMS { (E::Acc::zero(), E::Acc::zero()) } else { sum_map2(x0, |v| v, x1, |v| v) };
                 let (m0, m1) = (m0 * inv_d, m1 * inv_d);

@@ -309,6 +309,9 @@ fn scaled_masked_softmax_is_the_chain<E: Precision>() {
     let rows = Mask::from_vec(vec![false, true, false, false], &[4, 1]);
     let cases: Vec<(Tensor<f64>, f64, Mask)> = vec![
         (randn(&[3, 2, 130, 130], 120), 0.125, Mask::causal(130)),
+        // A negative scale over masked tails the kernels skip: their gradient is the chain's
+        // `0 * scale`, -0.
+        (randn(&[2, 3, 40, 40], 127), -0.3, Mask::causal(40)),
         (randn(&[2, 4, 37], 121).mul_scalar(4.0), -0.7, pad),
         (randn(&[2, 4, 37], 122), 1.0, rows),
         (

@@ -405,7 +405,7 @@ pub(crate) fn scaled_masked_backward<E: Precision<Acc = f32>>(
 /// gradient loaded, and the softmax's gradient rounded and scaled, in registers; the masked
 /// tail is `0 * scale` (the chain's rounded zero times the scale, then the mask's fill), and
 /// of the tail only the gradient's bits are read, for that check. `out` is the rows from `r0`.
-/// (W2's backward in a step on Zen 4: 0.68-0.83x the time of the groups of rows f16 keeps,
+/// (W2's backward in a step on Zen 4: 0.60-0.83x the time of the groups of rows f16 keeps,
 /// whose whole rows go through F16C's slice conversions; the forward done the same way was no
 /// faster than its groups, bound by its exponentials, and was not kept.)
 #[inline(always)]

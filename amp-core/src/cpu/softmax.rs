@@ -256,6 +256,15 @@ fn softmax_kept(x: &[f32], l: usize, y: &mut [f32]) {
     tail.fill((f32::NEG_INFINITY - m).vexp() * inv);
 }
 
+/// Whether every value of a masked tail is finite: where one is not, the row's backward is
+/// computed whole (see [`softmax_backward_kept`]). A fold, not `all`: a loop with an early
+/// exit does not vectorise. Inlined into the dispatched row loops (the `amp` checks would
+/// dispatch and split into tasks again, for a row's tail).
+#[inline(always)]
+fn all_finite<E: Precision<Acc = f32>>(tail: &[E]) -> bool {
+    tail.iter().fold(true, |ok, v| ok & v.to_acc().is_finite())
+}
+
 /// [`row_backward`] of a softmax row `y` from [`softmax_kept`], computing the first `l` values
 /// only: the whole row's `sum(g * y)` gets exact zeros from the tail (`y` is 0 there) unless
 /// `g` is infinite or NaN there, when the whole row is computed. (`y`'s tail is NaN only in a
@@ -263,9 +272,7 @@ fn softmax_kept(x: &[f32], l: usize, y: &mut [f32]) {
 /// 0: the caller zeroes masked values anyway.
 #[inline(always)]
 fn softmax_backward_kept(y: &[f32], g: &[f32], l: usize, gx: &mut [f32]) {
-    // A fold, not `all`: a loop with an early exit does not vectorise.
-    let finite_tail = g[l..].iter().fold(true, |ok, v| ok & v.is_finite());
-    if l == y.len() || !finite_tail {
+    if l == y.len() || !all_finite(&g[l..]) {
         return row_backward::<f32, false>(y, g, gx);
     }
     row_backward::<f32, false>(&y[..l], &g[..l], &mut gx[..l]);
@@ -423,9 +430,7 @@ fn scaled_masked_backward_bf16_rows<E: Precision<Acc = f32>>(
     for (j, out) in out.chunks_mut(d).enumerate() {
         let (r, rows) = (r0 + j, (r0 + j) * d..(r0 + j + 1) * d);
         let (y, g) = (&probs[rows.clone()], &g[rows]);
-        let l = mask.kept(r);
-        // A fold, not `all`: a loop with an early exit does not vectorise.
-        let l = if g[l..].iter().fold(true, |ok, v| ok & v.to_acc().is_finite()) { l } else { d };
+        let l = if all_finite(&g[mask.kept(r)..]) { mask.kept(r) } else { d };
         let (bg, gx) = (&mut bg[..l], &mut gx[..l]);
         bg.iter_mut().zip(g).for_each(|(b, g)| *b = g.to_acc());
         row_backward::<f32, false>(&y[..l], bg, gx);

@@ -14,7 +14,21 @@ use divan::counter::ItemsCount;
 
 fn main() {
     amp_core::cpu_threads::init(0).expect("the first use of rayon's pool");
+    warm_up();
     divan::main();
+}
+
+/// Products for a quarter of a second before any measurement: divan times a benchmark from
+/// its first call, and on the 2-core VMs the first few tens of milliseconds of a process ran
+/// its products at half speed (Zen 5: the attention scores, measured first, at 244–365
+/// GFLOP/s in 7 of 9 runs and 664–671 in the others), while `bench_gemm.py`'s products run
+/// after PyTorch's import and three calls each.
+fn warm_up() {
+    let (a, b) = (randn::<bf16>(&[2048, 256], 0), randn::<bf16>(&[256, 1024], 1));
+    let start = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_millis(250) {
+        divan::black_box(a.matmul(&b));
+    }
 }
 
 fn randn<E: Precision>(shape: &[usize], seed: u64) -> Tensor<E> {

@@ -242,7 +242,7 @@ fn cpu_description() -> String {
 fn core_name(vendor: &str, family: u32, model: u32) -> Option<&'static str> {
     match (vendor, family, model) {
         ("AuthenticAMD", 25, 0x10..=0x1f | 0x60..=0x7f | 0xa0..=0xaf) => Some("Zen 4"),
-        ("AuthenticAMD", 25, 0x00..=0x0f | 0x20..=0x5f) => Some("Zen 3"),
+        ("AuthenticAMD", 25, 0x00..=0x0f | 0x20..=0x2f | 0x40..=0x5f) => Some("Zen 3"),
         ("AuthenticAMD", 26, _) => Some("Zen 5"),
         ("GenuineIntel", 6, 0x8f) => Some("Sapphire Rapids"),
         ("GenuineIntel", 6, 0xcf) => Some("Emerald Rapids"),

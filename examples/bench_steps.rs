@@ -217,8 +217,10 @@ fn w2_gemms<L: Precision>(steps: usize) -> (f64, f64) {
 /// The CPU's model name and the flags that decide which kernels run (from `/proc/cpuinfo`).
 fn cpu_description() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    // The first processor's value of the key `name` exactly ("model" is not "model name").
     let field = |name: &str| {
-        info.lines().find(|l| l.starts_with(name)).and_then(|l| l.split(':').nth(1)).unwrap_or("").trim().to_string()
+        let value = info.lines().filter_map(|l| l.split_once(':')).find(|(key, _)| key.trim() == name);
+        value.map_or("", |(_, v)| v.trim()).to_string()
     };
     let flags = field("flags");
     let wanted = ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"];

@@ -430,7 +430,8 @@ fn scaled_masked_backward_bf16_rows<E: Precision<Acc = f32>>(
     for (j, out) in out.chunks_mut(d).enumerate() {
         let (r, rows) = (r0 + j, (r0 + j) * d..(r0 + j + 1) * d);
         let (y, g) = (&probs[rows.clone()], &g[rows]);
-        let l = if all_finite(&g[mask.kept(r)..]) { mask.kept(r) } else { d };
+        let kept = mask.kept(r);
+        let l = if all_finite(&g[kept..]) { kept } else { d };
         let (bg, gx) = (&mut bg[..l], &mut gx[..l]);
         bg.iter_mut().zip(g).for_each(|(b, g)| *b = g.to_acc());
         row_backward::<f32, false>(&y[..l], bg, gx);

@@ -23,6 +23,14 @@
 //! - A norm's backward may add its input's gradient into that running sum as its kernel
 //!   writes it ([`Backward::FnInto`]): the residual stream's norms, whose input already has
 //!   the skip connection's gradient. The same one rounding per element as the separate add.
+//! - Where narrows tile a tensor and each reaches one op through views alone (W2's `q`, `k`
+//!   and `v`, each reshaped, `k` also transposed, each the operand of one product), that op
+//!   may write its operand's gradient straight into the tensor's gradient buffer
+//!   ([`Backward::FnDest`]): the engine allocates the buffer (in the tensor's memory order, as
+//!   the concatenation would lay it out) when the first such op asks, and follows each window
+//!   down the views to the layout the op writes. The same values as the concatenation: each
+//!   element is written once, by the product that computed it; a window whose gradient came
+//!   the usual way is copied in, and one that got none is zero.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -127,6 +135,30 @@ pub(crate) type BackwardFn<D> = Box<dyn Fn(AnyTensor<D>) -> Vec<Option<AnyTensor
 pub(crate) type BackwardIntoFn<D> =
     Box<dyn Fn(AnyTensor<D>, Option<AnyTensor<D>>) -> Vec<Option<AnyTensor<D>>> + Send + Sync>;
 
+/// A backward function that may write some parents' gradients into the destinations the
+/// engine offers ([`GradDests`]), returning `None` for those.
+pub(crate) type BackwardDestFn<D> =
+    Box<dyn Fn(AnyTensor<D>, &mut GradDests<'_, D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync>;
+
+/// How a view op's output layout follows from its input's (reshape, permute): what the engine
+/// applies to a narrow's window to follow it down to the op that reads the view.
+#[derive(Clone, Debug)]
+pub(crate) enum ViewOp {
+    /// [`Layout::reshaped`] to this shape.
+    Reshape(Vec<usize>),
+    /// [`Layout::permuted`] by this permutation.
+    Permute(Vec<usize>),
+}
+
+impl ViewOp {
+    fn apply(&self, l: &Layout) -> Option<Layout> {
+        match self {
+            ViewOp::Reshape(shape) => l.reshaped(shape),
+            ViewOp::Permute(perm) => Some(l.permuted(perm)),
+        }
+    }
+}
+
 /// How a node hands its gradient on to its parents.
 pub(crate) enum Backward<D: Device> {
     /// The general case: a closure from the output's gradient to one gradient per parent.
@@ -145,6 +177,10 @@ pub(crate) enum Backward<D: Device> {
     /// strides and the ops that made the parent as a view (W2's permute and reshape of `qkv`)
     /// pass it on without a copy.
     Window { dim: usize, start: usize, order: Option<Arc<[usize]>> },
+    /// [`Backward::Fn`] for an op that can write a parent's gradient into a view of a buffer
+    /// the engine owns, when the engine offers one ([`GradDests`]): a product whose operand is
+    /// a view of a narrow (module notes).
+    FnDest(BackwardDestFn<D>),
 }
 
 /// One recorded operation (or a leaf when `backward` is `None`).
@@ -156,6 +192,9 @@ pub(crate) struct Node<D: Device = Cpu> {
     pub(crate) parents: Vec<Option<Arc<Node<D>>>>,
     /// `None` for a leaf.
     pub(crate) backward: Option<Backward<D>>,
+    /// For a view op (its output shares its one parent's storage): how its layout follows
+    /// from the parent's.
+    pub(crate) view: Option<ViewOp>,
 }
 
 impl<D: Device> Node<D> {
@@ -167,6 +206,7 @@ impl<D: Device> Node<D> {
             shape: shape.to_vec(),
             parents: Vec::new(),
             backward: None,
+            view: None,
         })
     }
 }
@@ -358,9 +398,19 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
     // so windows that tile the parent exactly (q, k and v of one qkv) become one
     // concatenation instead of a zero fill and a write per window.
     let mut windows: HashMap<TensorId, Vec<Window<D>>> = HashMap::new();
+    // Tensors whose narrows' gradients may be written in place, and where (module notes).
+    let (mut tiled, dest_of) = plan_in_place(&order);
+    let dev = with_any!(&seed, t => t.device.clone());
     pending.insert(root.id, seed);
     let mut out = Grads::empty();
     for node in order.iter().rev() {
+        if let Some(t) = tiled.remove(&node.id)
+            && t.buf.is_some()
+        {
+            // Every contribution to this tensor's gradient is one of its narrows' (the plan).
+            let arrived = windows.remove(&node.id).unwrap_or_default();
+            pending.insert(node.id, t.finish(&dev, arrived));
+        }
         if let Some(ws) = windows.remove(&node.id) {
             let acc = pending.remove(&node.id);
             pending.insert(node.id, add_windows(acc, ws, node));
@@ -373,6 +423,22 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
         };
         let (parent_grads, first_is_total) = match backward {
             Backward::Fn(f) => (f(grad), false),
+            Backward::FnDest(f) => {
+                let slots = node.parents.iter().map(|p| p.as_ref().and_then(|p| dest_of.get(&p.id).cloned())).collect();
+                let mut dests = GradDests { slots, tiled: &mut tiled, dev: &dev };
+                let grads = f(grad, &mut dests);
+                for (i, slot) in dests.slots.iter().enumerate() {
+                    if let Some(d) = slot {
+                        let written = dests.tiled[&d.tensor].windows[d.window].written;
+                        assert!(
+                            !(written && grads[i].is_some()),
+                            "autograd invariant: {} backward wrote a gradient in place and returned it",
+                            node.op
+                        );
+                    }
+                }
+                (grads, false)
+            }
             Backward::FnInto(f) => {
                 let acc = node.parents[0].as_ref().and_then(|p| running_grad(&mut pending, &mut windows, p));
                 let grads = f(grad, acc);
@@ -425,6 +491,178 @@ fn running_grad<D: Device>(
         Some(ws) => Some(add_windows(acc, ws, node)),
         None => acc,
     }
+}
+
+// ---- narrows' gradients written in place -----------------------------------------------------
+
+/// A tensor whose narrows tile it and are its only consumers, each reaching one op through
+/// views (module notes): its gradient buffer, once an op asked for it, and its windows.
+struct Tiled<D: Device> {
+    dtype: DType,
+    /// The buffer's layout: the tensor's shape in its memory order.
+    layout: Layout,
+    buf: Option<AnyTensor<D>>,
+    windows: Vec<TiledWindow>,
+}
+
+struct TiledWindow {
+    dim: usize,
+    start: usize,
+    len: usize,
+    /// Whether an op wrote this window's gradient into the buffer.
+    written: bool,
+}
+
+/// Where an op may write its operand's gradient: window `window` of tensor `tensor`'s buffer,
+/// seen through the views between them as `layout`.
+#[derive(Clone)]
+pub(crate) struct Dest {
+    tensor: TensorId,
+    window: usize,
+    layout: Layout,
+}
+
+/// The destinations the engine offers one node's backward, one slot per parent
+/// ([`Backward::FnDest`]).
+pub(crate) struct GradDests<'a, D: Device> {
+    slots: Vec<Option<Dest>>,
+    tiled: &'a mut HashMap<TensorId, Tiled<D>>,
+    dev: &'a D,
+}
+
+impl<D: Device> GradDests<'_, D> {
+    /// Lets `write` fill parent `i`'s destination, every element of it (the storage and the
+    /// destination's layout in it); the backward then returns `None` for that parent.
+    /// Returns false, calling nothing, when no destination is offered for it.
+    pub(crate) fn write<E: Precision>(&mut self, i: usize, write: impl FnOnce(&mut D::Storage<E>, &Layout)) -> bool {
+        let Some(Some(d)) = self.slots.get(i) else { return false };
+        let t = self.tiled.get_mut(&d.tensor).expect("a destination's tensor is planned");
+        assert_eq!(t.dtype, E::DTYPE, "autograd invariant: gradient destination precision");
+        let (dev, layout) = (self.dev, &t.layout);
+        let buf = t.buf.get_or_insert_with(|| scratch(dev, t.dtype, layout.clone()));
+        let buf = buf.as_tensor_mut::<E>().expect("the buffer has the tensor's precision");
+        write(&mut buf.storage, &d.layout);
+        t.windows[d.window].written = true;
+        true
+    }
+}
+
+/// A tensor with `layout` whose values are not set yet: every element is written before the
+/// tensor is read.
+fn scratch<D: Device>(dev: &D, dtype: DType, layout: Layout) -> AnyTensor<D> {
+    fn typed<E: Precision, D: Device>(dev: &D, layout: Layout) -> AnyTensor<D> {
+        let storage = dev.scratch::<E>(layout.numel());
+        Tensor { storage, layout, node: None, device: dev.clone() }.into()
+    }
+    match dtype {
+        DType::F16 => typed::<f16, D>(dev, layout),
+        DType::BF16 => typed::<bf16, D>(dev, layout),
+        DType::F32 => typed::<f32, D>(dev, layout),
+        DType::F64 => typed::<f64, D>(dev, layout),
+    }
+}
+
+impl<D: Device> Tiled<D> {
+    /// The tensor's gradient: the buffer, with the windows no op wrote copied in from the
+    /// narrows' gradients that `arrived` the usual way, and zero where none did.
+    fn finish(self, dev: &D, arrived: Vec<Window<D>>) -> AnyTensor<D> {
+        let mut buf = self.buf.expect("finished only once allocated");
+        for w in self.windows.iter().filter(|w| !w.written) {
+            let mut window = self.layout.clone();
+            window.offset += w.start * window.strides[w.dim];
+            window.shape[w.dim] = w.len;
+            let g = arrived.iter().find(|a| a.dim == w.dim && a.start == w.start).map(|a| &a.grad);
+            with_any!(&mut buf, b => fill_window(dev, b, &window, g));
+        }
+        buf
+    }
+}
+
+/// Copies `g` (a narrow's gradient) into `window` of `buf`, or zeros where there is none.
+fn fill_window<E: Precision, D: Device>(dev: &D, buf: &mut Tensor<E, D>, window: &Layout, g: Option<&AnyTensor<D>>) {
+    match g {
+        Some(g) => {
+            let g = g.as_tensor::<E>().expect("a narrow's gradient has its tensor's precision");
+            dev.write_into(&mut buf.storage, window, &g.storage, &g.layout, false);
+        }
+        None => {
+            let zeros = dev.full::<E>(window.numel(), E::default());
+            dev.write_into(&mut buf.storage, window, &zeros, &Layout::contiguous(&window.shape), false);
+        }
+    }
+}
+
+/// Finds the tensors whose narrows' gradients may be written in place (module notes) and, for
+/// each node an op may write its gradient for, where: the last node of the views below each
+/// window, the one whose only consumer is that op.
+#[allow(clippy::type_complexity)] // the two maps the engine keeps
+fn plan_in_place<D: Device>(order: &[Arc<Node<D>>]) -> (HashMap<TensorId, Tiled<D>>, HashMap<TensorId, Dest>) {
+    let (mut tiled, mut dest_of) = (HashMap::new(), HashMap::new());
+    if !order.iter().any(|n| matches!(n.backward, Some(Backward::Window { .. }))) {
+        return (tiled, dest_of);
+    }
+    let mut children: HashMap<TensorId, Vec<&Arc<Node<D>>>> = HashMap::new();
+    for n in order {
+        for p in n.parents.iter().flatten() {
+            children.entry(p.id).or_default().push(n);
+        }
+    }
+    let only_child = |n: &Node<D>| match children.get(&n.id).map(Vec::as_slice) {
+        Some([c]) => Some(*c),
+        _ => None,
+    };
+    for p in order.iter().filter(|p| p.backward.is_some()) {
+        let Some(ch) = children.get(&p.id) else { continue };
+        // Every consumer a narrow of `p` along one dim, in one memory order, tiling it.
+        let mut spans = Vec::new();
+        let mut first_order = None;
+        for c in ch {
+            let Some(Backward::Window { dim, start, order }) = &c.backward else { break };
+            if *first_order.get_or_insert(order) != order || spans.first().is_some_and(|&(d, _, _)| d != *dim) {
+                break;
+            }
+            spans.push((*dim, *start, c.shape[*dim]));
+        }
+        if spans.len() != ch.len() {
+            continue;
+        }
+        let dim = spans[0].0;
+        let mut sorted: Vec<(usize, usize)> = spans.iter().map(|&(_, s, l)| (s, l)).collect();
+        sorted.sort_unstable();
+        let mut end = 0;
+        if !(sorted.iter().all(|&(s, l)| std::mem::replace(&mut end, s + l) == s) && end == p.shape[dim]) {
+            continue;
+        }
+        // The buffer in the memory order the concatenation would give it.
+        let identity: Vec<usize> = (0..p.shape.len()).collect();
+        let mem = first_order.and_then(|o| o.as_ref()).map_or(&identity[..], |o| &o[..]);
+        let mem_shape: Vec<usize> = mem.iter().map(|&d| p.shape[d]).collect();
+        let mut strides = vec![0; p.shape.len()];
+        for (&d, s) in mem.iter().zip(crate::layout::contiguous_strides(&mem_shape)) {
+            strides[d] = s;
+        }
+        let layout = Layout { shape: p.shape.clone(), strides, offset: 0 };
+        let mut windows = Vec::new();
+        for (wi, (c, &(dim, start, len))) in ch.iter().zip(&spans).enumerate() {
+            windows.push(TiledWindow { dim, start, len, written: false });
+            // Down the views below the window to the node whose only consumer is an op.
+            let mut l = layout.clone();
+            l.offset += start * l.strides[dim];
+            l.shape[dim] = len;
+            let mut node: &Node<D> = c;
+            while let Some(next) = only_child(node) {
+                match next.view.as_ref().and_then(|v| v.apply(&l)) {
+                    Some(nl) => (node, l) = (next, nl),
+                    None => {
+                        dest_of.insert(node.id, Dest { tensor: p.id, window: wi, layout: l });
+                        break;
+                    }
+                }
+            }
+        }
+        tiled.insert(p.id, Tiled { dtype: p.dtype, layout, buf: None, windows });
+    }
+    (tiled, dest_of)
 }
 
 // ---- gradient accumulation ------------------------------------------------------------------

@@ -12,7 +12,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::autograd::{AnyTensor, Backward, Grads, Node, TensorId, is_grad_enabled, run_backward};
+use crate::autograd::{AnyTensor, Backward, GradDests, Grads, Node, TensorId, ViewOp, is_grad_enabled, run_backward};
 use crate::backend::{Cpu, Device};
 use crate::error::{Error, Result, or_panic};
 use crate::layout::{Layout, check_dim, contiguous_strides};
@@ -258,6 +258,29 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         parents: Vec<Option<Arc<Node<D>>>>,
         backward: impl Fn(Tensor<E, D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync + 'static,
     ) -> Self {
+        self.record_fn(op, parents, backward, None)
+    }
+
+    /// [`Tensor::record`] for a view op (reshape, permute): `view` says how the output's layout
+    /// follows from its one parent's, so the engine can follow a gradient destination through
+    /// it ([`Backward::FnDest`]).
+    pub(crate) fn record_view(
+        self,
+        op: &'static str,
+        parent: Option<Arc<Node<D>>>,
+        view: ViewOp,
+        backward: impl Fn(Tensor<E, D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync + 'static,
+    ) -> Self {
+        self.record_fn(op, vec![parent], backward, Some(view))
+    }
+
+    fn record_fn(
+        self,
+        op: &'static str,
+        parents: Vec<Option<Arc<Node<D>>>>,
+        backward: impl Fn(Tensor<E, D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync + 'static,
+        view: Option<ViewOp>,
+    ) -> Self {
         if !records(&parents) {
             return self;
         }
@@ -265,7 +288,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
             let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
             backward(g)
         }));
-        self.record_node(op, parents, backward)
+        self.record_node(op, parents, backward, view)
     }
 
     /// [`Tensor::record`] for an op whose backward adds its first input's gradient into that
@@ -284,7 +307,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
             let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
             backward(g, acc)
         }));
-        self.record_node(op, parents, backward)
+        self.record_node(op, parents, backward, None)
     }
 
     /// Records `self` as entries `start..` of `dim` of `parent` (a narrow): the engine adds
@@ -295,10 +318,34 @@ impl<E: Precision, D: Device> Tensor<E, D> {
             return self;
         }
         let order = parent_layout.memory_order().map(Arc::from);
-        self.record_node("narrow", parents, Backward::Window { dim, start, order })
+        self.record_node("narrow", parents, Backward::Window { dim, start, order }, None)
     }
 
-    fn record_node(mut self, op: &'static str, parents: Vec<Option<Arc<Node<D>>>>, backward: Backward<D>) -> Self {
+    /// [`Tensor::record`] for an op whose backward may write a parent's gradient into a
+    /// destination the engine offers ([`Backward::FnDest`], [`GradDests`]).
+    pub(crate) fn record_dest(
+        self,
+        op: &'static str,
+        parents: Vec<Option<Arc<Node<D>>>>,
+        backward: impl Fn(Tensor<E, D>, &mut GradDests<'_, D>) -> Vec<Option<AnyTensor<D>>> + Send + Sync + 'static,
+    ) -> Self {
+        if !records(&parents) {
+            return self;
+        }
+        let backward = Backward::FnDest(Box::new(move |g: AnyTensor<D>, dests: &mut GradDests<'_, D>| {
+            let g = g.downcast::<E>().unwrap_or_else(|e| panic!("{op} backward: {e}"));
+            backward(g, dests)
+        }));
+        self.record_node(op, parents, backward, None)
+    }
+
+    fn record_node(
+        mut self,
+        op: &'static str,
+        parents: Vec<Option<Arc<Node<D>>>>,
+        backward: Backward<D>,
+        view: Option<ViewOp>,
+    ) -> Self {
         let node = Node {
             id: TensorId::fresh(),
             op,
@@ -306,6 +353,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
             shape: self.shape().to_vec(),
             parents,
             backward: Some(backward),
+            view,
         };
         self.node = Some(Arc::new(node));
         self
@@ -387,7 +435,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         };
         let out = Tensor { layout, node: None, ..src.clone() };
         let in_shape = self.shape().to_vec();
-        Ok(out.record("reshape", vec![src.node.clone()], move |g| vec![Some(g.reshape(&in_shape).into())]))
+        let backward = move |g: Tensor<E, D>| vec![Some(g.reshape(&in_shape).into())];
+        // A view of `src` either way (of a copy, when strides could not say it).
+        Ok(out.record_view("reshape", src.node.clone(), ViewOp::Reshape(shape.to_vec()), backward))
     }
     /// The same values with a new shape. Panics if the element count differs.
     #[track_caller]
@@ -446,9 +496,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         for (i, &p) in perm.iter().enumerate() {
             inverse[p] = i;
         }
-        Ok(self
-            .view(layout)
-            .record("permute", vec![self.node.clone()], move |g| vec![Some(g.permute(&inverse).into())]))
+        let backward = move |g: Tensor<E, D>| vec![Some(g.permute(&inverse).into())];
+        Ok(self.view(layout).record_view("permute", self.node.clone(), ViewOp::Permute(perm.to_vec()), backward))
     }
     /// Reorders dims: output dim `i` is input dim `perm[i]`.
     #[track_caller]

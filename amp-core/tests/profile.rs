@@ -53,9 +53,10 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     assert_eq!(again.rows[0].name, "cast_to_bf16_f32");
 
     // Attention's copies, forward and backward: q, k and v are views of one qkv (`reshape`
-    // of a narrow is a view), their gradients are concatenated in qkv's memory order (so
-    // the permute and reshape back are views too), and the one copy left is the heads'
-    // output put back in token order before the projection, as in PyTorch.
+    // of a narrow is a view), the products write their gradients straight into qkv's
+    // gradient buffer, in its memory order (so the permute and reshape back are views too,
+    // and nothing is concatenated), and the one copy left is the heads' output put back in
+    // token order before the projection, as in PyTorch.
     let mut rng = amp_core::Rng::seed(1);
     let attn = amp_core::nn::CausalSelfAttention::new(16, 2, 0.0, &mut rng).with_fused(false).unwrap();
     let x = Tensor::<f32>::randn(&[2, 8, 16], &mut rng).requires_grad_();
@@ -66,7 +67,8 @@ fn the_cpu_backend_times_each_call_under_its_kernel_name() {
     assert!(grads.get(&x).is_some() && grads.get(&attn.qkv.weight).is_some());
     let calls = |name: &str| table.rows.iter().find(|r| r.name == name).map(|r| r.calls);
     assert_eq!(calls("contiguous_f32"), Some(1), "{table}");
-    assert_eq!(calls("cat_f32"), Some(1), "the q, k and v gradients: {table}");
+    assert_eq!(calls("cat_f32"), None, "the q, k and v gradients are written in place: {table}");
+    assert_eq!(calls("write_into_f32"), None, "by the products themselves: {table}");
 
     // In bf16 the scores' scale, mask, f32 softmax and cast back are one kernel each way,
     // reading and writing bf16 only: no scale, mask, softmax or cast kernel of their own.

@@ -427,6 +427,12 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     fn from_host<E: Precision>(&self, data: Vec<E>) -> Self::Storage<E>;
     /// `n` elements equal to `value`.
     fn full<E: Precision>(&self, n: usize, value: E) -> Self::Storage<E>;
+    /// `n` elements whose values are unspecified, for a caller that writes every one before
+    /// reading any (autograd's buffer for narrows' gradients written in place). Zeros unless a
+    /// backend can skip the fill.
+    fn scratch<E: Precision>(&self, n: usize) -> Self::Storage<E> {
+        self.full(n, E::default())
+    }
     /// The view's values in row-major order, on the host.
     fn to_host<E: Precision>(&self, s: &Self::Storage<E>, l: &Layout) -> Vec<E>;
     /// A contiguous copy of the view.
@@ -544,6 +550,21 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
         b: (&Self::Storage<E>, &Layout),
         batch: &[usize],
     ) -> Self::Storage<E>;
+    /// [`Device::matmul`] written into the view `dst` of `out` (shape `[batch..., m, n]`;
+    /// every element of it written, nothing else touched): autograd's products writing an
+    /// operand's gradient straight into a narrowed tensor's gradient buffer. The product, then
+    /// a copy into the view, unless a backend writes the view directly.
+    fn matmul_into_view<E: Precision>(
+        &self,
+        a: (&Self::Storage<E>, &Layout),
+        b: (&Self::Storage<E>, &Layout),
+        batch: &[usize],
+        out: &mut Self::Storage<E>,
+        dst: &Layout,
+    ) {
+        let c = self.matmul(a, b, batch);
+        self.write_into(out, dst, &c, &Layout::contiguous(&dst.shape), false);
+    }
     /// `x wᵀ + bias` for `x: [rows, in]`, `w: [out, in]`, with the bias (contiguous `[out]`)
     /// added in the accumulator.
     fn linear<E: Precision>(

@@ -178,6 +178,9 @@ impl Device for Cpu {
         profiled!(E, "full");
         store(alloc::global().filled(n, value))
     }
+    fn scratch<E: Precision>(&self, n: usize) -> Storage<E> {
+        store(alloc::take::<E>(n)) // a pooled buffer, left as it is
+    }
     fn to_host<E: Precision>(&self, s: &Storage<E>, l: &Layout) -> Vec<E> {
         profiled!(E, "to_host");
         super::gather(s, l)
@@ -390,6 +393,17 @@ impl Device for Cpu {
     ) -> Storage<E> {
         profiled!(E, "matmul");
         store(matmul::matmul(a.0, a.1, b.0, b.1, batch))
+    }
+    fn matmul_into_view<E: Precision>(
+        &self,
+        a: (&Storage<E>, &Layout),
+        b: (&Storage<E>, &Layout),
+        batch: &[usize],
+        out: &mut Storage<E>,
+        dst: &Layout,
+    ) {
+        profiled!(E, "matmul");
+        matmul::matmul_into_view(a.0, a.1, b.0, b.1, batch, exclusive(out), dst)
     }
     fn linear<E: Precision>(
         &self,

@@ -129,6 +129,126 @@ fn matmul_into_with<E: Precision>(
     });
 }
 
+/// [`matmul`] written into the view `dst` of `out` (shape `[batch..., m, n]`, every element of
+/// it written, nothing else): autograd's products writing an operand's gradient straight into
+/// a narrowed tensor's gradient buffer (W2's `q`, `k` and `v`: rows `3 d` apart). Each product
+/// goes into a scratch block of this thread, in cache, and its rows are copied into the view
+/// at once: the same stores the product's own output would take. A view whose rows are not
+/// runs, or that could reach one element twice, takes the product and a strided copy instead.
+pub(crate) fn matmul_into_view<E: Precision>(
+    a: &[E],
+    la: &Layout,
+    b: &[E],
+    lb: &Layout,
+    batch: &[usize],
+    out: &mut [E],
+    dst: &Layout,
+) {
+    let r = dst.shape.len();
+    let (m, n) = (dst.shape[r - 2], dst.shape[r - 1]);
+    let (ra, rb) = (la.shape.len(), lb.shape.len());
+    let k = la.shape[ra - 1];
+    assert!(
+        dst.shape[..r - 2] == *batch && la.shape[ra - 2] == m && lb.shape[rb - 1] == n && lb.shape[rb - 2] == k,
+        "matmul_into_view: shapes"
+    );
+    let reach = one_to_one_reach(dst);
+    let fits = reach.is_some_and(|reach| dst.numel() == 0 || dst.offset + reach < out.len());
+    if !fits || (n > 1 && dst.strides[r - 1] != 1) {
+        let c = matmul(a, la, b, lb, batch);
+        return super::write_into(out, dst, &c, false);
+    }
+    if m * n == 0 {
+        return;
+    }
+    let ld = dst.strides[r - 2];
+    let nb: usize = batch.iter().product();
+    let offsets = batch_offsets(la, lb, batch);
+    // Where batch `i`'s matrix starts in `out`.
+    let base = |i: usize| {
+        let (mut at, mut rest) = (dst.offset, i);
+        for d in (0..batch.len()).rev() {
+            at += (rest % batch[d]) * dst.strides[d];
+            rest /= batch[d];
+        }
+        at
+    };
+    let out = SharedOut(out.as_mut_ptr());
+    let one = |i: usize, parallel: bool| {
+        let (oa, ob) = offsets(i);
+        let la1 = Layout { shape: vec![m, k], strides: la.strides[ra - 2..].to_vec(), offset: oa };
+        let lb1 = Layout { shape: vec![k, n], strides: lb.strides[rb - 2..].to_vec(), offset: ob };
+        let mut c = PooledVec::from(super::alloc::take::<E>(m * n)); // every element written
+        matmul_into(a, &la1, b, &lb1, &[], &mut c, parallel);
+        let at = base(i);
+        for (row, src) in c.chunks(n).enumerate() {
+            // SAFETY: `dst` reaches no element twice and its last one is inside `out` (both
+            // checked above), so this row's `n` elements (unit stride) are inside `out` and no
+            // other row of any batch, on any thread, writes them; `out` is borrowed
+            // exclusively for this whole call, and nothing reads it meanwhile.
+            unsafe { out.at(at + row * ld).copy_from_nonoverlapping(src.as_ptr(), n) };
+        }
+    };
+    if nb > 1 && 2 * m * n * k < SMALL_GEMM_FLOPS {
+        (0..nb).into_par_iter().for_each(|i| one(i, false));
+    } else {
+        (0..nb).for_each(|i| one(i, true));
+    }
+}
+
+/// `out`'s pointer, shared by the tasks of [`matmul_into_view`], which write disjoint elements.
+struct SharedOut<E>(*mut E);
+
+impl<E> SharedOut<E> {
+    /// Where element `i` is (not checked: the caller keeps `i` inside the buffer).
+    fn at(&self, i: usize) -> *mut E {
+        self.0.wrapping_add(i)
+    }
+}
+// SAFETY: the tasks write disjoint elements of a buffer the caller borrows exclusively for the
+// duration (see `matmul_into_view`), and `E` (a float) is `Send`.
+unsafe impl<E: Send> Sync for SharedOut<E> {}
+
+/// The largest offset a view reaches past its first element, if it reaches no element twice:
+/// with its dims sorted by stride, each stride beyond everything the smaller ones reach (a
+/// sufficient test, which every dense view and every narrow or permutation of one passes).
+fn one_to_one_reach(l: &Layout) -> Option<usize> {
+    let mut dims: Vec<(usize, usize)> =
+        l.shape.iter().zip(&l.strides).filter(|&(&d, _)| d > 1).map(|(&d, &s)| (s, d)).collect();
+    dims.sort_unstable();
+    let mut reach = 0;
+    for (stride, size) in dims {
+        if stride <= reach {
+            return None;
+        }
+        reach += stride * (size - 1);
+    }
+    Some(reach)
+}
+
+/// The offsets of batch `i`'s matrices in `a` and `b` of a batched `a @ b` whose output's
+/// batch shape is `batch` (broadcast dims at stride 0).
+fn batch_offsets(la: &Layout, lb: &Layout, batch: &[usize]) -> impl Fn(usize) -> (usize, usize) + Sync + use<> {
+    let (ra, rb) = (la.shape.len(), lb.shape.len());
+    let mut bshape = batch.to_vec();
+    bshape.extend(&la.shape[ra - 2..]);
+    let la_b = la.broadcast_to(&bshape);
+    bshape.truncate(batch.len());
+    bshape.extend(&lb.shape[rb - 2..]);
+    let lb_b = lb.broadcast_to(&bshape);
+    let batch = batch.to_vec();
+    move |i: usize| {
+        let (mut oa, mut ob, mut rest) = (la_b.offset, lb_b.offset, i);
+        for d in (0..batch.len()).rev() {
+            let ix = rest % batch[d];
+            rest /= batch[d];
+            oa += ix * la_b.strides[d];
+            ob += ix * lb_b.strides[d];
+        }
+        (oa, ob)
+    }
+}
+
 /// Runs `one(a_offset, b_offset, dst, parallelism)` for every product of a batched `a @ b`
 /// (`dst` its `[m, n]` block of `out`, the offsets those of its operands with broadcast batch
 /// dims at stride 0): batches in parallel when each product is small, one after another with
@@ -146,23 +266,7 @@ fn for_each_batch<O: Send>(
     if m * n == 0 {
         return;
     }
-    // Offsets of each batch's matrices (broadcast dims have stride 0).
-    let mut bshape = batch.to_vec();
-    bshape.extend([m, k]);
-    let la_b = la.broadcast_to(&bshape);
-    bshape.truncate(batch.len());
-    bshape.extend([k, n]);
-    let lb_b = lb.broadcast_to(&bshape);
-    let offsets = |i: usize| {
-        let (mut oa, mut ob, mut rest) = (la_b.offset, lb_b.offset, i);
-        for d in (0..batch.len()).rev() {
-            let ix = rest % batch[d];
-            rest /= batch[d];
-            oa += ix * la_b.strides[d];
-            ob += ix * lb_b.strides[d];
-        }
-        (oa, ob)
-    };
+    let offsets = batch_offsets(la, lb, batch);
     let nb: usize = batch.iter().product();
     let flops = 2 * m * n * k;
     if !parallel {
@@ -329,6 +433,51 @@ mod tests {
         for (g, w) in got.iter().zip(&want) {
             assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{}: {g} vs {w}", E::DTYPE);
         }
+    }
+
+    /// `matmul_into_view` writes the view's elements, with `matmul`'s bits, and nothing else:
+    /// rows interleaved with other products' (the layout of W2's `qkv` gradient, with gaps
+    /// between the views), a broadcast operand, a transposed view (no unit column stride: the
+    /// product and a strided copy), and a product big enough to run alone, each batch
+    /// parallel inside.
+    fn into_view<E: crate::Precision>() {
+        use crate::layout::Layout;
+        let mut rng = Rng::seed(4);
+        let mut check =
+            |(batch, m, k, n): (&[usize], usize, usize, usize), broadcast_b: bool, dst: Layout, len: usize| {
+                let a_shape = [batch, &[m, k]].concat();
+                let b_shape = if broadcast_b { vec![k, n] } else { [batch, &[k, n]].concat() };
+                let a = Tensor::<f32>::randn(&a_shape, &mut rng).cast::<E>().to_vec();
+                let b = Tensor::<f32>::randn(&b_shape, &mut rng).cast::<E>().to_vec();
+                let (la, lb) = (Layout::contiguous(&a_shape), Layout::contiguous(&b_shape));
+                let want = super::matmul(&a, &la, &b, &lb, batch);
+                let sentinel = E::from_f64(7.0);
+                let mut out = vec![sentinel; len];
+                super::matmul_into_view(&a, &la, &b, &lb, batch, &mut out, &dst);
+                let mut expected = vec![sentinel; len];
+                crate::cpu::write_into(&mut expected, &dst, &want, false);
+                let bits = |v: &[E]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out), bits(&expected), "{} {:?} into {dst:?}", E::DTYPE, (batch, m, k, n));
+            };
+        // [2, 3, 5, 4] products as [B, H, T, hd] windows of a [2, 5, 2, 3, 4] buffer ([B, T,
+        // part, H, hd]), at part 1: rows 24 apart, the other part's rows untouched.
+        let qkv = Layout { shape: vec![2, 3, 5, 4], strides: vec![120, 4, 24, 1], offset: 12 };
+        check((&[2, 3], 5, 6, 4), false, qkv.clone(), 240);
+        check((&[2, 3], 5, 6, 4), true, qkv, 240);
+        // The transpose of a contiguous [2, 3, 4, 5].
+        let transposed = Layout { shape: vec![2, 3, 5, 4], strides: vec![60, 20, 1, 5], offset: 0 };
+        check((&[2, 3], 5, 6, 4), false, transposed, 120);
+        // 2·160³ flops: past SMALL_GEMM_FLOPS, so one product at a time; rows 2·160 apart.
+        let wide = Layout { shape: vec![2, 160, 160], strides: vec![160, 320, 1], offset: 0 };
+        check((&[2], 160, 160, 160), false, wide, 2 * 160 * 160);
+    }
+
+    #[test]
+    fn into_view_in_every_precision() {
+        into_view::<f32>();
+        into_view::<f64>();
+        into_view::<f16>();
+        into_view::<bf16>();
     }
 
     #[test]

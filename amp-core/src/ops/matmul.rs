@@ -45,6 +45,14 @@ fn column_major<E: Precision, D: Device>(x: &Tensor<E, D>) -> bool {
     shape[r - 2] > 1 && shape[r - 1] > 1 && strides[r - 2] == 1 && strides[r - 1] != 1
 }
 
+/// `l` with its last two dims swapped (the transposed view of the same elements).
+fn transposed(l: &crate::layout::Layout) -> crate::layout::Layout {
+    let r = l.shape.len();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    l.permuted(&perm)
+}
+
 impl<E: Precision, D: Device> Tensor<E, D> {
     /// `self @ rhs` for `[..., m, k] @ [..., k, n] -> [..., m, n]`.
     #[track_caller]
@@ -91,21 +99,52 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         }
         let (a, b) = (self.detach(), rhs.detach());
         let needs = (self.requires_grad(), rhs.requires_grad());
-        Ok(out.record("matmul", vec![self.node.clone(), rhs.node.clone()], move |g| {
+        Ok(out.record_dest("matmul", vec![self.node.clone(), rhs.node.clone()], move |g, dests| {
             // Each gradient in its operand's memory order, as PyTorch's `mm` backward does: for
             // a transposed operand (attention's `k.t()`) the transpose of a contiguous product,
             // so the gradient reaches `k` contiguous, and the `qkv` gradient's concatenation
-            // copies runs instead of gathering a transposed part element by element.
-            vec![
-                needs.0.then(|| {
+            // copies runs instead of gathering a transposed part element by element. Where the
+            // engine offers a destination (the operand is a view of a narrow: attention's `q`,
+            // `k` and `v` of one `qkv`), the product is written there instead, and there is no
+            // concatenation at all.
+            let batch = &g.shape()[..g.rank() - 2];
+            // An operand with the product's batch dims has no broadcast dims to sum over.
+            let unbroadcast = |x: &Tensor<E, D>| x.rank() == g.rank() && &x.shape()[..x.rank() - 2] == batch;
+            let ga = needs.0.then(|| {
+                let written = unbroadcast(&a)
+                    && dests.write::<E>(0, |out, l| {
+                        let dev = &g.device;
+                        if column_major(&a) {
+                            let gt = g.t();
+                            dev.matmul_into_view(b.raw(), gt.raw(), batch, out, &transposed(l));
+                        } else {
+                            let bt = b.t();
+                            dev.matmul_into_view(g.raw(), bt.raw(), batch, out, l);
+                        }
+                    });
+                (!written).then(|| {
                     let ga = if column_major(&a) { b.matmul(&g.t()).t() } else { g.matmul(&b.t()) };
                     ga.sum_to_shape(a.shape()).into()
-                }),
-                needs.1.then(|| {
+                })
+            });
+            let gb = needs.1.then(|| {
+                let written = unbroadcast(&b)
+                    && dests.write::<E>(1, |out, l| {
+                        let dev = &g.device;
+                        let gt = g.t();
+                        if column_major(&b) {
+                            dev.matmul_into_view(gt.raw(), a.raw(), batch, out, &transposed(l));
+                        } else {
+                            let at = a.t();
+                            dev.matmul_into_view(at.raw(), g.raw(), batch, out, l);
+                        }
+                    });
+                (!written).then(|| {
                     let gb = if column_major(&b) { g.t().matmul(&a).t() } else { a.t().matmul(&g) };
                     gb.sum_to_shape(b.shape()).into()
-                }),
-            ]
+                })
+            });
+            vec![ga.flatten(), gb.flatten()]
         }))
     }
     /// `self @ rhs`; panics on incompatible shapes.

@@ -132,8 +132,8 @@ fn matmul_into_with<E: Precision>(
 /// [`matmul`] written into the view `dst` of `out` (shape `[batch..., m, n]`, every element of
 /// it written, nothing else): autograd's products writing an operand's gradient straight into
 /// a narrowed tensor's gradient buffer (W2's `q`, `k` and `v`: rows `3 d` apart). Each product
-/// goes into a scratch block of this thread, in cache, and its rows are copied into the view
-/// at once: the same stores the product's own output would take. A view whose rows are not
+/// goes into a pooled scratch block (for W2's small products, 16 KiB, still in cache), and its
+/// rows are copied into the view at once: the same stores the product's own output would take. A view whose rows are not
 /// runs, or that could reach one element twice, takes the product and a strided copy instead.
 pub(crate) fn matmul_into_view<E: Precision>(
     a: &[E],

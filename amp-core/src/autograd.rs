@@ -626,22 +626,13 @@ fn plan_in_place<D: Device>(order: &[Arc<Node<D>>]) -> (HashMap<TensorId, Tiled<
         if spans.len() != ch.len() {
             continue;
         }
-        let dim = spans[0].0;
-        let mut sorted: Vec<(usize, usize)> = spans.iter().map(|&(_, s, l)| (s, l)).collect();
-        sorted.sort_unstable();
-        let mut end = 0;
-        if !(sorted.iter().all(|&(s, l)| std::mem::replace(&mut end, s + l) == s) && end == p.shape[dim]) {
+        if !tiles(spans.iter().map(|&(_, s, l)| (s, l)).collect(), p.shape[spans[0].0]) {
             continue;
         }
         // The buffer in the memory order the concatenation would give it.
         let identity: Vec<usize> = (0..p.shape.len()).collect();
         let mem = first_order.and_then(|o| o.as_ref()).map_or(&identity[..], |o| &o[..]);
-        let mem_shape: Vec<usize> = mem.iter().map(|&d| p.shape[d]).collect();
-        let mut strides = vec![0; p.shape.len()];
-        for (&d, s) in mem.iter().zip(crate::layout::contiguous_strides(&mem_shape)) {
-            strides[d] = s;
-        }
-        let layout = Layout { shape: p.shape.clone(), strides, offset: 0 };
+        let layout = layout_in_order(&p.shape, mem);
         let mut windows = Vec::new();
         for (wi, (c, &(dim, start, len))) in ch.iter().zip(&spans).enumerate() {
             windows.push(TiledWindow { dim, start, len, written: false });
@@ -725,14 +716,8 @@ struct Window<D: Device> {
 fn add_windows<D: Device>(acc: Option<AnyTensor<D>>, mut ws: Vec<Window<D>>, node: &Node<D>) -> AnyTensor<D> {
     let shape = &node.shape[..];
     let dim = ws[0].dim;
-    // (start, len) of each window along `dim`, in order: a tiling has no gap or overlap.
-    let mut spans: Vec<(usize, usize)> = ws.iter().map(|w| (w.start, w.grad.shape()[dim])).collect();
-    spans.sort_unstable();
-    let mut end = 0;
-    let tiles = ws.iter().all(|w| w.dim == dim)
-        && spans.iter().all(|&(start, len)| std::mem::replace(&mut end, start + len) == start)
-        && end == shape[dim];
-    if acc.is_none() && tiles {
+    let spans = ws.iter().map(|w| (w.start, w.grad.shape()[dim])).collect();
+    if acc.is_none() && ws.iter().all(|w| w.dim == dim) && tiles(spans, shape[dim]) {
         let order =
             ws[0].order.clone().filter(|o| node.backward.is_some() && ws.iter().all(|w| w.order.as_ref() == Some(o)));
         ws.sort_by_key(|w| w.start);
@@ -741,6 +726,24 @@ fn add_windows<D: Device>(acc: Option<AnyTensor<D>>, mut ws: Vec<Window<D>>, nod
     ws.into_iter()
         .fold(acc, |acc, w| Some(add_window(acc, w.grad, shape, w.dim, w.start)))
         .expect("at least one window")
+}
+
+/// Whether windows `(start, len)` of one dim tile a dim of `size` exactly: no gap, no overlap.
+fn tiles(mut spans: Vec<(usize, usize)>, size: usize) -> bool {
+    spans.sort_unstable();
+    let mut end = 0;
+    spans.iter().all(|&(start, len)| std::mem::replace(&mut end, start + len) == start) && end == size
+}
+
+/// The dense layout of a tensor of `shape` whose dims lie in memory in `order` (outermost
+/// first): dim `order[j]` gets the stride of dim `j` of the row-major memory shape.
+fn layout_in_order(shape: &[usize], order: &[usize]) -> Layout {
+    let mem_shape: Vec<usize> = order.iter().map(|&d| shape[d]).collect();
+    let mut strides = vec![0; shape.len()];
+    for (&d, s) in order.iter().zip(crate::layout::contiguous_strides(&mem_shape)) {
+        strides[d] = s;
+    }
+    Layout { shape: shape.to_vec(), strides, offset: 0 }
 }
 
 /// The concatenation along `dim` of `parts` (one precision), a tensor of `shape`: row-major,
@@ -772,12 +775,8 @@ fn cat_parts<D: Device>(
         let views: Vec<_> = all.iter().zip(&layouts).map(|(t, l)| (&t.storage, l, t.shape()[dim])).collect();
         let dev = first.device.clone();
         let storage = dev.cat(&views, outer, inner);
-        // Back to `shape`'s dims: dim order[j] has the memory layout's stride j.
-        let mut strides = vec![0; shape.len()];
-        for (&d, s) in order.iter().zip(crate::layout::contiguous_strides(&mem_shape)) {
-            strides[d] = s;
-        }
-        let layout = Layout { shape: shape.to_vec(), strides, offset: 0 };
+        // Back to `shape`'s dims.
+        let layout = layout_in_order(shape, order);
         Tensor { storage, layout, node: None, device: dev }.into()
     }
     let mut parts = parts.into_iter();

@@ -165,14 +165,7 @@ pub(crate) fn matmul_into_view<E: Precision>(
     let nb: usize = batch.iter().product();
     let offsets = batch_offsets(la, lb, batch);
     // Where batch `i`'s matrix starts in `out`.
-    let base = |i: usize| {
-        let (mut at, mut rest) = (dst.offset, i);
-        for d in (0..batch.len()).rev() {
-            at += (rest % batch[d]) * dst.strides[d];
-            rest /= batch[d];
-        }
-        at
-    };
+    let base = |i: usize| batch_offset(batch, &dst.strides, dst.offset, i);
     let out = SharedOut(out.as_mut_ptr());
     let one = |i: usize, parallel: bool| {
         let (oa, ob) = offsets(i);
@@ -238,15 +231,19 @@ fn batch_offsets(la: &Layout, lb: &Layout, batch: &[usize]) -> impl Fn(usize) ->
     let lb_b = lb.broadcast_to(&bshape);
     let batch = batch.to_vec();
     move |i: usize| {
-        let (mut oa, mut ob, mut rest) = (la_b.offset, lb_b.offset, i);
-        for d in (0..batch.len()).rev() {
-            let ix = rest % batch[d];
-            rest /= batch[d];
-            oa += ix * la_b.strides[d];
-            ob += ix * lb_b.strides[d];
-        }
-        (oa, ob)
+        (batch_offset(&batch, &la_b.strides, la_b.offset, i), batch_offset(&batch, &lb_b.strides, lb_b.offset, i))
     }
+}
+
+/// Where matrix `i` (row-major over the batch dims of shape `batch`) of a view with these
+/// strides (the batch dims' first) and offset starts.
+fn batch_offset(batch: &[usize], strides: &[usize], offset: usize, i: usize) -> usize {
+    let (mut at, mut rest) = (offset, i);
+    for d in (0..batch.len()).rev() {
+        at += (rest % batch[d]) * strides[d];
+        rest /= batch[d];
+    }
+    at
 }
 
 /// Runs `one(a_offset, b_offset, dst, parallelism)` for every product of a batched `a @ b`

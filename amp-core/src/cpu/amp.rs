@@ -14,6 +14,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::{BUF, CHUNK, PAR_MIN};
@@ -39,15 +40,23 @@ pub fn unscale_in_place(data: &mut [f32], inv: f32) -> bool {
 /// The fused pass over several gradients at once: every value is multiplied by `inv` in place,
 /// and the result holds, per slice, whether any of its values was inf or NaN.
 pub fn unscale_all(slices: &mut [&mut [f32]], inv: f32) -> Vec<bool> {
+    flags_by_pieces(slices, move |c| unscale_serial(c, inv))
+}
+
+/// Runs `pass` over every slice in [`CHUNK`] pieces, the pieces of all slices together on
+/// rayon's pool (a step's many small gradients then split as well as one large one; one
+/// parallel op per gradient paid a fork-join each, and ran the small ones on one thread),
+/// and returns per slice whether `pass` said so of any of its pieces.
+fn flags_by_pieces<T: Send>(slices: &mut [&mut [T]], pass: impl Fn(&mut [T]) -> bool + Sync) -> Vec<bool> {
     let total: usize = slices.iter().map(|s| s.len()).sum();
     if total < PAR_MIN {
-        return slices.iter_mut().map(|s| unscale_serial(s, inv)).collect();
+        return slices.iter_mut().map(|s| pass(s)).collect();
     }
     let flags: Vec<AtomicBool> = slices.iter().map(|_| AtomicBool::new(false)).collect();
-    let pieces: Vec<(usize, &mut [f32])> =
+    let pieces: Vec<(usize, &mut [T])> =
         slices.iter_mut().enumerate().flat_map(|(i, s)| s.chunks_mut(CHUNK).map(move |c| (i, c))).collect();
     pieces.into_par_iter().for_each(|(i, c)| {
-        if unscale_serial(c, inv) {
+        if pass(c) {
             flags[i].store(true, Ordering::Relaxed);
         }
     });
@@ -90,11 +99,22 @@ pub fn any_non_finite(data: &[f32]) -> bool {
     if data.len() < PAR_MIN { check_serial(data) } else { data.par_chunks(CHUNK).any(check_serial) }
 }
 
-/// Whether any value is inf or NaN, for any precision (the vectorised f32 check for f32).
-pub(crate) fn any_non_finite_of<E: Precision>(x: &[E]) -> bool {
-    match as_same::<E, f32>(x) {
-        Some(x) => any_non_finite(x),
-        None => x.iter().any(|v| !v.to_f64().is_finite()),
+/// The check for the other precisions, serially: f16 and bf16 by their exponent bits (the
+/// f32 kernel's reduction, on u16), f64 by value.
+fn check_other_serial<E: Precision>(x: &[E]) -> bool {
+    /// Whether the max of `bits & mask` over the values is `mask` (all exponent bits set).
+    fn all_set<T: Copy>(x: &[T], to_bits: impl Fn(T) -> u16, mask: u16) -> bool {
+        dispatch(
+            #[inline(always)]
+            || x.iter().fold(0u16, |exp, &v| exp.max(to_bits(v) & mask)) == mask,
+        )
+    }
+    if let Some(x) = as_same::<E, bf16>(x) {
+        all_set(x, bf16::to_bits, 0x7f80)
+    } else if let Some(x) = as_same::<E, f16>(x) {
+        all_set(x, f16::to_bits, 0x7c00)
+    } else {
+        x.iter().any(|v| !v.to_f64().is_finite())
     }
 }
 
@@ -107,19 +127,14 @@ pub(crate) fn unscale_all_of<E: Precision>(slices: &mut [&mut [E]], inv: Option<
             slices.iter_mut().map(|s| as_same_mut::<E, f32>(s).expect("E is f32")).collect();
         return match inv {
             Some(inv) => unscale_all(&mut f32s, inv),
-            None => f32s.iter().map(|s| any_non_finite(s)).collect(),
+            None => flags_by_pieces(&mut f32s, |c| check_serial(c)),
         };
     }
-    slices
-        .iter_mut()
-        .map(|s| {
-            let found = any_non_finite_of(s);
-            if let Some(inv) = inv {
-                scale_of(s, inv);
-            }
-            found
-        })
-        .collect()
+    let flags = flags_by_pieces(slices, |c| check_other_serial(c));
+    if let Some(inv) = inv {
+        slices.iter_mut().for_each(|s| scale_of(s, inv));
+    }
+    flags
 }
 
 /// Lanes of the sum of squares: four AVX-512 registers of independent accumulators, so the
@@ -278,5 +293,47 @@ mod tests {
         assert_eq!(flags, vec![false, false, true]);
         assert_eq!(a[0], 0.5);
         assert!(any_non_finite(&c) && !any_non_finite(&a));
+    }
+
+    /// The check alone (`inv` = None) in every precision: per slice, over many small slices
+    /// and large ones together (the pieces of all of them share the pool), nothing written.
+    #[test]
+    fn check_alone_flags_per_slice_in_every_precision() {
+        fn run<E: Precision>(specials: &[f64], finite_extremes: &[f64]) {
+            for &bad in specials {
+                // Sizes: small ones (under CHUNK) and one over PAR_MIN, so the pass splits.
+                let sizes = [3, 700, CHUNK + 9, 5, PAR_MIN + 17];
+                for target in 0..sizes.len() {
+                    let mut data: Vec<Vec<E>> = sizes
+                        .iter()
+                        .map(|&n| (0..n).map(|i| E::from_f64(((i % 13) as f64 - 6.0) * 0.25)).collect())
+                        .collect();
+                    // Every slice ends with the largest finite values and the smallest
+                    // subnormal, which must not be flagged; only `target` holds `bad`.
+                    for slice in &mut data {
+                        for (v, x) in slice.iter_mut().rev().zip(finite_extremes) {
+                            *v = E::from_f64(*x);
+                        }
+                    }
+                    let last = data[target].len() - 1;
+                    data[target][last / 2] = E::from_f64(bad);
+                    let before: Vec<Vec<E>> = data.clone();
+                    let mut slices: Vec<&mut [E]> = data.iter_mut().map(|v| v.as_mut_slice()).collect();
+                    let flags = unscale_all_of(&mut slices, None);
+                    let expected: Vec<bool> = (0..sizes.len()).map(|i| i == target).collect();
+                    assert_eq!(flags, expected, "{:?}: {bad} in slice {target}", E::DTYPE);
+                    assert!(
+                        data.iter()
+                            .zip(&before)
+                            .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_f64().to_bits() == y.to_f64().to_bits()))
+                    );
+                }
+            }
+        }
+        let specials = [f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
+        run::<f32>(&specials, &[f32::MAX as f64, f32::MIN as f64, 1e-45]);
+        run::<bf16>(&specials, &[bf16::MAX.to_f64(), bf16::MIN.to_f64(), bf16::MIN_POSITIVE_SUBNORMAL.to_f64()]);
+        run::<f16>(&specials, &[65504.0, -65504.0, f16::MIN_POSITIVE_SUBNORMAL.to_f64()]);
+        run::<f64>(&specials, &[f64::MAX, f64::MIN]);
     }
 }

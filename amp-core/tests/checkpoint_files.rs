@@ -398,7 +398,13 @@ fn killed_while_saving_leaves_a_loadable_checkpoint() {
     for (round, delay_ms) in [3u64, 17, 41, 90].into_iter().enumerate() {
         let dir = fresh_dir(&format!("crash_{round}"));
         let mut child = Command::new(&exe)
-            .args(["--exact", "crash_child_saves_forever", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "checkpoint_files::crash_child_saves_forever",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(CHILD_ENV, &dir)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

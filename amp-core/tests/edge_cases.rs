@@ -3,7 +3,7 @@
 //! (PyTorch's formula, evaluated here in f64), dropout's statistics and reproducibility, the
 //! causal mask.
 
-mod common;
+use crate::common;
 use amp_core::{CrossEntropyOptions, Indices, Mask, Rng, Tensor, bf16, f16};
 use common::randn;
 

@@ -1,6 +1,6 @@
 //! Every op's gradient against central finite differences in f64, including broadcasting.
 
-mod common;
+use crate::common;
 use amp_core::Tensor;
 use common::{gradcheck, randn};
 

@@ -1,7 +1,7 @@
 //! nn modules: PyTorch names, train/eval reaching every dropout, precisions per the policy
 //! table, and gradients arriving in f32 for every parameter.
 
-mod common;
+use crate::common;
 
 use amp_core::nn::{CausalSelfAttention, Gpt, GptConfig, Linear};
 use amp_core::{DType, Indices, Mask, Params, Precision, Rng, Tensor, bf16, f16};

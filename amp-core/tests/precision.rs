@@ -11,7 +11,7 @@
 //! in f32 (a naive f16 sum of 4096 ones sticks at 2048), overflow gives inf rather than a
 //! clamp, and NaN propagates.
 
-mod common;
+use crate::common;
 use amp_core::{CrossEntropyOptions, DType, Indices, Mask, Precision, Rng, Tensor, bf16, f16};
 use common::{assert_close_ulps, randn};
 

@@ -202,7 +202,7 @@ const FULL_MARGIN: f64 = 0.05;
 
 #[test]
 #[ignore = "the trainer's full default run: 1500 steps of the small model three times, about 7 minutes in a debug \
-            build; run with `cargo test -p amp-core --test pure_bf16 -- --ignored`"]
+            build; run with `cargo test -p amp-core --test suite pure_bf16:: -- --ignored`"]
 fn full_default_run_pure_bf16_reaches_the_f32_master_loss() {
     let task = task();
     let init = model(&task, 128);

@@ -1,33 +1,15 @@
 //! `cpu_threads::init`: the calling thread becomes a compute thread, ops started from it and
 //! from other threads give the right results and finish, and a second call is refused.
 //!
-//! `init` sets up rayon's process-wide pool once, so each test runs itself again in a child
-//! process of its own (this binary, filtered to the one test, with `CHILD` set) and the
-//! parent only checks that the child passed.
+//! `init` sets up rayon's process-wide pool once, so each test runs in a child process of its
+//! own (`crate::in_child`).
 
-use std::process::Command;
 use std::sync::mpsc;
 use std::time::Duration;
 
 use amp_core::{Error, Tensor, cpu_threads};
 
-const CHILD: &str = "AMP_CPU_THREADS_TEST_CHILD";
-
-/// Runs `test` in a child process (or, in the child, runs `body`).
-fn in_child(test: &str, body: impl FnOnce()) {
-    if std::env::var_os(CHILD).is_some() {
-        body();
-        return;
-    }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
-        .env(CHILD, "1")
-        .output()
-        .expect("run this test binary again");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "child process for {test} failed:\n{text}");
-    assert!(text.contains("1 passed"), "child process for {test} ran no test:\n{text}");
-}
+use crate::in_child;
 
 /// Sum of `exp(x)` over 2M elements: large enough that the op splits across the threads.
 fn parallel_op() -> f64 {
@@ -50,7 +32,7 @@ fn op_from_another_thread_finishes() {
 
 #[test]
 fn init_makes_the_caller_a_compute_thread() {
-    in_child("init_makes_the_caller_a_compute_thread", || {
+    in_child(module_path!(), "init_makes_the_caller_a_compute_thread", || {
         assert!(!cpu_threads::is_compute_thread());
         assert_eq!(cpu_threads::init(2).expect("first init"), 2);
         assert!(cpu_threads::is_compute_thread(), "init(2) leaves its caller outside the pool");
@@ -70,7 +52,7 @@ fn init_makes_the_caller_a_compute_thread() {
 /// instant.)
 #[test]
 fn the_other_workers_spin_between_ops_and_then_sleep() {
-    in_child("the_other_workers_spin_between_ops_and_then_sleep", || {
+    in_child(module_path!(), "the_other_workers_spin_between_ops_and_then_sleep", || {
         let spins_after_an_op = || {
             (0..100).any(|_| {
                 let _ = Tensor::<f32>::full(&[4], 1.0);
@@ -99,7 +81,7 @@ fn the_other_workers_spin_between_ops_and_then_sleep() {
 /// `AMP_CPU_SPIN=off`: no worker spins.
 #[test]
 fn spinning_can_be_turned_off() {
-    in_child("spinning_can_be_turned_off", || {
+    in_child(module_path!(), "spinning_can_be_turned_off", || {
         if std::env::var_os("AMP_CPU_SPIN").is_none() {
             // SAFETY: this child process runs this one test on one thread, before any other
             // thread reads the environment.
@@ -115,7 +97,7 @@ fn spinning_can_be_turned_off() {
 fn one_thread_still_serves_other_threads() {
     // With one thread the caller cannot be the pool's only worker: it would never run an op
     // another thread starts.
-    in_child("one_thread_still_serves_other_threads", || {
+    in_child(module_path!(), "one_thread_still_serves_other_threads", || {
         assert_eq!(cpu_threads::init(1).expect("first init"), 1);
         assert!(!cpu_threads::is_compute_thread());
         op_from_another_thread_finishes();
@@ -127,7 +109,7 @@ fn one_thread_still_serves_other_threads() {
 
 #[test]
 fn init_after_an_op_is_refused_and_changes_nothing() {
-    in_child("init_after_an_op_is_refused_and_changes_nothing", || {
+    in_child(module_path!(), "init_after_an_op_is_refused_and_changes_nothing", || {
         let before = parallel_op(); // starts rayon's default pool
         let err = cpu_threads::init(0).expect_err("init after an op");
         assert!(err.to_string().contains("cpu_threads::init"), "{err}");

@@ -3,7 +3,8 @@
 //! whole AMP steps (f32, f16 + GradScaler with a skipped step, bf16) of a GPT large enough to
 //! take the parallel paths. Levels this CPU lacks are skipped and named.
 //!
-//! One test function: the level is process-wide, so nothing else may run beside it.
+//! One test function, in a process of its own (`crate::in_child`): the level is process-wide,
+//! so nothing else may run beside it.
 
 use amp_core::nn::{Gpt, GptConfig};
 use amp_core::optim::AdamW;
@@ -11,6 +12,8 @@ use amp_core::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale};
 use amp_core::simd::{self, Isa};
 use amp_core::{Indices, Params, Precision, Rng, Tensor};
 use half::{bf16, f16};
+
+use crate::in_child;
 
 fn bits<E: Precision>(t: &Tensor<E>) -> Vec<u64> {
     t.to_vec().iter().map(|v| v.to_f64().to_bits()).collect()
@@ -121,17 +124,19 @@ fn everything_at(isa: Isa) -> Vec<Vec<u64>> {
 
 #[test]
 fn every_simd_level_computes_the_same_bits() {
-    let (run, skipped): (Vec<Isa>, Vec<Isa>) = Isa::ALL.into_iter().partition(|i| i.supported());
-    for isa in &skipped {
-        println!("SKIPPED: level {} (this CPU lacks its features)", isa.name());
-    }
-    let reference = everything_at(Isa::Baseline);
-    for isa in run.into_iter().filter(|i| *i != Isa::Baseline) {
-        let got = everything_at(isa);
-        assert_eq!(got.len(), reference.len());
-        for (k, (g, r)) in got.iter().zip(&reference).enumerate() {
-            assert!(g == r, "level {} differs from baseline in result {k}", isa.name());
+    in_child(module_path!(), "every_simd_level_computes_the_same_bits", || {
+        let (run, skipped): (Vec<Isa>, Vec<Isa>) = Isa::ALL.into_iter().partition(|i| i.supported());
+        for isa in &skipped {
+            println!("SKIPPED: level {} (this CPU lacks its features)", isa.name());
         }
-        println!("level {}: {} results bit-identical to baseline", isa.name(), got.len());
-    }
+        let reference = everything_at(Isa::Baseline);
+        for isa in run.into_iter().filter(|i| *i != Isa::Baseline) {
+            let got = everything_at(isa);
+            assert_eq!(got.len(), reference.len());
+            for (k, (g, r)) in got.iter().zip(&reference).enumerate() {
+                assert!(g == r, "level {} differs from baseline in result {k}", isa.name());
+            }
+            println!("level {}: {} results bit-identical to baseline", isa.name(), got.len());
+        }
+    });
 }

@@ -3,10 +3,9 @@
 //! Each file here is a module of this binary rather than a binary of its own: the tests use
 //! amp-core's generic ops, and every test binary compiled its own copies of them (at the
 //! workspace's `opt-level` generic code is not shared between crates), so 21 binaries spent
-//! most of a cold `cargo test --workspace` compiling the same code again. Tests that need a
-//! process to themselves (process-wide state) stay separate binaries, listed in
-//! `amp-core/Cargo.toml`. Run one file's tests with a filter: `cargo test -p amp-core --test
-//! suite precision::`.
+//! most of a cold `cargo test --workspace` compiling the same code again. Tests of
+//! process-wide state are the second binary, `isolated.rs`, each run in a child process of its
+//! own. Run one file's tests with a filter: `cargo test -p amp-core --test suite precision::`.
 
 // Shared helpers (and the `for_each_precision!` macro) for the modules below.
 #[macro_use]

@@ -223,7 +223,7 @@ fn child_process_training_run() {
 
 fn spawn_child(cfg: &TrainConfig) -> Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["child_process_training_run", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
+        .args(["trainer::child_process_training_run", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
         .env(CHILD_CONFIG, serde_json::to_string(cfg).unwrap())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

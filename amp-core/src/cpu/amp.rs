@@ -88,9 +88,19 @@ fn unscale_serial(data: &mut [f32], inv: f32) -> bool {
 
 /// The check alone, same reduction.
 fn check_serial(data: &[f32]) -> bool {
+    exponent_all_set(data, f32::to_bits, EXP_MASK)
+}
+
+/// Whether some value's exponent bits (`mask`) are all set: the max of `bits & mask` over the
+/// values, a reduction LLVM vectorises.
+fn exponent_all_set<T: Copy, B: Copy + Ord + Default + std::ops::BitAnd<Output = B>>(
+    x: &[T],
+    to_bits: impl Fn(T) -> B,
+    mask: B,
+) -> bool {
     dispatch(
         #[inline(always)]
-        || data.iter().fold(0u32, |exp, v| exp.max(v.to_bits() & EXP_MASK)) == EXP_MASK,
+        || x.iter().fold(B::default(), |exp, &v| exp.max(to_bits(v) & mask)) == mask,
     )
 }
 
@@ -99,20 +109,15 @@ pub fn any_non_finite(data: &[f32]) -> bool {
     if data.len() < PAR_MIN { check_serial(data) } else { data.par_chunks(CHUNK).any(check_serial) }
 }
 
-/// The check for the other precisions, serially: f16 and bf16 by their exponent bits (the
-/// f32 kernel's reduction, on u16), f64 by value.
-fn check_other_serial<E: Precision>(x: &[E]) -> bool {
-    /// Whether the max of `bits & mask` over the values is `mask` (all exponent bits set).
-    fn all_set<T: Copy>(x: &[T], to_bits: impl Fn(T) -> u16, mask: u16) -> bool {
-        dispatch(
-            #[inline(always)]
-            || x.iter().fold(0u16, |exp, &v| exp.max(to_bits(v) & mask)) == mask,
-        )
-    }
-    if let Some(x) = as_same::<E, bf16>(x) {
-        all_set(x, bf16::to_bits, 0x7f80)
+/// The check for any precision, serially: f32, f16 and bf16 by their exponent bits, f64 by
+/// value.
+fn check_serial_of<E: Precision>(x: &[E]) -> bool {
+    if let Some(x) = as_same::<E, f32>(x) {
+        check_serial(x)
+    } else if let Some(x) = as_same::<E, bf16>(x) {
+        exponent_all_set(x, bf16::to_bits, 0x7f80)
     } else if let Some(x) = as_same::<E, f16>(x) {
-        all_set(x, f16::to_bits, 0x7c00)
+        exponent_all_set(x, f16::to_bits, 0x7c00)
     } else {
         x.iter().any(|v| !v.to_f64().is_finite())
     }
@@ -122,15 +127,12 @@ fn check_other_serial<E: Precision>(x: &[E]) -> bool {
 /// precision, per slice whether any value was inf or NaN: the vectorised f32 passes for f32,
 /// otherwise `v × inv` in `E::Acc` with one rounding.
 pub(crate) fn unscale_all_of<E: Precision>(slices: &mut [&mut [E]], inv: Option<f32>) -> Vec<bool> {
-    if E::DTYPE == crate::DType::F32 {
+    if let (Some(inv), crate::DType::F32) = (inv, E::DTYPE) {
         let mut f32s: Vec<&mut [f32]> =
             slices.iter_mut().map(|s| as_same_mut::<E, f32>(s).expect("E is f32")).collect();
-        return match inv {
-            Some(inv) => unscale_all(&mut f32s, inv),
-            None => flags_by_pieces(&mut f32s, |c| check_serial(c)),
-        };
+        return unscale_all(&mut f32s, inv);
     }
-    let flags = flags_by_pieces(slices, |c| check_other_serial(c));
+    let flags = flags_by_pieces(slices, |c| check_serial_of(c));
     if let Some(inv) = inv {
         slices.iter_mut().for_each(|s| scale_of(s, inv));
     }

@@ -55,9 +55,15 @@ fn grad_norm_16m(b: Bencher<'_, '_>) {
 #[divan::bench(sample_count = 10)]
 fn adamw_step_16m(b: Bencher<'_, '_>) {
     let mut p = Param::new(Tensor::<f32>::randn(&[N], &mut Rng::seed(1)));
-    let mut grads = Grads::new();
-    grads.insert(p.id(), Tensor::<f32>::randn(&[N], &mut Rng::seed(2)).mul_scalar(1e-3).into());
+    let (id, g) = (p.id(), Tensor::<f32>::randn(&[N], &mut Rng::seed(2)).mul_scalar(1e-3));
+    // An optimizer applies a set of gradients once (one backward, one step), so each sample
+    // gets a set of its own, holding the same gradient (shared, not copied).
+    let fresh = || {
+        let mut grads = Grads::new();
+        grads.insert(id, g.clone().into());
+        grads
+    };
     let mut opt = AdamW::new(1e-4).build().unwrap();
-    opt.step(&mut p, &grads).unwrap();
-    b.counter(BytesCount::new(N * 28)).bench_local(|| opt.step(&mut p, &grads).unwrap());
+    opt.step(&mut p, &fresh()).unwrap();
+    b.counter(BytesCount::new(N * 28)).with_inputs(fresh).bench_local_refs(|grads| opt.step(&mut p, grads).unwrap());
 }

@@ -929,7 +929,7 @@ impl Drop for Region {
 }
 
 /// Marks code that runs as written inside an autocast region for as long as it lives (see
-/// [`check_reach`]).
+/// `check_reach`).
 #[must_use]
 pub struct OffGuard {
     _not_send: std::marker::PhantomData<*const ()>,

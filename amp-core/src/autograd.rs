@@ -1,7 +1,7 @@
 //! Reverse-mode autograd across precisions.
 //!
 //! Design notes:
-//! - Every op whose inputs require gradients records a [`Node`]: its parents and a backward
+//! - Every op whose inputs require gradients records a `Node`: its parents and a backward
 //!   closure. The graph is owned by the tensors (reference counted), so it is freed as soon as
 //!   the last tensor of a step is dropped; there is no global tape to clear.
 //! - Nodes of every precision live in one graph: a gradient travels as an [`AnyTensor`] and
@@ -14,19 +14,19 @@
 //!   of a depth-first topological order), so identical runs give bit-identical gradients.
 //! - A tensor used several times gets its gradients summed in one buffer: a contribution is
 //!   added in place when the running sum owns its buffer alone (nothing else can see it), and
-//!   a narrow's gradient is added into its window of that buffer ([`Backward::Window`]), so
+//!   a narrow's gradient is added into its window of that buffer (`Backward::Window`), so
 //!   `q`, `k` and `v` cut from one `qkv` tensor share one gradient buffer instead of three
 //!   zero-padded full-size copies; windows that tile the parent exactly (and nothing else
 //!   contributes) are concatenated instead, with no zero fill (PyTorch's `split` backward).
 //!   Same sums in the same order as adding separate tensors: the values are unchanged, but
 //!   for the sign of a zero (a concatenated -0 stays -0, where 0 + -0 gave +0).
 //! - A norm's backward may add its input's gradient into that running sum as its kernel
-//!   writes it ([`Backward::FnInto`]): the residual stream's norms, whose input already has
+//!   writes it (`Backward::FnInto`): the residual stream's norms, whose input already has
 //!   the skip connection's gradient. The same one rounding per element as the separate add.
 //! - Where narrows tile a tensor and each reaches one op through views alone (W2's `q`, `k`
 //!   and `v`, each reshaped, `k` also transposed, each the operand of one product), that op
 //!   may write its operand's gradient straight into the tensor's gradient buffer
-//!   ([`Backward::FnDest`]): the engine allocates the buffer (in the tensor's memory order, as
+//!   (`Backward::FnDest`): the engine allocates the buffer (in the tensor's memory order, as
 //!   the concatenation would lay it out) when the first such op asks, and follows each window
 //!   down the views to the layout the op writes. The same values as the concatenation: each
 //!   element is written once, by the product that computed it; a window whose gradient came
@@ -523,7 +523,7 @@ pub(crate) struct Dest {
 }
 
 /// The destinations the engine offers one node's backward, one slot per parent
-/// ([`Backward::FnDest`]).
+/// (`Backward::FnDest`).
 pub(crate) struct GradDests<'a, D: Device> {
     slots: Vec<Option<Dest>>,
     tiled: &'a mut HashMap<TensorId, Tiled<D>>,
@@ -700,7 +700,7 @@ fn add_into<E: Precision, D: Device>(dst: &mut Tensor<E, D>, src: &Tensor<E, D>)
 }
 
 /// A narrow's gradient waiting to be added into its parent's: entries `start..` of `dim`
-/// (`order`: the parent's memory order, [`Backward::Window`]).
+/// (`order`: the parent's memory order, `Backward::Window`).
 struct Window<D: Device> {
     dim: usize,
     start: usize,

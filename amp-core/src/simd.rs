@@ -3,7 +3,7 @@
 //!
 //! Design notes:
 //! - The crate builds for the target's baseline (x86-64: SSE2), which is what every crate that
-//!   depends on amp gets. Hot loops are plain Rust that LLVM vectorises; [`dispatch`] runs a
+//!   depends on amp gets. Hot loops are plain Rust that LLVM vectorises; `dispatch` runs a
 //!   closure inside a function compiled with the widest [`Isa`] this CPU supports, chosen once
 //!   and cached, so the loops inlined into that closure are vectorised for it.
 //! - Only code inlined into the dispatched closure gets the wider instructions. Kernel task

@@ -489,7 +489,7 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     ) -> Self::Storage<E>;
     /// `a + b.cast::<E>()` with both broadcast to `shape`, the values of the cast then the
     /// add: autocast's residual add of a low-precision branch into an f32 stream. This
-    /// default casts and adds ([`add_cast_by_ops`]); a backend reads `b` as it is where the
+    /// default casts and adds (`add_cast_by_ops`); a backend reads `b` as it is where the
     /// cast is exact (the CPU does, for f16/bf16 into f32).
     fn add_cast<E: Precision, O: Precision>(
         &self,
@@ -704,7 +704,7 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     /// gradient so far: contiguous, of the input's shape, owned alone), each element rounded
     /// once as the separate add would; returns the weight's and bias's gradients. The norm of
     /// a residual stream, whose gradient the skip connection has already delivered. This
-    /// default computes the gradient and adds it ([`norm_backward_into_by_ops`]); a backend
+    /// default computes the gradient and adds it (`norm_backward_into_by_ops`); a backend
     /// adds as it writes (the CPU does where it fuses `norm_backward_from`).
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn norm_backward_into<E: Precision, O: Precision>(

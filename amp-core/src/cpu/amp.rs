@@ -7,7 +7,7 @@
 //!   non-finite values too). This kernel does exactly that, in place.
 //! - The inner loop is branch-free so it vectorises: the non-finite test is "all exponent bits
 //!   set" on the value's bits, max-reduced into one accumulator and compared once per chunk.
-//! - Work is split into [`CHUNK`] pieces across every gradient at once and run on rayon's pool,
+//! - Work is split into `CHUNK` pieces across every gradient at once and run on rayon's pool,
 //!   so many small tensors parallelise as well as one large one; each piece reports its own
 //!   flag, so the result is one flag per tensor (several optimizers sharing a scaler skip on
 //!   their own overflow, as in PyTorch).
@@ -43,7 +43,7 @@ pub fn unscale_all(slices: &mut [&mut [f32]], inv: f32) -> Vec<bool> {
     flags_by_pieces(slices, move |c| unscale_serial(c, inv))
 }
 
-/// Runs `pass` over every slice in [`CHUNK`] pieces, the pieces of all slices together on
+/// Runs `pass` over every slice in `CHUNK` pieces, the pieces of all slices together on
 /// rayon's pool (a step's many small gradients then split as well as one large one; one
 /// parallel op per gradient paid a fork-join each, and ran the small ones on one thread),
 /// and returns per slice whether `pass` said so of any of its pieces.

@@ -2,14 +2,14 @@
 //! ([`memory`]) and the loops every kernel is built on.
 //!
 //! Design notes:
-//! - Work is split into chunks of [`CHUNK`] output elements run on rayon's pool when there are
-//!   enough of them ([`PAR_MIN`]); small tensors stay on the calling thread.
+//! - Work is split into chunks of `CHUNK` output elements run on rayon's pool when there are
+//!   enough of them (`PAR_MIN`); small tensors stay on the calling thread.
 //! - Inside a chunk, data moves in runs along the innermost dim: each run is loaded into a
 //!   stack buffer of the accumulation type (f32, or f64 for f64), computed there, and rounded
 //!   once on store. That is how f16/bf16 get f32 arithmetic with vectorised conversions.
-//! - Strided (transposed, broadcast, narrowed) inputs are handled by [`for_each_run`], which
+//! - Strided (transposed, broadcast, narrowed) inputs are handled by `for_each_run`, which
 //!   walks the output in row-major order and tracks each input's offset with an odometer.
-//! - Output buffers come from the caching allocator ([`alloc`]): `alloc::take` (values
+//! - Output buffers come from the caching allocator (`alloc`): `alloc::take` (values
 //!   unspecified) where the kernel writes every element, `alloc::zeroed` where it does not.
 
 pub(crate) mod alloc;

@@ -1,5 +1,5 @@
 //! Elementwise unary ops as values: one unit struct per op implementing
-//! [`UnaryOp`](crate::backend::UnaryOp), its Rust expression (the CPU's, in the accumulation
+//! [`UnaryOp`], its Rust expression (the CPU's, in the accumulation
 //! type) and its CUDA C expression side by side; [`Tensor::unary`] does iteration on the
 //! device, precision handling and the tape.
 

@@ -30,6 +30,25 @@ fn softmax_attention<E: Precision>(b: Bencher<'_, '_>) {
     b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.softmax(3)));
 }
 
+/// Attention's softmax as W2 runs it (`scaled_masked_softmax`: the scale, the causal mask, the
+/// f32 softmax and the cast back in one pass, f32 probabilities kept for the backward),
+/// forward alone, then forward and backward.
+#[divan::bench(types = [f32, f16, bf16], sample_count = 30)]
+fn scaled_masked_softmax_fwd<E: Precision>(b: Bencher<'_, '_>) {
+    let (x, mask) = (randn::<E>(&[B, H, T, T], 0), Mask::causal(T));
+    b.counter(ItemsCount::new(x.numel())).bench_local(|| divan::black_box(x.scaled_masked_softmax(0.125, &mask)));
+}
+
+/// [`scaled_masked_softmax_fwd`] with its backward.
+#[divan::bench(types = [f32, f16, bf16], sample_count = 30)]
+fn scaled_masked_softmax_fwd_bwd<E: Precision>(b: Bencher<'_, '_>) {
+    let (x, mask) = (randn::<E>(&[B, H, T, T], 0).requires_grad_(), Mask::causal(T));
+    let w = randn::<E>(&[B, H, T, T], 1);
+    b.counter(ItemsCount::new(x.numel())).bench_local(|| {
+        divan::black_box(x.scaled_masked_softmax(0.125, &mask).mul(&w).sum_all().backward())
+    });
+}
+
 /// The same softmax built from separate ops (what an unfused implementation pays).
 #[divan::bench(types = [f32, f16, bf16], sample_count = 20)]
 fn softmax_attention_unfused<E: Precision>(b: Bencher<'_, '_>) {

@@ -44,9 +44,8 @@ fn scaled_masked_softmax_fwd<E: Precision>(b: Bencher<'_, '_>) {
 fn scaled_masked_softmax_fwd_bwd<E: Precision>(b: Bencher<'_, '_>) {
     let (x, mask) = (randn::<E>(&[B, H, T, T], 0).requires_grad_(), Mask::causal(T));
     let w = randn::<E>(&[B, H, T, T], 1);
-    b.counter(ItemsCount::new(x.numel())).bench_local(|| {
-        divan::black_box(x.scaled_masked_softmax(0.125, &mask).mul(&w).sum_all().backward())
-    });
+    b.counter(ItemsCount::new(x.numel()))
+        .bench_local(|| divan::black_box(x.scaled_masked_softmax(0.125, &mask).mul(&w).sum_all().backward()));
 }
 
 /// The same softmax built from separate ops (what an unfused implementation pays).

@@ -1,4 +1,32 @@
-//! Procedural macros for amp: `#[autocast]` and helper derives.
+//! Procedural macros for amp: `#[autocast]` and helper derives (used through the `amp` facade,
+//! which re-exports them).
+//!
+//! ```
+//! use amp::prelude::*;
+//!
+//! #[derive(Params)]
+//! struct Mlp {
+//!     w1: Param,
+//!     w2: Param,
+//! }
+//!
+//! impl Mlp {
+//!     #[autocast(bf16)]
+//!     fn forward(&self, x: &Tensor<f32>) -> Tensor<f32> {
+//!         let h = x.matmul(&self.w1).relu(); // bf16 matmul (f32 accumulation), relu in bf16
+//!         h.matmul(&self.w2).log_softmax(1) // bf16 matmul, log_softmax in f32
+//!     }
+//! }
+//!
+//! let mut rng = Rng::seed(0);
+//! let model = Mlp {
+//!     w1: Param::new(Tensor::<f32>::randn(&[4, 8], &mut rng)),
+//!     w2: Param::new(Tensor::<f32>::randn(&[8, 3], &mut rng)),
+//! };
+//! let y = model.forward(&Tensor::<f32>::randn(&[2, 4], &mut rng));
+//! assert_eq!((y.dtype(), y.shape()), (DType::F32, &[2, 3][..]));
+//! assert_eq!(model.named_params()[0].0, "w1"); // `#[derive(Params)]`: PyTorch's names
+//! ```
 //!
 //! `lib.rs` holds only the entry points; each macro's stages live in their own files
 //! (`#[autocast]`: `parse` → `validate` → `policy` → `expand`).
@@ -35,7 +63,11 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 /// and every other op runs as its inputs are. The table: `amp_core::policy`
 /// (`amp_core::policy::print_policy()` prints it).
 ///
-/// ```ignore
+/// ```
+/// # use amp::prelude::*;
+/// # use amp::nn::Linear;
+/// # struct Model { w1: Param, w2: Param, fc1: Linear, fc2: Linear }
+/// # impl Model {
 /// #[autocast]                      // f16; `#[autocast(bf16)]` for bf16
 /// fn forward(&self, x: &Tensor<f32>) -> Tensor<f32> {
 ///     let h = x.matmul(&self.w1).relu();        // f16 matmul (f32 accumulation)
@@ -47,6 +79,16 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 ///     let h = self.fc1.forward(x).gelu();       // an `amp::nn::Linear`, in P
 ///     h.linear(&self.fc2.weight, self.fc2.bias.as_ref()).cross_entropy(y)
 /// }
+/// # }
+/// # let mut rng = Rng::seed(0);
+/// # let p = |shape: &[usize], rng: &mut Rng| Param::new(Tensor::<f32>::randn(shape, rng));
+/// # let (w1, w2) = (p(&[4, 8], &mut rng), p(&[8, 3], &mut rng));
+/// # let (fc1, fc2) = (Linear::normal(4, 8, true, 0.02, &mut rng), Linear::normal(8, 3, true, 0.02, &mut rng));
+/// # let model = Model { w1, w2, fc1, fc2 };
+/// # let x = Tensor::<f32>::randn(&[2, 4], &mut rng);
+/// # assert_eq!(model.forward(&x).dtype(), DType::F32);
+/// # let loss = model.loss::<bf16>(&x, &Indices::from_vec(vec![0, 2], &[2]));
+/// # assert_eq!((loss.dtype(), loss.shape()), (DType::F32, &[][..]));
 /// ```
 ///
 /// - The autocast type: `f16` (the default), `bf16`, `f32` (autocast off in effect: every op

@@ -43,7 +43,7 @@ pub fn unscale_all(slices: &mut [&mut [f32]], inv: f32) -> Vec<bool> {
     flags_by_pieces(slices, move |c| unscale_serial(c, inv))
 }
 
-/// Runs `pass` over every slice in `CHUNK` pieces, the pieces of all slices together on
+/// Runs `pass` over every slice in [`CHUNK`] pieces, the pieces of all slices together on
 /// rayon's pool (a step's many small gradients then split as well as one large one; one
 /// parallel op per gradient paid a fork-join each, and ran the small ones on one thread),
 /// and returns per slice whether `pass` said so of any of its pieces.

@@ -5,7 +5,8 @@
 //!   significands, so each product fits f32) and adds them into f32 lanes, at twice the f32
 //!   FMA rate on Zen 4 (at the f32 FMA rate on a Xeon). Where the CPU has AMX-BF16 and the OS
 //!   grants tile data, the same pairs run on AMX tiles instead ([`super::amx`];
-//!   [`multiply_amx`]), at 3-8× the `vdpbf16ps` kernel's rate on a Xeon (README, Performance).
+//!   [`multiply_amx`]), at 3-8× the `vdpbf16ps` kernel's rate on a Xeon
+//!   (`docs/performance.md`, Intel Xeon with AMX).
 //! - **f16**: packing widens each f16 to f32 (exact) and the kernel runs f32 FMAs. Widening
 //!   inside the pack, rather than into full f32 copies of both operands handed to an f32
 //!   GEMM, saves two passes over memory and the f32 output buffer. (AVX-512 FP16 arithmetic

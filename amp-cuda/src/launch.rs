@@ -155,8 +155,15 @@ pub fn warp_vectors(d: usize, elem_bytes: usize, ptrs: &[u64]) -> Option<i32> {
     [1, 2, 4, 8].into_iter().find(|&nv| per_lane <= nv && nv * per_vector <= 32).map(|nv| nv as i32)
 }
 
-/// Dynamic shared memory a row kernel may use without opting in (48 KiB).
-pub const ROW_SMEM: usize = 48 * 1024;
+/// Dynamic shared memory a row kernel may cache its row in: without opting in
+/// (`cuFuncSetAttribute`), a block's static and dynamic shared memory together get 48 KiB, and
+/// the row kernels' own reduction arrays take up to 272 bytes (f64), so 1 KiB is left for them.
+/// At the full 48 KiB, rows of 12,253-12,288 f32 values (6,127-6,144 in a norm's backward)
+/// failed to launch. `tests/ptx.rs` checks every row kernel's static shared memory fits.
+pub const ROW_SMEM: usize = 47 * 1024;
+
+/// The shared memory a block gets without opting in to more.
+pub const BLOCK_SMEM: usize = 48 * 1024;
 
 /// The shared memory to cache `per_row` bytes of a row in, and whether it fits.
 pub fn row_cache(per_row: usize) -> (u32, i32) {
@@ -209,5 +216,19 @@ mod tests {
         assert_eq!(warp_vectors(12, 2, &[0x1000]), None); // not a whole vector
         assert_eq!(warp_vectors(16, 2, &[0x1008]), None); // misaligned
         assert!(vector_rows(50304, 2, &[0x1000]) && !vector_rows(50303, 2, &[0x1000]));
+    }
+
+    #[test]
+    fn the_vectors_per_lane_never_exceed_what_the_kernels_instantiate() {
+        // rows.cu's amp_nv_max: 4 for 16-bit values, 8 otherwise (a larger nv traps there).
+        let most = include_str!("kernels/rows.cu");
+        assert!(most.contains("return sizeof(T) == 2 ? 4 : 8;"), "rows.cu's amp_nv_max changed");
+        for (bytes, max) in [(2, 4), (4, 8), (8, 8)] {
+            for d in 1..=2048 {
+                if let Some(nv) = warp_vectors(d, bytes, &[0x1000]) {
+                    assert!(nv <= max, "{d} values of {bytes} bytes: {nv} vectors a lane");
+                }
+            }
+        }
     }
 }

@@ -11,7 +11,10 @@
 //!   `catch_unwind` (a library without a symbol the bindings name panics too).
 //! - PTX for a virtual architecture is not assembled: an inline-PTX typo would only fail when
 //!   the driver loads the module. [`assemble_sm90`] compiles the same source for the real
-//!   `sm_90`, which makes NVRTC run ptxas, so CI catches those without a GPU.
+//!   `sm_90`, which makes NVRTC run ptxas, so CI catches those without a GPU; ptxas's report
+//!   of each kernel's registers, spills and static shared memory comes back with it
+//!   ([`KernelResources`]), so CI checks those too (a launch fails, or an SM holds few blocks,
+//!   when they grow).
 
 use std::ffi::{CStr, CString, c_char};
 use std::sync::OnceLock;
@@ -75,6 +78,55 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 struct Output {
     ptx: String,
     cubin_bytes: usize,
+    log: String,
+}
+
+/// What ptxas reports for one kernel assembled for `sm_90`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelResources {
+    /// The kernel's `extern "C"` name.
+    pub name: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes of static shared memory (`__shared__` arrays); dynamic shared memory comes on top.
+    pub static_shared_bytes: u32,
+    /// Bytes of registers spilled to local memory (stores).
+    pub spill_store_bytes: u32,
+}
+
+/// A program assembled for `sm_90`.
+#[derive(Clone, Debug)]
+pub struct Assembled {
+    /// The size of the machine code.
+    pub cubin_bytes: usize,
+    /// ptxas's report, one entry per kernel.
+    pub kernels: Vec<KernelResources>,
+}
+
+/// The kernels' resources from ptxas's verbose log (`--ptxas-options=-v`): a kernel's lines
+/// start at `Compiling entry function 'NAME'`, its spills are on the `spill stores` line and its
+/// registers and static shared memory on the `Used N registers` line.
+fn parse_ptxas_log(log: &str) -> Vec<KernelResources> {
+    let number_before = |line: &str, unit: &str| -> Option<u32> {
+        let at = line.find(unit)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    };
+    let mut out: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default().to_string();
+            out.push(KernelResources { name, registers: 0, static_shared_bytes: 0, spill_store_bytes: 0 });
+        } else if let Some(k) = out.last_mut() {
+            if let Some(n) = number_before(line, " bytes spill stores") {
+                k.spill_store_bytes = n;
+            }
+            if let Some(n) = number_before(line, " registers") {
+                k.registers = n;
+                k.static_shared_bytes = number_before(line, " bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    out
 }
 
 /// Creates, compiles and reads back one program for `arch`; the error carries NVRTC's log.
@@ -84,7 +136,10 @@ fn compile(program: &Program, arch: &str, cubin: bool) -> Result<Output, Error> 
     let name = CString::new(format!("{}.cu", program.name)).map_err(|_| nvrtc_error("program name holds a NUL"))?;
     let prog = result::create_program(&src, Some(&name))
         .map_err(|e| nvrtc_error(format!("{}: nvrtcCreateProgram failed: {e:?}", program.name)))?;
-    let options = [format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
+    let mut options = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
+    if cubin {
+        options.push("--ptxas-options=-v".to_string());
+    }
     let out = (|| {
         // SAFETY: `prog` was created above and is destroyed only after this closure.
         if let Err(e) = unsafe { result::compile_program(prog, &options) } {
@@ -107,7 +162,9 @@ fn compile(program: &Program, arch: &str, cubin: bool) -> Result<Output, Error> 
                 .result()
                 .map_err(|e| nvrtc_error(format!("{}: nvrtcGetCUBINSize failed: {e:?}", program.name)))?;
         }
-        Ok(Output { ptx, cubin_bytes })
+        // SAFETY: as above.
+        let log = unsafe { result::get_program_log(prog) }.map(|l| c_text(&l)).unwrap_or_default();
+        Ok(Output { ptx, cubin_bytes, log })
     })();
     // SAFETY: `prog` came from create_program and is destroyed once, here.
     let _ = unsafe { result::destroy_program(prog) };
@@ -131,7 +188,43 @@ pub fn compile_ptx(program: &Program) -> Result<String, Error> {
 
 /// Compiles a program for the real `sm_90` (NVRTC then runs the assembler, which checks the
 /// inline PTX that [`compile_ptx`]'s virtual-architecture output leaves unchecked); returns
-/// the size of the machine code. For CI and tests on machines without a GPU.
-pub fn assemble_sm90(program: &Program) -> Result<usize, Error> {
-    compile(program, "sm_90", true).map(|o| o.cubin_bytes)
+/// the size of the machine code and each kernel's registers, spills and static shared memory.
+/// For CI and tests on machines without a GPU.
+pub fn assemble_sm90(program: &Program) -> Result<Assembled, Error> {
+    compile(program, "sm_90", true).map(|o| Assembled { cubin_bytes: o.cubin_bytes, kernels: parse_ptxas_log(&o.log) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptxas_reports_are_read_per_kernel() {
+        let log = "ptxas info    : 1 bytes gmem\n\
+            ptxas info    : Compiling entry function 'softmax_fwd_bf16' for 'sm_90'\n\
+            ptxas info    : Function properties for softmax_fwd_bf16\n\
+            ptxas         .     0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n\
+            ptxas info    : Used 21 registers, used 1 barriers, 144 bytes smem\n\
+            ptxas info    : Compile time = 3.1 ms\n\
+            ptxas info    : Compiling entry function 'softmax_warp_fwd_bf16' for 'sm_90'\n\
+            ptxas info    : Used 55 registers, used 0 barriers\n";
+        let got = parse_ptxas_log(log);
+        assert_eq!(
+            got,
+            vec![
+                KernelResources {
+                    name: "softmax_fwd_bf16".into(),
+                    registers: 21,
+                    static_shared_bytes: 144,
+                    spill_store_bytes: 8
+                },
+                KernelResources {
+                    name: "softmax_warp_fwd_bf16".into(),
+                    registers: 55,
+                    static_shared_bytes: 0,
+                    spill_store_bytes: 0
+                },
+            ]
+        );
+    }
 }

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use amp_cuda::kernels::{self, Family};
+use amp_cuda::kernels::{self, BLOCK_SMEM, Family, ROW_SMEM};
 use amp_cuda::nvrtc;
 
 #[test]
@@ -36,8 +36,9 @@ fn every_kernel_compiles_to_ptx_for_compute_90_and_assembles_for_sm_90() {
                             }
                             Err(e) => failures.push(e.to_string()),
                         }
-                        if let Err(e) = nvrtc::assemble_sm90(p) {
-                            failures.push(e.to_string());
+                        match nvrtc::assemble_sm90(p) {
+                            Ok(assembled) => failures.extend(resource_failures(p, &assembled)),
+                            Err(e) => failures.push(e.to_string()),
                         }
                     }
                     failures
@@ -54,6 +55,38 @@ fn every_kernel_compiles_to_ptx_for_compute_90_and_assembles_for_sm_90() {
         all.len(),
         nvrtc::ARCH
     );
+}
+
+/// What ptxas reported that would fail or slow a launch on the GPU: a kernel it did not report,
+/// spills to local memory, a row kernel whose static shared memory leaves less than
+/// [`ROW_SMEM`] of the block's 48 KiB for the row it caches, and a warp-per-row kernel at
+/// more than 168 registers a thread (its 128-thread blocks then fit 2 to an SM, 8 warps to
+/// hide memory latency with; the 16-bit norm kernels were at 255 while the kernel switch
+/// instantiated an 8-vector case the host never launches for them).
+fn resource_failures(p: &kernels::Program, assembled: &nvrtc::Assembled) -> Vec<String> {
+    let mut failures = Vec::new();
+    for k in &p.kernels {
+        let Some(r) = assembled.kernels.iter().find(|r| &r.name == k) else {
+            failures.push(format!("{}: ptxas reported nothing for {k}", p.name));
+            continue;
+        };
+        if r.spill_store_bytes > 0 {
+            failures.push(format!("{}: {k} spills {} bytes of registers", p.name, r.spill_store_bytes));
+        }
+        let row_kernel = ["softmax_fwd", "log_softmax_fwd", "norm_fwd", "norm_bwd"].iter().any(|s| k.contains(s));
+        if row_kernel && !k.contains("warp") && r.static_shared_bytes as usize + ROW_SMEM > BLOCK_SMEM {
+            failures.push(format!(
+                "{}: {k} has {} bytes of static shared memory, more than the {} ROW_SMEM leaves",
+                p.name,
+                r.static_shared_bytes,
+                BLOCK_SMEM - ROW_SMEM
+            ));
+        }
+        if k.contains("_warp_") && r.registers > 168 {
+            failures.push(format!("{}: {k} takes {} registers a thread (at most 168)", p.name, r.registers));
+        }
+    }
+    failures
 }
 
 /// Counts the op values defined in amp-core's op files (macro uses and hand-written impls).

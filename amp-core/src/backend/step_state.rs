@@ -61,7 +61,7 @@ pub struct ScaleRule {
 impl ScaleRule {
     /// The rule, in place on a state vector ([`ScaleSlot`]), given whether the step
     /// overflowed. This is the definition every device follows (the CPU runs it as is; the
-    /// CUDA kernel `update_scale_fwd_f64` is the same operations in C):
+    /// CUDA kernel `update_scale_fwd_f32` is the same operations in C):
     /// - `set_scale`: the scale becomes it, the trackers stay.
     /// - overflow: `growth_tracker = 0`, one more overflow in a row, the hysteresis tracker
     ///   goes down by one (not below 0); while it is still above 0 nothing else changes.

@@ -20,6 +20,10 @@ use amp_core::DType;
 use amp_core::backend::{BinaryOp, UnaryOp};
 use amp_core::ops::{binary, loss, unary};
 
+/// The shared-memory limits the row kernels are launched under (checked against ptxas's report
+/// of each kernel in `tests/ptx.rs`).
+pub use crate::launch::{BLOCK_SMEM, ROW_SMEM};
+
 /// The prelude every program starts with.
 pub const PRELUDE: &str = include_str!("prelude.cuh");
 const MAP: &str = include_str!("map.cu");

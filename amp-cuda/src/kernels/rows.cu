@@ -362,14 +362,26 @@ __device__ void amp_norm_warp_bwd(T* dx, const T* x, const T* g, const T* w, con
     }
 }
 
+// The most 128-bit vectors per lane the host picks for rows of T (`warp_vectors` in
+// launch.rs: at most 32 values a lane): 4 for f16 and bf16, 8 for f32 and f64.
+template <typename T> __device__ constexpr int amp_nv_max() { return sizeof(T) == 2 ? 4 : 8; }
+
 // Runs CALL (an expression in parentheses that names the constant NVc) with NVc the host's
-// `nv`: 1, 2, 4 or 8 vectors per lane.
-#define AMP_NV_SWITCH(nv, CALL)                          \
-    switch (nv) {                                        \
-    case 1: { constexpr int NVc = 1; CALL; break; }      \
-    case 2: { constexpr int NVc = 2; CALL; break; }      \
-    case 4: { constexpr int NVc = 4; CALL; break; }      \
-    default: { constexpr int NVc = 8; CALL; break; }     \
+// `nv`: 1, 2, 4 or amp_nv_max<T>() vectors per lane. A kernel takes the registers of its
+// largest instantiation, and an 8-vector one the host never launches made the 16-bit norm
+// kernels take 222-255 registers a thread (122-130 without it); an `nv` above T's most traps
+// instead of running with too few vectors.
+#define AMP_NV_SWITCH(T, nv, CALL)                                            \
+    switch (nv) {                                                             \
+    case 1: { constexpr int NVc = 1; CALL; break; }                           \
+    case 2: { constexpr int NVc = 2; CALL; break; }                           \
+    case 4: { constexpr int NVc = 4; CALL; break; }                           \
+    default: {                                                                \
+        constexpr int NVc = amp_nv_max<T>();                                  \
+        if (nv != NVc) __trap();                                              \
+        CALL;                                                                 \
+        break;                                                                \
+    }                                                                         \
     }
 
 // ---- cross-entropy -------------------------------------------------------------------------------
@@ -540,19 +552,19 @@ template <typename T> __device__ void amp_mean_f64(T* out, const double* parts, 
     }                                                                                                      \
     extern "C" __global__ void softmax_warp_fwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, i64 rows, i64 d, \
                                                       int nv) {                                            \
-        AMP_NV_SWITCH(nv, (amp_softmax_warp_fwd<amp_t_##SUF, false, NVc>(out, x, rows, d)))                \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_softmax_warp_fwd<amp_t_##SUF, false, NVc>(out, x, rows, d)))                \
     }                                                                                                      \
     extern "C" __global__ void log_softmax_warp_fwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* x, i64 rows,  \
                                                           i64 d, int nv) {                                 \
-        AMP_NV_SWITCH(nv, (amp_softmax_warp_fwd<amp_t_##SUF, true, NVc>(out, x, rows, d)))                 \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_softmax_warp_fwd<amp_t_##SUF, true, NVc>(out, x, rows, d)))                 \
     }                                                                                                      \
     extern "C" __global__ void softmax_warp_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* y,              \
                                                       const amp_t_##SUF* g, i64 rows, i64 d, int nv) {     \
-        AMP_NV_SWITCH(nv, (amp_softmax_warp_bwd<amp_t_##SUF, false, NVc>(out, y, g, rows, d)))             \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_softmax_warp_bwd<amp_t_##SUF, false, NVc>(out, y, g, rows, d)))             \
     }                                                                                                      \
     extern "C" __global__ void log_softmax_warp_bwd_##SUF(amp_t_##SUF* out, const amp_t_##SUF* y,          \
                                                           const amp_t_##SUF* g, i64 rows, i64 d, int nv) { \
-        AMP_NV_SWITCH(nv, (amp_softmax_warp_bwd<amp_t_##SUF, true, NVc>(out, y, g, rows, d)))              \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_softmax_warp_bwd<amp_t_##SUF, true, NVc>(out, y, g, rows, d)))              \
     }
 
 #define AMP_NORM_KERNELS(SUF)                                                                              \
@@ -582,25 +594,25 @@ template <typename T> __device__ void amp_mean_f64(T* out, const double* parts, 
                                                          AMP_ACC(SUF) * rstd, const amp_t_##SUF* x,        \
                                                          const amp_t_##SUF* w, const amp_t_##SUF* b, i64 rows, \
                                                          i64 d, double eps, int nv) {                      \
-        AMP_NV_SWITCH(nv, (amp_norm_warp_fwd<amp_t_##SUF, false, NVc>(out, mean, rstd, x, w, b, rows, d, eps))) \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_norm_warp_fwd<amp_t_##SUF, false, NVc>(out, mean, rstd, x, w, b, rows, d, eps))) \
     }                                                                                                      \
     extern "C" __global__ void rms_norm_warp_fwd_##SUF(amp_t_##SUF* out, AMP_ACC(SUF) * mean,              \
                                                        AMP_ACC(SUF) * rstd, const amp_t_##SUF* x,          \
                                                        const amp_t_##SUF* w, const amp_t_##SUF* b, i64 rows, \
                                                        i64 d, double eps, int nv) {                        \
-        AMP_NV_SWITCH(nv, (amp_norm_warp_fwd<amp_t_##SUF, true, NVc>(out, mean, rstd, x, w, b, rows, d, eps))) \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_norm_warp_fwd<amp_t_##SUF, true, NVc>(out, mean, rstd, x, w, b, rows, d, eps))) \
     }                                                                                                      \
     extern "C" __global__ void layer_norm_warp_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x,            \
                                                          const amp_t_##SUF* g, const amp_t_##SUF* w,       \
                                                          const AMP_ACC(SUF) * mean, const AMP_ACC(SUF) * rstd, \
                                                          i64 rows, i64 d, int nv) {                        \
-        AMP_NV_SWITCH(nv, (amp_norm_warp_bwd<amp_t_##SUF, false, NVc>(dx, x, g, w, mean, rstd, rows, d)))  \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_norm_warp_bwd<amp_t_##SUF, false, NVc>(dx, x, g, w, mean, rstd, rows, d)))  \
     }                                                                                                      \
     extern "C" __global__ void rms_norm_warp_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x,              \
                                                        const amp_t_##SUF* g, const amp_t_##SUF* w,         \
                                                        const AMP_ACC(SUF) * mean, const AMP_ACC(SUF) * rstd, \
                                                        i64 rows, i64 d, int nv) {                          \
-        AMP_NV_SWITCH(nv, (amp_norm_warp_bwd<amp_t_##SUF, true, NVc>(dx, x, g, w, mean, rstd, rows, d)))   \
+        AMP_NV_SWITCH(amp_t_##SUF, nv, (amp_norm_warp_bwd<amp_t_##SUF, true, NVc>(dx, x, g, w, mean, rstd, rows, d)))   \
     }                                                                                                      \
     extern "C" __global__ void norm_params_partial_bwd_##SUF(                                              \
         AMP_ACC(SUF) * pw, AMP_ACC(SUF) * pb, const amp_t_##SUF* x, const amp_t_##SUF* g,                  \

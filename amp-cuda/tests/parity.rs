@@ -233,6 +233,14 @@ parity!(softmax_and_norms, |dev, E| {
     record(&mut out, "rms_norm", &y.rms_norm(Some(&w), 1e-6), &[&y, &w]);
     let ln = input::<E, D>(dev, &[2, 13000], 31, 1.0);
     record(&mut out, "layer_norm_long", &ln.layer_norm(None, None, 1e-5), &[&ln]);
+    // At the row cache's edge (f32 sums: 12,032 values a row forward, 6,016 in a norm's
+    // backward), and just past it where rows of 12,253-12,288 once failed to launch.
+    for (i, d) in [6016usize, 6144, 12032, 12288].into_iter().enumerate() {
+        let r = input::<E, D>(dev, &[2, d], 60 + i as u64, 1.0);
+        record(&mut out, &format!("softmax_{d}"), &r.softmax(1), &[&r]);
+        record(&mut out, &format!("layer_norm_{d}"), &r.layer_norm(None, None, 1e-5), &[&r]);
+        record(&mut out, &format!("rms_norm_{d}"), &r.rms_norm(None, 1e-6), &[&r]);
+    }
     // GPT-sized rows: one warp per row, in 128-bit vectors (768 and 1024 values).
     let wide = input::<E, D>(dev, &[5, 1024], 50, 2.0);
     record(&mut out, "softmax_1024", &wide.softmax(1), &[&wide]);

@@ -31,11 +31,22 @@
 //!   down the views to the layout the op writes. The same values as the concatenation: each
 //!   element is written once, by the product that computed it; a window whose gradient came
 //!   the usual way is copied in, and one that got none is zero.
+//! - A graph made before one of its leaves was updated (an optimizer step, `Param::set`, a
+//!   weight load) is refused by the backward pass, as PyTorch refuses a tensor "modified by an
+//!   inplace operation": copy on write would otherwise keep the old values alive for it, and
+//!   its gradients would be for weights that no longer exist (a micro-batch's loss computed
+//!   before the last step, accumulated after it). A process-wide clock orders the two: every
+//!   node keeps the clock it was made at, a leaf the clock of its last update.
+//! - Each [`Grads`] (and its clones) records which parameters it was applied to, so no
+//!   parameter gets one backward pass's gradients twice, whichever optimizer (or clone of
+//!   one) applies them; and whether its graph ran through f16 ops with no loss scaling, which
+//!   an optimizer refuses (f16 gradients underflow without it; the training step's
+//!   `GradScaler` is the way).
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use half::{bf16, f16};
 
@@ -195,6 +206,19 @@ pub(crate) struct Node<D: Device = Cpu> {
     /// For a view op (its output shares its one parent's storage): how its layout follows
     /// from the parent's.
     pub(crate) view: Option<ViewOp>,
+    /// The [`clock`] when this node was made.
+    pub(crate) made_at: u64,
+    /// For a leaf, the [`clock`] at its last update in place (0: never); unused otherwise.
+    pub(crate) updated_at: AtomicU64,
+}
+
+/// The clock that orders nodes and leaf updates (see the module notes): nodes read it, an
+/// update advances it.
+static CLOCK: AtomicU64 = AtomicU64::new(1);
+
+/// The clock's time now, for a node being made.
+pub(crate) fn clock() -> u64 {
+    CLOCK.load(Ordering::Relaxed)
 }
 
 impl<D: Device> Node<D> {
@@ -207,7 +231,13 @@ impl<D: Device> Node<D> {
             parents: Vec::new(),
             backward: None,
             view: None,
+            made_at: clock(),
+            updated_at: AtomicU64::new(0),
         })
+    }
+    /// Marks this leaf's values as updated in place: graphs made before now are stale.
+    pub(crate) fn mark_updated(&self) {
+        self.updated_at.store(CLOCK.fetch_add(1, Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
 }
 
@@ -273,8 +303,10 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
 #[derive(Clone, Debug)]
 pub struct Grads<D: Device = Cpu> {
     map: HashMap<TensorId, AnyTensor<D>>,
-    /// The backward pass (or `Grads::new`) that made this set; kept by clones.
-    generation: u64,
+    /// The parameters these gradients were applied to, shared by clones: each gets them once.
+    applied: Arc<Mutex<HashSet<TensorId>>>,
+    /// The op of an f16 node of the graph they came from, when its loss was not scaled.
+    unscaled_f16: Option<&'static str>,
 }
 
 impl Default for Grads {
@@ -291,15 +323,28 @@ impl Grads {
 }
 
 impl<D: Device> Grads<D> {
-    /// An empty set on any device (a new generation).
+    /// An empty set on any device, applied to nothing yet.
     pub(crate) fn empty() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        Grads { map: HashMap::new(), generation: NEXT.fetch_add(1, Ordering::Relaxed) }
+        Grads { map: HashMap::new(), applied: Arc::default(), unscaled_f16: None }
     }
-    /// Which backward pass made this set (clones share it): optimizers refuse to apply the
-    /// same generation twice.
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation
+    /// The first of `ids` these gradients (or a clone of them) were already applied to.
+    pub(crate) fn first_applied(&self, ids: impl IntoIterator<Item = TensorId>) -> Option<TensorId> {
+        let applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
+        ids.into_iter().find(|id| applied.contains(id))
+    }
+    /// Records that these gradients were applied to `ids`.
+    pub(crate) fn mark_applied(&self, ids: impl IntoIterator<Item = TensorId>) {
+        self.applied.lock().unwrap_or_else(|e| e.into_inner()).extend(ids);
+    }
+    /// The op of an f16 node of the graph these gradients came from, when its loss was not
+    /// scaled (an optimizer refuses them: f16 gradients underflow without loss scaling).
+    pub(crate) fn unscaled_f16(&self) -> Option<&'static str> {
+        self.unscaled_f16
+    }
+    /// Marks these gradients as those of a scaled loss (the training step's, with a
+    /// `GradScaler`).
+    pub(crate) fn mark_scaled(&mut self) {
+        self.unscaled_f16 = None;
     }
     /// The gradient of `t` (a parameter or a leaf that requires gradients), in `t`'s precision.
     pub fn get<E: Precision>(&self, t: &Tensor<E, D>) -> Option<&Tensor<E, D>> {
@@ -343,6 +388,7 @@ impl<D: Device> Grads<D> {
     }
     /// Adds `other` into `self` (micro-batch accumulation); ids missing on one side are kept.
     pub fn accumulate(&mut self, other: Grads<D>) {
+        self.unscaled_f16 = self.unscaled_f16.or(other.unscaled_f16);
         for (id, g) in other.map {
             let merged = match self.map.remove(&id) {
                 Some(mine) => accumulate(mine, g),
@@ -369,8 +415,29 @@ pub(crate) fn first_node_of<E: Precision, D: Device>(t: &Tensor<E, D>, dtype: DT
     None
 }
 
+/// Refuses a graph that uses a leaf updated in place after the graph was made (module notes).
+fn check_fresh<D: Device>(order: &[Arc<Node<D>>]) -> Result<()> {
+    for node in order {
+        for leaf in node.parents.iter().flatten().filter(|p| p.backward.is_none()) {
+            if leaf.updated_at.load(Ordering::Relaxed) > node.made_at {
+                return Err(Error::Backward {
+                    detail: format!(
+                        "this loss was computed before one of the parameters it uses (shape {:?}, an input of \
+                         `{}`) was updated in place (an optimizer step, `Param::set` or a weight load), so its \
+                         gradients would be for values that no longer exist. Compute the loss again after the \
+                         update (PyTorch refuses this too: \"one of the variables needed for gradient \
+                         computation has been modified by an inplace operation\")",
+                        leaf.shape, node.op
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs backward from `root` seeded with `seed` (same shape and precision as the root).
-pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -> Grads<D> {
+pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -> Result<Grads<D>> {
     let _no_grad = NoGradGuard::new();
     // Backward closures run ops on gradients as written, also inside an autocast region.
     let _as_written = crate::__private::OffGuard::new();
@@ -392,6 +459,7 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
             order.push(node);
         }
     }
+    check_fresh(&order)?;
     let mut pending: HashMap<TensorId, AnyTensor<D>> = HashMap::new();
     // Narrows' gradients not yet added into their parent's gradient, in arrival order: they
     // are added when the parent's gradient is needed or another contribution to it arrives,
@@ -403,6 +471,7 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
     let dev = with_any!(&seed, t => t.device.clone());
     pending.insert(root.id, seed);
     let mut out = Grads::empty();
+    out.unscaled_f16 = order.iter().find(|n| n.dtype == DType::F16).map(|n| n.op);
     for node in order.iter().rev() {
         if let Some(t) = tiled.remove(&node.id)
             && t.buf.is_some()
@@ -476,7 +545,7 @@ pub(crate) fn run_backward<D: Device>(root: &Arc<Node<D>>, seed: AnyTensor<D>) -
             pending.insert(parent.id, merged);
         }
     }
-    out
+    Ok(out)
 }
 
 /// Takes `node`'s gradient so far out of `pending`, with its narrows' windows added in

@@ -58,6 +58,15 @@ pub fn grad_norm<D: Device>(grads: &Grads<D>) -> D::Value<f32> {
 /// coefficient are computed on the gradients' device and never leave it: the norm comes back
 /// as a [`crate::Device::Value`] (an `f32` on the CPU), read on another device only when asked.
 pub fn try_clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Result<D::Value<f32>> {
+    Ok(match clip_in_place(grads, max_norm)? {
+        Some((dev, scalars)) => read_f32(&dev, scalars, 0),
+        None => D::default().value(|| 0.0),
+    })
+}
+
+/// [`try_clip_grad_norm`]'s work: returns the device and its `[total norm, coefficient]`
+/// (`None` when there are no gradients).
+pub(crate) fn clip_in_place<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Result<Option<(D, D::Storage<f32>)>> {
     if max_norm.is_nan() || max_norm <= 0.0 {
         return Err(Error::InvalidArgument {
             op: "clip_grad_norm",
@@ -66,7 +75,7 @@ pub fn try_clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Res
         });
     }
     let Some((dev, scalars)) = clip_scalars(grads, max_norm) else {
-        return Ok(D::default().value(|| 0.0));
+        return Ok(None);
     };
     for (_, g) in grads.iter_mut() {
         crate::with_any!(g, t => {
@@ -74,7 +83,7 @@ pub fn try_clip_grad_norm<D: Device>(grads: &mut Grads<D>, max_norm: f32) -> Res
             dev.scale_in_place(&mut t.storage, &scalars, 1);
         });
     }
-    Ok(read_f32(&dev, scalars, 0))
+    Ok(Some((dev, scalars)))
 }
 
 /// Like [`try_clip_grad_norm`]; panics on an invalid `max_norm`.

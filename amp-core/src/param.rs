@@ -64,6 +64,7 @@ impl<E: Precision, D: Device> Param<E, D> {
             self.tensor.shape()
         );
         self.tensor.set_values(value);
+        self.mark_updated();
     }
     /// A new parameter (with its own id) holding these values rounded once to precision `P`
     /// (round to nearest even; exact when widening). For pure-bf16 training,
@@ -79,8 +80,15 @@ impl<E: Precision, D: Device> Param<E, D> {
     }
     /// The values' storage, for an in-place update (copy on write if a graph still shares it).
     pub(crate) fn storage_mut(&mut self) -> &mut D::Storage<E> {
+        self.mark_updated();
         self.tensor.make_exclusive();
         &mut self.tensor.storage
+    }
+    /// Graphs made before now used the old values: their backward pass is refused.
+    fn mark_updated(&self) {
+        if let Some(node) = &self.tensor.node {
+            node.mark_updated();
+        }
     }
 }
 
@@ -92,6 +100,7 @@ impl<E: Precision> Param<E, Cpu> {
     }
     /// The values, in place, for an update (copy on write if a graph still shares them).
     pub fn data_mut(&mut self) -> &mut [E] {
+        self.mark_updated();
         self.tensor.make_mut()
     }
 }

@@ -354,6 +354,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
             parents,
             backward: Some(backward),
             view,
+            made_at: crate::autograd::clock(),
+            updated_at: Default::default(),
         };
         self.node = Some(Arc::new(node));
         self
@@ -378,7 +380,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
                 detail: "the tensor does not require grad: nothing it depends on is a parameter or a leaf marked with requires_grad_()".into(),
             });
         };
-        Ok(run_backward(node, seed.into()))
+        run_backward(node, seed.into())
     }
     /// Gradients of this scalar with respect to every leaf it depends on.
     ///

@@ -327,7 +327,7 @@ fn hysteresis_tolerates_overflows_before_backing_off() {
 }
 
 #[test]
-fn disabled_scaler_is_a_plain_step() {
+fn disabled_scaler_steps_unscaled_and_skips_non_finite_steps_as_no_scale_does() {
     let (mut s, mut m, mut opt) = (GradScaler::disabled(), probe(), Sgd::new(0.1).build().unwrap());
     assert_eq!(s.get_scale(), 1.0);
     let loss = loss_of(&m.p, OK);
@@ -337,9 +337,13 @@ fn disabled_scaler_is_a_plain_step() {
     let r = step.backward().unscale().step(&mut opt, &mut m).update().unwrap();
     assert!(!r.skipped);
     assert_eq!(m.p.to_vec(), vec![0.9, -1.95, 0.475]);
-    // As PyTorch with enabled=False: no overflow check, the step is taken.
+    // PyTorch's enabled=False takes this step (inf in the weights); here it is skipped, as
+    // with NoScale, and the scale stays 1.
+    let before = m.p.to_vec();
     let r = iteration(&mut s, &mut m, &mut opt, false);
-    assert!(!r.skipped && m.p.to_vec()[1].is_infinite());
+    assert!(r.skipped);
+    assert_eq!(m.p.to_vec(), before);
+    assert_eq!((r.scale, s.get_scale()), (1.0, 1.0));
 }
 
 #[test]

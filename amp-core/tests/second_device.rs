@@ -250,6 +250,39 @@ fn the_whole_amp_step_runs_on_the_second_device_bit_for_bit() {
     );
 }
 
+/// Two parameter groups stepped by `step_many` with clipping, over steps where a leaf no
+/// optimizer steps has a finite, then a NaN gradient: per step (skipped, scale bits), then
+/// both groups' bits.
+fn groups_with_a_frozen_leaf<D: Device>(dev: &D) -> (Vec<(bool, u32)>, Vec<Vec<u32>>) {
+    let on = |v: &[f32]| Param::new(Tensor::<f32>::from_f32s(v, &[v.len()]).to_device(dev));
+    let (mut a, mut b, frozen) = (on(&[1.0, -2.0, 0.5]), on(&[0.3, 0.7]), on(&[1.5]));
+    let mut oa = amp_core::optim::Sgd::new(0.1).momentum(0.9).build().unwrap();
+    let mut ob = amp_core::optim::AdamW::new(0.01).build().unwrap();
+    let options = amp_core::scaler::GradScalerOptions { init_scale: 256.0, ..Default::default() };
+    let mut scaler = amp_core::scaler::GradScaler::with_options(options).unwrap();
+    let mut log = Vec::new();
+    for i in 0..4 {
+        let poison = if i == 2 { f64::NAN } else { 1.0 };
+        let loss = a.cast::<f16>().square().cast::<f32>().sum_all().add(&b.square().sum_all());
+        let loss = loss.add(&frozen.mul_scalar(poison).sum_all());
+        let mut grads = scaler.scale(loss).backward().unscale();
+        grads.clip_grad_norm(1.0);
+        let r = grads.step_many(&mut [(&mut oa, &mut a), (&mut ob, &mut b)]).update().unwrap();
+        log.push((r.skipped.get(), r.scale.get().to_bits()));
+    }
+    let bits = |p: &Param<f32, D>| p.to_vec().iter().map(|v| v.to_bits()).collect();
+    (log, vec![bits(&a), bits(&b)])
+}
+
+#[test]
+fn step_many_with_a_non_finite_clip_skips_every_group_on_the_device_as_on_the_cpu() {
+    // On a device the skip is decided there: each pair's flag, the clip's, and their max for
+    // the scaler (a max over several flags, which no single-pair step reached).
+    let on_cpu = groups_with_a_frozen_leaf(&Cpu);
+    assert_eq!(on_cpu.0.iter().map(|s| s.0).collect::<Vec<_>>(), vec![false, false, true, false]);
+    assert_eq!(groups_with_a_frozen_leaf(&Mirror), on_cpu);
+}
+
 #[test]
 fn optimizer_state_follows_a_model_to_another_device() {
     // Three SGD-with-momentum steps on the CPU, then three more: once on the CPU, once with the

@@ -20,6 +20,13 @@ fn loss(m: &Model) -> Tensor<f32> {
     x.cast::<f16>().matmul(&m.w.cast::<f16>()).cast::<f32>().square().mean_all()
 }
 
+/// The same loss in f32, for the plain path (`backward()` then `Optimizer::step`), which
+/// refuses the gradients of an f16 graph.
+fn f32_loss(m: &Model) -> Tensor<f32> {
+    let x = Tensor::<f32>::from_f32s(&[0.5, -1.0, 0.25, 2.0], &[1, 4]);
+    x.matmul(&m.w).square().mean_all()
+}
+
 /// A GradScaler whose scale this model's f16 gradients never overflow at (the tests here are
 /// about the step, not about backing off).
 fn scaler() -> GradScaler {
@@ -97,7 +104,7 @@ fn a_failed_step_returns_its_error_without_a_drop_panic() {
 #[test]
 fn a_plain_backward_is_applied_once() {
     let (mut m, mut opt) = (model(0), sgd());
-    let grads = loss(&m).backward();
+    let grads = f32_loss(&m).backward();
     let copy = grads.clone();
     opt.step(&mut m, &grads).unwrap();
     let after_one = m.w.to_vec();
@@ -108,7 +115,7 @@ fn a_plain_backward_is_applied_once() {
     assert_eq!(m.w.to_vec(), after_one, "a refused step changes nothing");
     assert_eq!(opt.steps(), 1);
     // A new backward pass is a new set.
-    let g = loss(&m).backward();
+    let g = f32_loss(&m).backward();
     opt.step(&mut m, &g).unwrap();
     assert_eq!(opt.steps(), 2);
 }
@@ -116,27 +123,27 @@ fn a_plain_backward_is_applied_once() {
 #[test]
 fn one_optimizer_on_two_models_is_an_error_naming_the_parameter() {
     let (mut a, mut b, mut opt) = (model(0), model(1), Sgd::new(0.1).momentum(0.9).build().unwrap());
-    let g = loss(&a).backward();
+    let g = f32_loss(&a).backward();
     opt.step(&mut a, &g).unwrap();
     let b_before = b.w.to_vec();
-    let g = loss(&b).backward();
+    let g = f32_loss(&b).backward();
     let err = opt.step(&mut b, &g).expect_err("bound to a");
     assert!(err.to_string().contains("`w`"), "{err}");
     assert_eq!(b.w.to_vec(), b_before);
     assert_eq!(opt.steps(), 1, "no shared step count");
     // Moving an optimizer on purpose: `bind`.
     opt.bind(&b);
-    let g = loss(&b).backward();
+    let g = f32_loss(&b).backward();
     opt.step(&mut b, &g).unwrap();
 }
 
 #[test]
 fn gradients_of_other_parameters_are_refused() {
     let (mut a, b, mut opt) = (model(0), model(0), sgd());
-    let err = opt.step(&mut a, &loss(&b).backward()).expect_err("b's gradients");
+    let err = opt.step(&mut a, &f32_loss(&b).backward()).expect_err("b's gradients");
     assert!(err.to_string().contains("belong to other parameters"), "{err}");
     let mut s = scaler();
-    let err = s.scale(loss(&b)).backward().unscale().try_step(&mut opt, &mut a).err().expect("refused");
+    let err = s.scale(f32_loss(&b)).backward().unscale().try_step(&mut opt, &mut a).err().expect("refused");
     assert!(err.to_string().contains("belong to other parameters"), "{err}");
 }
 
@@ -159,16 +166,16 @@ fn a_cloned_param_is_a_new_parameter() {
 #[test]
 fn resuming_rebinds_by_name() {
     let (mut m, mut opt) = (model(0), Sgd::new(0.1).momentum(0.9).build().unwrap());
-    let g = loss(&m).backward();
+    let g = f32_loss(&m).backward();
     opt.step(&mut m, &g).unwrap();
     let state = opt.state_dict();
     // A restarted process: a new model (new ids, same names) and a new optimizer.
     let mut m2 = m.clone();
     let mut opt2 = Sgd::new(0.1).momentum(0.9).build().unwrap();
     opt2.load_state_dict(state).unwrap();
-    let g = loss(&m2).backward();
+    let g = f32_loss(&m2).backward();
     opt2.step(&mut m2, &g).unwrap();
-    let g = loss(&m).backward();
+    let g = f32_loss(&m).backward();
     opt.step(&mut m, &g).unwrap();
     assert_eq!(m.w.to_vec(), m2.w.to_vec(), "resumed moments give the same step");
     let st: &SgdState = opt2.param_state("w").unwrap();
@@ -226,4 +233,139 @@ fn f16_under_no_scale_is_refused_naming_grad_scaler() {
     let (m, mut s) = (model(0), NoScale);
     let err = s.try_scale(loss(&m)).err().expect("f16 graph without scaling");
     assert!(err.to_string().contains("GradScaler::new()"), "{err}");
+}
+
+// ---- PyTorch habits that went around the guarantees (found by an audit) --------------------
+
+/// A model's loss with a leaf no optimizer steps (a frozen `Param`, say) added in, whose
+/// gradient is `scale_frozen` (through an f16 cast, so a large one overflows when scaled).
+fn loss_with_frozen(m: &Model, frozen: &Param, scale_frozen: f64) -> Tensor<f32> {
+    loss(m).add(&frozen.cast::<f16>().cast::<f32>().mul_scalar(scale_frozen).sum_all())
+}
+
+#[test]
+fn a_non_finite_clip_norm_skips_every_optimizer_and_backs_off() {
+    // One gradient no optimizer steps overflows: the norm is inf, the clip coefficient 0, and
+    // every gradient of the step is 0 or NaN after clipping. PyTorch's skip reads only each
+    // optimizer's own flags and would apply the rest; here every optimizer skips.
+    let frozen = Param::new(Tensor::<f32>::ones(&[3]));
+    let (mut m, mut s, mut opt) = (model(0), scaler(), sgd());
+    let before = m.w.to_vec();
+    let mut grads = s.scale(loss_with_frozen(&m, &frozen, 1e3)).backward().unscale();
+    assert!(grads.found_inf(), "the frozen leaf's f16 gradient overflowed");
+    assert!(grads.clip_grad_norm(1.0).is_infinite());
+    let r = grads.step(&mut opt, &mut m).update().unwrap();
+    assert!(r.skipped, "the model's gradients were zeroed by the clip");
+    assert_eq!(m.w.to_vec(), before);
+    assert_eq!((opt.steps(), r.scale), (0, 128.0), "skipped, and the scale backed off");
+    // The same without clipping: the model's own gradients are finite and its step is taken.
+    let r = s.scale(loss_with_frozen(&m, &frozen, 1e3)).backward().unscale().step(&mut opt, &mut m).update().unwrap();
+    assert!(!r.skipped);
+    assert_eq!(opt.steps(), 1);
+}
+
+#[test]
+fn a_nan_clip_norm_skips_every_pair_of_step_many() {
+    let frozen = Param::new(Tensor::<f32>::from_f32s(&[1.0, f32::NAN], &[2]));
+    let (mut a, mut b, mut s) = (model(0), model(1), scaler());
+    let (mut oa, mut ob) = (sgd(), sgd());
+    let (a0, b0) = (a.w.to_vec(), b.w.to_vec());
+    let l = loss(&a).add(&loss(&b)).add(&frozen.mul(&frozen).sum_all());
+    let mut grads = s.scale(l).backward().unscale();
+    assert!(grads.clip_grad_norm(1.0).is_nan());
+    let r = grads.step_many(&mut [(&mut oa, &mut a), (&mut ob, &mut b)]).update().unwrap();
+    assert!(r.skipped);
+    assert_eq!((a.w.to_vec(), b.w.to_vec()), (a0, b0), "no NaN written into either model");
+    assert_eq!((oa.steps(), ob.steps()), (0, 0));
+}
+
+#[test]
+fn a_loss_computed_before_a_step_is_refused_after_it() {
+    // PyTorch: "one of the variables needed for gradient computation has been modified by an
+    // inplace operation". A micro-batch's loss left over from the last iteration would
+    // otherwise bring the old weights' gradients into this one.
+    let (mut m, mut s, mut opt) = (model(0), scaler(), sgd());
+    let (first, left_over) = (loss(&m), loss(&m));
+    s.scale(first).backward().unscale().step(&mut opt, &mut m).update().unwrap();
+    let mut grads = s.scale(loss(&m)).backward();
+    let err = grads.try_accumulate(left_over).err().expect("a graph of the old weights");
+    assert!(err.to_string().contains("updated in place"), "{err}");
+    // The step itself is still whole: its own micro-batch goes on.
+    grads.accumulate(loss(&m));
+    grads.unscale().step(&mut opt, &mut m).update().unwrap();
+    // The plain path, and an update by `Param::set`.
+    let stale = loss(&m).mul_scalar(1.0);
+    m.w.set(&Tensor::<f32>::zeros(&[4, 2]));
+    assert!(stale.try_backward().expect_err("after set").to_string().contains("updated in place"));
+    assert!(loss(&m).try_backward().is_ok(), "a loss computed after the update is fine");
+}
+
+#[test]
+fn plain_gradients_of_an_f16_graph_are_refused_by_the_optimizer() {
+    // The PyTorch habit `loss.backward(); opt.step()` with an f16 forward: no loss scaling,
+    // so f16 gradients underflow. NoScale refuses this graph at `scale`; the plain path at
+    // the optimizer, naming the fix.
+    let (mut m, mut opt) = (model(0), sgd());
+    let grads = loss(&m).backward();
+    let before = m.w.to_vec();
+    let err = opt.step(&mut m, &grads).expect_err("f16 without a scaler");
+    assert!(err.to_string().contains("f16") && err.to_string().contains("GradScaler"), "{err}");
+    assert_eq!((m.w.to_vec(), opt.steps()), (before, 0));
+    // Through a GradScaler the same graph trains.
+    scaler().scale(loss(&m)).backward().unscale().step(&mut opt, &mut m).update().unwrap();
+    assert_eq!(opt.steps(), 1);
+}
+
+#[test]
+fn a_try_error_mid_step_comes_back_through_question_mark() {
+    // `?` on a `try_` call that takes `&mut self` drops the step on the way out: the caller
+    // gets the error, not the drop rule's panic.
+    fn train_step(m: &mut Model, opt: &mut Optim<Sgd>, s: &mut GradScaler, max_norm: f32) -> amp_core::Result<bool> {
+        let mut grads = s.try_scale(loss(m))?.try_backward()?.try_unscale()?;
+        grads.try_clip_grad_norm(max_norm)?;
+        Ok(grads.try_step(opt, m)?.update()?.skipped)
+    }
+    let (mut m, mut s, mut opt) = (model(0), scaler(), sgd());
+    let err = train_step(&mut m, &mut opt, &mut s, 0.0).expect_err("max_norm 0");
+    assert!(err.to_string().contains("max_norm"), "{err}");
+    assert!(!train_step(&mut m, &mut opt, &mut s, 1.0).unwrap());
+    // The same for clip_grad_value and accumulate.
+    let mut grads = s.scale(loss(&m)).backward().unscale();
+    assert!(grads.try_clip_grad_value(f32::NAN).is_err());
+    drop(grads);
+    let mut grads = s.scale(loss(&m)).backward();
+    assert!(grads.try_accumulate(Tensor::<f32>::zeros(&[2])).is_err(), "not a scalar");
+    drop(grads);
+}
+
+#[test]
+fn one_set_of_gradients_reaches_a_parameter_once_whatever_applies_it() {
+    // Two sets, applied in turn, then the first again.
+    let (mut m, mut opt) = (model(0), sgd());
+    let (ga, gb) = (f32_loss(&m).backward(), f32_loss(&m).backward());
+    opt.step(&mut m, &ga).unwrap();
+    opt.step(&mut m, &gb).unwrap();
+    let err = opt.step(&mut m, &ga).expect_err("ga again");
+    assert!(err.to_string().contains("already applied"), "{err}");
+    // A clone of the optimizer, made before the first step.
+    let g = f32_loss(&m).backward();
+    let mut twin = opt.clone();
+    opt.step(&mut m, &g).unwrap();
+    let err = twin.step(&mut m, &g).expect_err("the clone applies it again");
+    assert!(err.to_string().contains("already applied"), "{err}");
+    assert_eq!((opt.steps(), twin.steps()), (3, 2));
+}
+
+#[test]
+fn step_many_checks_every_pair_before_stepping_any() {
+    let (mut a, mut b, elsewhere, mut s) = (model(0), model(1), model(2), scaler());
+    let (mut oa, mut ob) = (sgd(), sgd());
+    ob.bind(&elsewhere);
+    let (a0, b0) = (a.w.to_vec(), b.w.to_vec());
+    let l = loss(&a).add(&loss(&b));
+    let err = s.scale(l).backward().unscale().try_step_many(&mut [(&mut oa, &mut a), (&mut ob, &mut b)]);
+    let err = err.err().expect("the second optimizer is bound elsewhere");
+    assert!(err.to_string().contains("bound to"), "{err}");
+    assert_eq!((a.w.to_vec(), b.w.to_vec(), oa.steps()), (a0, b0, 0), "the first pair did not step");
+    assert_eq!(s.get_scale(), 256.0, "nor was the scale updated");
 }

@@ -83,7 +83,6 @@ impl<R: Rule> Optim<R> {
             steps: self.steps,
             state: self.state,
             bound: None,
-            last_grads: None,
             rounding,
             compensation: BTreeMap::new(),
             window: None,
@@ -199,9 +198,12 @@ fn compensation_on<'a, D: Device>(
 impl<R: Rule, D: Device> Optimizer<bf16, D> for Optim<R, bf16> {
     /// Widens each bf16 parameter and its bf16 gradient to f32, runs the rule's f32 update
     /// (f32 moments), and writes the result back as [`Optim::rounding`] says.
+    fn check_step(&self, params: &dyn Params<bf16, D>, grads: &Grads<D>) -> Result<()> {
+        self.check_params_of(params, grads)
+    }
     fn step(&mut self, params: &mut dyn Params<bf16, D>, grads: &Grads<D>) -> Result<()> {
         let t = self.steps;
-        let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
+        let Plan { work, binding, ids } = self.plan(params.named_params_mut(), grads)?;
         for (name, param, grad) in work {
             let hyper = self.hyper_for(&name, t);
             let numel = param.numel();
@@ -222,7 +224,7 @@ impl<R: Rule, D: Device> Optimizer<bf16, D> for Optim<R, bf16> {
             };
             dev.write_bf16(&w, param.storage_mut(), mode, comp);
         }
-        self.finish_step(binding, grads);
+        self.finish_step(binding, grads, ids);
         Ok(())
     }
     fn lr(&self) -> f64 {

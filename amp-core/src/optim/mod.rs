@@ -133,9 +133,17 @@ pub trait Optimizer<E: Precision = f32, D: Device = Cpu> {
     /// directly only for training without a loss scaler (`loss.backward()` on an unscaled
     /// loss gives a `Grads`; a scaled loss's gradients never leave the training step). Errs,
     /// changing nothing, if `params` are not the parameters this optimizer is bound to, if
-    /// none of them has a gradient in a non-empty `grads`, or if this `grads` (or a clone of
-    /// it) was already applied.
+    /// none of them has a gradient in a non-empty `grads`, if this `grads` (or a clone of it)
+    /// was already applied to one of them (by any optimizer), or if its loss ran through f16
+    /// ops unscaled (f16 gradients underflow without loss scaling: use a `GradScaler`).
     fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()>;
+    /// Whether [`Optimizer::step`] would refuse these parameters and gradients, changing
+    /// nothing: the training step's `.step_many(..)` checks every optimizer before it steps
+    /// any, so a refused pair leaves the others untouched too. The default checks nothing.
+    fn check_step(&self, params: &dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
+        let _ = (params, grads);
+        Ok(())
+    }
     /// The training step's call: [`Optimizer::step`] unless `found_inf` (one f32 on the
     /// parameters' device) is nonzero, in which case nothing changes and no step is counted.
     ///
@@ -175,6 +183,9 @@ fn step_if_finite<E: Precision, D: Device, O: Optimizer<E, D> + ?Sized>(
 impl<E: Precision, D: Device, T: Optimizer<E, D> + ?Sized> Optimizer<E, D> for Box<T> {
     fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
         (**self).step(params, grads)
+    }
+    fn check_step(&self, params: &dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
+        (**self).check_step(params, grads)
     }
     fn step_unless_inf(
         &mut self,
@@ -447,8 +458,6 @@ pub struct Optim<R: Rule, E: Precision = f32> {
     state: BTreeMap<String, Box<dyn Slot<R>>>,
     /// The parameters this optimizer steps, by name (set at the first step or by `bind`).
     bound: Option<BTreeMap<String, TensorId>>,
-    /// The generation of the last `Grads` applied (each set is applied once).
-    last_grads: Option<u64>,
     /// How updates are written into bf16 parameters (read by `Optim<R, bf16>` only).
     rounding: Bf16Rounding,
     /// The Kahan compensation of each bf16 parameter by name (empty unless `E` is bf16 and
@@ -487,7 +496,6 @@ impl<R: Rule> Optim<R> {
             steps: 0,
             state: BTreeMap::new(),
             bound: None,
-            last_grads: None,
             rounding: Bf16Rounding::default(),
             compensation: BTreeMap::new(),
             window: None,
@@ -627,7 +635,6 @@ impl<R: Rule, E: Precision> Optim<R, E> {
         self.window = None;
         // State is keyed by name: the next step (or `bind`) binds the loaded model's parameters.
         self.bound = None;
-        self.last_grads = None;
         Ok(())
     }
     /// Binds this optimizer to `params` (replacing any binding): from now on it steps exactly
@@ -637,10 +644,11 @@ impl<R: Rule, E: Precision> Optim<R, E> {
         self.bound = Some(params.named_params().into_iter().map(|(n, p)| (n, p.id())).collect());
     }
     /// Checks that `params` are the bound parameters (or binds them, on the first step).
-    fn check_bound<D: Device>(&self, params: &[(String, &mut Param<E, D>)]) -> Result<()> {
+    fn check_bound<D: Device>(&self, params: &[(&str, &Param<E, D>)]) -> Result<()> {
         let Some(bound) = &self.bound else { return Ok(()) };
         let bad = |detail: String| Err(Error::State { context: "optimizer step".into(), detail });
         for (name, p) in params {
+            let name = *name;
             match bound.get(name) {
                 Some(id) if *id == p.id() => {}
                 Some(_) => {
@@ -715,78 +723,108 @@ impl<R: Rule, E: Precision> Optim<R, E> {
     }
 
     /// Checks a step before anything changes, so an error leaves parameters and state
-    /// untouched: the gradients are new to this optimizer, `named` are its bound parameters,
-    /// and each parameter with a gradient has a gradient of its own precision and shape, and
-    /// state that fits. Returns those parameters with their gradients, and the binding to make
-    /// if this is the first step.
-    fn plan<'a, D: Device>(
-        &self,
-        named: Vec<(String, &'a mut Param<E, D>)>,
-        grads: &'a Grads<D>,
-    ) -> Result<Plan<'a, E, D>> {
-        if self.last_grads == Some(grads.generation()) {
-            return Err(Error::State {
-                context: "optimizer step".into(),
-                detail: "these gradients (or a clone of them) were already applied by this optimizer: one \
-                         backward pass, one step"
-                    .into(),
-            });
+    /// untouched: the gradients are not those of an unscaled f16 graph, none of them was
+    /// already applied to its parameter, `named` are this optimizer's bound parameters, and
+    /// each parameter with a gradient has a gradient of its own precision and shape, and state
+    /// that fits.
+    fn check<D: Device>(&self, named: &[(&str, &Param<E, D>)], grads: &Grads<D>) -> Result<()> {
+        let bad = |detail: String| Err(Error::State { context: "optimizer step".into(), detail });
+        if let Some(op) = grads.unscaled_f16() {
+            return bad(format!(
+                "these gradients come from a loss computed through f16 ops (`{op}`) without loss scaling: f16 \
+                 gradients underflow to zero. Step through a GradScaler: `scaler.scale(loss).backward().unscale()\
+                 .step(&mut optimizer, &mut model).update()` (PyTorch's `torch.amp.GradScaler`)"
+            ));
         }
-        self.check_bound(&named)?;
-        if !grads.is_empty() && !named.iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
-            return Err(Error::State {
-                context: "optimizer step".into(),
-                detail: format!(
-                    "none of the {} parameters passed to the optimizer has a gradient in these gradients: they \
-                     belong to other parameters (a copy of the model, or another model)",
-                    named.len()
-                ),
-            });
+        self.check_bound(named)?;
+        let with_grad: Vec<&(&str, &Param<E, D>)> =
+            named.iter().filter(|(_, p)| grads.get_by_id(p.id()).is_some()).collect();
+        if !grads.is_empty() && with_grad.is_empty() {
+            return bad(format!(
+                "none of the {} parameters passed to the optimizer has a gradient in these gradients: they \
+                 belong to other parameters (a copy of the model, or another model)",
+                named.len()
+            ));
         }
-        // The first step binds (later steps were checked against the binding above).
-        let binding: Option<BTreeMap<String, TensorId>> =
-            self.bound.is_none().then(|| named.iter().map(|(n, p)| (n.clone(), p.id())).collect());
-        let mut work = Vec::new();
-        for (name, param) in named {
-            let Some(any) = grads.get_by_id(param.id()) else { continue };
+        if let Some(id) = grads.first_applied(with_grad.iter().map(|(_, p)| p.id())) {
+            let name = with_grad.iter().find(|(_, p)| p.id() == id).map_or("", |(n, _)| *n);
+            return bad(format!(
+                "these gradients (or a clone of them) were already applied to {}: one backward pass, one step",
+                shown(name)
+            ));
+        }
+        for (name, param) in with_grad {
+            let any = grads.get_by_id(param.id()).expect("filtered on having a gradient");
             let Some(grad) = any.as_tensor::<E>() else {
                 return Err(Error::GradPrecision { op: "optimizer step", expected: E::DTYPE, found: any.dtype() });
             };
             if grad.shape() != param.shape() {
                 return Err(Error::Shape {
                     op: "optimizer step",
-                    detail: format!("the gradient of `{name}` does not have its parameter's shape"),
+                    detail: format!("the gradient of {} does not have its parameter's shape", shown(name)),
                     shapes: vec![param.shape().to_vec(), grad.shape().to_vec()],
                 });
             }
-            if let Some(st) = self.state.get(&name)
+            if let Some(st) = self.state.get(*name)
                 && !st.fits(&self.rule, param.numel())
             {
-                return Err(Error::State {
-                    context: "optimizer step".into(),
-                    detail: format!("the state of `{name}` does not fit its shape {:?}", param.shape()),
-                });
+                return bad(format!("the state of {} does not fit its shape {:?}", shown(name), param.shape()));
             }
-            if let Some(c) = self.compensation.get(&name)
+            if let Some(c) = self.compensation.get(*name)
                 && c.len() != param.numel()
             {
-                return Err(Error::State {
-                    context: "optimizer step".into(),
-                    detail: format!("the Kahan compensation of `{name}` does not fit its shape {:?}", param.shape()),
-                });
+                return bad(format!(
+                    "the Kahan compensation of {} does not fit its shape {:?}",
+                    shown(name),
+                    param.shape()
+                ));
             }
-            work.push((name, param, grad));
         }
-        Ok(Plan { work, binding })
+        Ok(())
     }
 
-    /// Ends an applied step: counts it, binds on the first one, marks `grads` as applied.
-    fn finish_step<D: Device>(&mut self, binding: Option<BTreeMap<String, TensorId>>, grads: &Grads<D>) {
+    /// [`Optim::check`] on a model's parameters.
+    fn check_params_of<D: Device>(&self, params: &dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
+        let named = params.named_params();
+        let view: Vec<(&str, &Param<E, D>)> = named.iter().map(|(n, p)| (n.as_str(), *p)).collect();
+        self.check(&view, grads)
+    }
+
+    /// [`Optim::check`]s a step and returns the parameters with a gradient, with their
+    /// gradients, and the binding to make if this is the first step.
+    fn plan<'a, D: Device>(
+        &self,
+        named: Vec<(String, &'a mut Param<E, D>)>,
+        grads: &'a Grads<D>,
+    ) -> Result<Plan<'a, E, D>> {
+        let view: Vec<(&str, &Param<E, D>)> = named.iter().map(|(n, p)| (n.as_str(), &**p)).collect();
+        self.check(&view, grads)?;
+        drop(view);
+        // The first step binds (later steps were checked against the binding above).
+        let binding: Option<BTreeMap<String, TensorId>> =
+            self.bound.is_none().then(|| named.iter().map(|(n, p)| (n.clone(), p.id())).collect());
+        let mut work = Vec::new();
+        for (name, param) in named {
+            let Some(grad) = grads.get_by_id(param.id()).and_then(|g| g.as_tensor::<E>()) else { continue };
+            work.push((name, param, grad));
+        }
+        let ids = work.iter().map(|(_, p, _)| p.id()).collect();
+        Ok(Plan { work, binding, ids })
+    }
+
+    /// Ends an applied step: counts it, binds on the first one, marks `grads` as applied to
+    /// the parameters it updated.
+    fn finish_step<D: Device>(
+        &mut self,
+        binding: Option<BTreeMap<String, TensorId>>,
+        grads: &Grads<D>,
+        ids: Vec<TensorId>,
+    ) {
         self.steps += 1;
         if binding.is_some() {
             self.bound = binding;
         }
-        self.last_grads = Some(grads.generation());
+        grads.mark_applied(ids);
     }
 }
 
@@ -799,13 +837,23 @@ struct Plan<'a, E: Precision, D: Device> {
     work: Vec<Work<'a, E, D>>,
     /// The binding to make at the end of the step (the first step only).
     binding: Option<BTreeMap<String, TensorId>>,
+    /// The ids of the parameters in `work`.
+    ids: Vec<TensorId>,
+}
+
+/// A parameter's name for a message (`` `fc1.weight` ``; a bare `Param` has none).
+fn shown(name: &str) -> String {
+    if name.is_empty() { "the parameter".to_string() } else { format!("`{name}`") }
 }
 
 impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
+    fn check_step(&self, params: &dyn Params<f32, D>, grads: &Grads<D>) -> Result<()> {
+        self.check_params_of(params, grads)
+    }
     fn step(&mut self, params: &mut dyn Params<f32, D>, grads: &Grads<D>) -> Result<()> {
         self.close_window();
         let t = self.steps;
-        let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
+        let Plan { work, binding, ids } = self.plan(params.named_params_mut(), grads)?;
         for (name, param, grad) in work {
             let hyper = self.hyper_for(&name, t);
             let numel = param.numel();
@@ -814,7 +862,7 @@ impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
             let state = state_on(&self.rule, &mut self.state, &name, &dev, numel);
             self.rule.update(&dev, hyper, param.storage_mut(), &g, state);
         }
-        self.finish_step(binding, grads);
+        self.finish_step(binding, grads, ids);
         Ok(())
     }
     /// On the CPU the flag is read (host memory: free) and the step is [`Optimizer::step`].
@@ -829,7 +877,7 @@ impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
         if D::HOST_MEMORY {
             return step_if_finite(self, params, grads, found_inf);
         }
-        let Plan { work, binding } = self.plan(params.named_params_mut(), grads)?;
+        let Plan { work, binding, ids } = self.plan(params.named_params_mut(), grads)?;
         let Some(dev) = work.first().map(|(_, p, _)| p.device().clone()) else {
             // No parameter has a gradient: nothing for the device to decide.
             drop(work);
@@ -875,7 +923,7 @@ impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {
         if binding.is_some() {
             self.bound = binding;
         }
-        self.last_grads = Some(grads.generation());
+        grads.mark_applied(ids);
         Ok(())
     }
     fn lr(&self) -> f64 {

@@ -26,10 +26,10 @@ pub enum UnscaleMode {
     /// Multiply by the inverse of the scale on the device and check for inf/NaN (one fused
     /// pass).
     Unscale,
-    /// Check for inf/NaN only (the scale is the constant 1).
+    /// Check for inf/NaN only (the scale is the constant 1): `NoScale`, and a disabled
+    /// `GradScaler`, which skips a non-finite step as `NoScale` does (PyTorch's disabled
+    /// scaler applies it).
     CheckOnly,
-    /// Nothing at all: a disabled `GradScaler` steps like a plain optimizer, as in PyTorch.
-    Nothing,
 }
 
 /// A loss scaler that can drive a [`TrainStep`]: [`GradScaler`] (dynamic, for f16) or
@@ -112,8 +112,9 @@ pub struct GradScalerOptions {
     pub backoff_factor: f64,
     /// Steps in a row without overflow before the scale grows (PyTorch: 2000). >= 1.
     pub growth_interval: i32,
-    /// When false, `scale` leaves the loss as is, `get_scale()` is 1, `unscale` does nothing
-    /// and every step is taken (no overflow check), as PyTorch's `enabled=False`.
+    /// When false, `scale` leaves the loss as is, `get_scale()` is 1 and `unscale` only checks
+    /// for inf/NaN: a step with one is skipped, as with `NoScale` (PyTorch's `enabled=False`
+    /// takes it), and the scale stays 1.
     pub enabled: bool,
     /// Floor: backing off never takes the scale below this (DeepSpeed and Megatron use 1.0).
     pub min_scale: Option<f32>,
@@ -327,7 +328,9 @@ impl GradScaler {
         host[ScaleSlot::HysteresisTracker as usize] = opts.hysteresis as f64;
         Ok(GradScaler { host, on_device: None, opts })
     }
-    /// A disabled scaler (PyTorch's `enabled=False`): no scaling, no overflow check.
+    /// A disabled scaler (PyTorch's `enabled=False`): no scaling, and, like [`NoScale`], a
+    /// step whose gradients hold an inf or NaN is skipped (PyTorch's disabled scaler applies
+    /// it, writing NaN into the weights). Its scale stays 1.
     pub fn disabled() -> Self {
         Self::with_options(GradScalerOptions { enabled: false, ..Default::default() }).expect("valid")
     }
@@ -495,7 +498,7 @@ impl LossScaler for GradScaler {
         GradScaler::get_scale(self)
     }
     fn unscale_mode(&self) -> UnscaleMode {
-        if self.opts.enabled { UnscaleMode::Unscale } else { UnscaleMode::Nothing }
+        if self.opts.enabled { UnscaleMode::Unscale } else { UnscaleMode::CheckOnly }
     }
     fn scales_loss(&self) -> bool {
         self.opts.enabled

@@ -45,8 +45,13 @@
 //!   graph, so the step updates parameters in place rather than copying them.
 //! - The step borrows its scaler mutably from `scale(loss)` to `.update()`. Two iterations
 //!   cannot be in flight at once, a step cannot outlive the scale it was made with, and
-//!   `accumulate` only takes a loss (it is backpropagated at this step's scale), so gradients of
-//!   two iterations cannot be mixed.
+//!   `accumulate` only takes a loss (it is backpropagated at this step's scale), and a loss
+//!   computed before the last update of a parameter it uses is refused by the backward pass
+//!   (see [`crate::autograd`]), so gradients of two iterations cannot be mixed.
+//! - An optimizer skips when its own gradients had an inf or NaN, and every optimizer skips
+//!   after a `clip_grad_norm` whose total norm was inf or NaN (its coefficient, 0 or NaN,
+//!   reached every gradient). A `try_` call that errs leaves a step that drops quietly: the
+//!   caller has the error.
 //! - The scaler is chosen by type: [`GradScaler`] for f16, [`NoScale`] for bf16 and f32 (the
 //!   constant 1, no arithmetic, but inf/NaN still skip the step); [`ScalerFor<P>`] picks one
 //!   from a precision's exponent width.

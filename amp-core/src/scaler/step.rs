@@ -167,6 +167,13 @@ struct Inner<'s, K: LossScaler, D: Device> {
     found_inf: Outcome<D>,
     micro_batches: usize,
     grad_norm: Option<D::Value<f32>>,
+    /// After a `clip_grad_norm` of a checked step: 1 (one f32 on the device) when the total
+    /// norm was inf or NaN. Clipping multiplies every gradient by a coefficient made from it
+    /// (0 or NaN then), so every optimizer skips, whichever gradient was not finite.
+    clip_flag: Option<D::Storage<f32>>,
+    /// A `try_` call on `&mut self` returned an error: the caller has it, so dropping the
+    /// step does not panic (which would hide it behind the drop rule's message).
+    failed: bool,
 }
 
 /// One optimizer and the model it steps, as [`TrainStep::step_many`] takes them.
@@ -301,6 +308,7 @@ impl<K: LossScaler, S: Stage, D: Device> Drop for TrainStep<'_, K, S, D> {
     fn drop(&mut self) {
         // Not while unwinding: a second panic would abort and hide the first.
         if let Some(inner) = &self.inner
+            && !inner.failed
             && !std::thread::panicking()
         {
             panic!("{}", dropped_message(S::KIND, inner.micro_batches));
@@ -381,12 +389,19 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     {
         let loss = loss.into_loss();
         let st = self.st_mut();
-        check_precision_fits(&*st.scaler, &loss)?;
-        let more = scaled_backward(&loss, &st.seed)?;
+        let more = check_precision_fits(&*st.scaler, &loss).and_then(|()| scaled_backward(&loss, &st.seed));
         drop(loss);
-        st.grads.accumulate(more);
-        st.micro_batches += 1;
-        Ok(self)
+        match more {
+            Ok(more) => {
+                st.grads.accumulate(more);
+                st.micro_batches += 1;
+                Ok(self)
+            }
+            Err(e) => {
+                st.failed = true;
+                Err(e)
+            }
+        }
     }
     /// Adds another micro-batch's gradients; panics where [`TrainStep::try_accumulate`] errs.
     #[track_caller]
@@ -421,11 +436,14 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
             };
             return self.fail(e);
         }
+        if st.scaler.scales_loss() {
+            st.grads.mark_scaled();
+        }
         let scale = match mode {
             UnscaleMode::Unscale => st.scaler.device_state(&st.dev),
-            _ => None,
+            UnscaleMode::CheckOnly => None,
         };
-        st.flags = unscale_grads(&st.dev, &mut st.grads, mode, scale);
+        st.flags = unscale_grads(&st.dev, &mut st.grads, scale);
         Ok(self.into_stage())
     }
     /// Unscales and checks the gradients; panics where [`TrainStep::try_unscale`] errs.
@@ -441,13 +459,39 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     /// `clip_grad_norm_`), returning the norm before clipping. See [`crate::clip`].
     ///
     /// The norm and the coefficient are computed on the device and stay there: the norm is a
-    /// [`Device::Value`] (an `f32` on the CPU; on a GPU read back when asked).
+    /// [`Device::Value`] (an `f32` on the CPU; on a GPU read back when asked). Every gradient
+    /// of the step takes part, also those of leaves no optimizer steps; if the norm is inf or
+    /// NaN, clipping has made every gradient 0 or NaN, so every optimizer skips this step and
+    /// the scale backs off (PyTorch, whose skip reads only the flags of each optimizer's own
+    /// gradients, would apply such a step to the optimizers whose gradients were finite).
     pub fn try_clip_grad_norm(&mut self, max_norm: f32) -> Result<D::Value<f32>>
     where
         S: CanClip,
     {
         let st = self.st_mut();
-        let norm = crate::clip::try_clip_grad_norm(&mut st.grads, max_norm)?;
+        let scalars = match crate::clip::clip_in_place(&mut st.grads, max_norm) {
+            Ok(s) => s,
+            Err(e) => {
+                st.failed = true;
+                return Err(e);
+            }
+        };
+        let Some((dev, scalars)) = scalars else {
+            let norm = st.dev.value(|| 0.0);
+            st.grad_norm = Some(norm.clone());
+            return Ok(norm);
+        };
+        if st.flags.is_some() {
+            // The unscale pass's check, on [total, coefficient]: set when the total is not finite.
+            let mut copy = dev.contiguous(&scalars, &Layout::contiguous(&[2]));
+            let mut flag = dev.full(1, 0f32);
+            dev.unscale_check(&mut [&mut copy], None, &mut flag, 0);
+            st.clip_flag = Some(match st.clip_flag.take() {
+                Some(earlier) => max_of(&dev, &[earlier, flag]),
+                None => flag,
+            });
+        }
+        let norm = read_back(&dev, scalars, 0, |v: f32| v);
         st.grad_norm = Some(norm.clone());
         Ok(norm)
     }
@@ -465,7 +509,10 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     where
         S: CanClip,
     {
-        crate::clip::try_clip_grad_value(&mut self.st_mut().grads, clip_value)
+        let st = self.st_mut();
+        let clipped = crate::clip::try_clip_grad_value(&mut st.grads, clip_value);
+        st.failed |= clipped.is_err();
+        clipped
     }
     /// Clamps every gradient value; panics if `clip_value` is negative or NaN.
     #[track_caller]
@@ -508,23 +555,35 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         or_panic(self.try_step(optimizer, model))
     }
     /// Steps several optimizers, each over its own parameters, on this step's gradients. Each
-    /// skips on its own overflow (an inf/NaN among its parameters' gradients); the scale backs
-    /// off once in `.update()` however many skipped, as in PyTorch. A pair whose parameters
-    /// have no gradient at all is left alone (its optimizer does not count a step). Every pair
-    /// has parameters of one element type `E` (f32, or bf16 for pure-bf16 models).
+    /// skips on its own overflow (an inf/NaN among its parameters' gradients), and all of them
+    /// after a clip whose norm was inf or NaN; the scale backs off once in `.update()` however
+    /// many skipped, as in PyTorch. A pair whose parameters have no gradient at all is left
+    /// alone (its optimizer does not count a step). Every pair has parameters of one element
+    /// type `E` (f32, or bf16 for pure-bf16 models). Every pair is checked before any steps
+    /// (each optimizer's [`Optimizer::check_step`]), so an error leaves every model and
+    /// optimizer as it was.
     pub fn try_step_many<E: Precision>(mut self, pairs: &mut [OptimizerPair<'_, E, D>]) -> Result<Stepped<'s, K, D>>
     where
         S: CanStep,
     {
+        if let Err(e) = check_pairs(pairs, &self.st().grads) {
+            return self.fail(e);
+        }
         let st = self.st_mut();
         let grads = std::mem::replace(&mut st.grads, Grads::empty());
         let mut any_stepped = false;
-        // Off the CPU each pair's flag (the max of its gradients' flags) goes to its optimizer,
-        // which skips on the device: nothing is read back. On the CPU the flags are host
-        // memory: read them, and step the pairs whose gradients are finite.
+        // Off the CPU each pair's flag (the max of its gradients' flags, and of the clip's)
+        // goes to its optimizer, which skips on the device: nothing is read back. On the CPU
+        // the flags are host memory: read them, and step the pairs whose gradients are finite.
         let flags = st.flags.take();
+        let clip_flag = st.clip_flag.take();
         let on_device = flags.as_ref().filter(|_| !D::HOST_MEMORY);
-        let non_finite = if on_device.is_none() { read_non_finite(&st.dev, &flags) } else { HashSet::new() };
+        let (non_finite, clip_overflow) = if on_device.is_none() {
+            let clip = clip_flag.as_ref().is_some_and(|f| st.dev.to_host(f, &Layout::contiguous(&[1]))[0] != 0.0);
+            (read_non_finite(&st.dev, &flags), clip)
+        } else {
+            (HashSet::new(), false)
+        };
         let mut pair_flags = Vec::new();
         for (opt, model) in pairs.iter_mut() {
             let named = model.named_params();
@@ -534,14 +593,18 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
             any_stepped = true;
             let stepped = match on_device {
                 Some((ids, flags)) => {
-                    let flag = pair_flag(&st.dev, ids, flags, named.iter().map(|(_, p)| p.id()));
+                    let mut flag = pair_flag(&st.dev, ids, flags, named.iter().map(|(_, p)| p.id()));
+                    if let Some(clip) = &clip_flag {
+                        flag = max_of(&st.dev, &[flag, clip.clone()]);
+                    }
                     drop(named);
                     let stepped = opt.step_unless_inf(&mut **model, &grads, &flag);
                     pair_flags.push(flag);
                     stepped
                 }
                 None => {
-                    let overflow = !non_finite.is_empty() && named.iter().any(|(_, p)| non_finite.contains(&p.id()));
+                    let overflow = clip_overflow
+                        || (!non_finite.is_empty() && named.iter().any(|(_, p)| non_finite.contains(&p.id())));
                     drop(named);
                     if overflow {
                         st.found_inf = Outcome::Host(true);
@@ -653,6 +716,8 @@ impl<'s, K: LossScaler, D: Device> TrainStep<'s, K, LossScaled, D> {
                 found_inf: Outcome::Host(false),
                 micro_batches: 0,
                 grad_norm: None,
+                clip_flag: None,
+                failed: false,
             }),
             _stage: PhantomData,
         })
@@ -686,15 +751,11 @@ impl<K: LossScaler, D: Device> TrainStep<'_, K, GradsUnscaled, D> {
     /// parameters they belong to).
     pub fn found_inf(&self) -> D::Value<bool> {
         let st = self.st();
-        match &st.flags {
-            Some((_, flags)) => {
-                let (reader, flags) = (st.dev.clone(), flags.clone());
-                st.dev.value(move || {
-                    reader.to_host(&flags, &Layout::contiguous(&[D::len(&flags)])).iter().any(|&f| f != 0.0)
-                })
-            }
-            None => st.dev.value(|| false),
-        }
+        let parts: Vec<D::Storage<f32>> = st.flags.iter().map(|(_, f)| f.clone()).chain(st.clip_flag.clone()).collect();
+        let reader = st.dev.clone();
+        st.dev.value(move || {
+            parts.iter().any(|f| reader.to_host(f, &Layout::contiguous(&[D::len(f)])).iter().any(|&v| v != 0.0))
+        })
     }
     /// The global L2 norm of the gradients (as `clip_grad_norm` measures it), without clipping.
     pub fn grad_norm(&self) -> D::Value<f32> {
@@ -785,7 +846,7 @@ fn max_of<D: Device>(dev: &D, parts: &[D::Storage<f32>]) -> D::Storage<f32> {
             let whole: Vec<(Layout, usize)> =
                 parts.iter().map(|p| (Layout::contiguous(&[D::len(p)]), D::len(p))).collect();
             let views: Vec<_> = parts.iter().zip(&whole).map(|(p, (l, n))| (p, l, *n)).collect();
-            dev.cat(&views, 1, whole.iter().map(|(_, n)| n).sum())
+            dev.cat(&views, 1, 1)
         }
     };
     let n = D::len(&all);
@@ -794,6 +855,11 @@ fn max_of<D: Device>(dev: &D, parts: &[D::Storage<f32>]) -> D::Storage<f32> {
     }
     let split = crate::backend::DimSplit { outer: 1, dim: n, inner: 1 };
     dev.reduce(&all, &Layout::contiguous(&[n]), split, crate::backend::ReduceOp::Max, 1.0)
+}
+
+/// Checks every pair of a `step_many` with its optimizer's own checks before any steps.
+fn check_pairs<E: Precision, D: Device>(pairs: &[OptimizerPair<'_, E, D>], grads: &Grads<D>) -> Result<()> {
+    pairs.iter().try_for_each(|(opt, model)| opt.check_step(&**model, grads))
 }
 
 /// The gradients whose flag is set: the step's one read of device memory.
@@ -809,10 +875,9 @@ fn read_non_finite<D: Device>(dev: &D, flags: &Option<(Vec<TensorId>, D::Storage
 fn unscale_grads<D: Device>(
     dev: &D,
     grads: &mut Grads<D>,
-    mode: UnscaleMode,
     scale: Option<&D::Storage<f64>>,
 ) -> Option<(Vec<TensorId>, D::Storage<f32>)> {
-    if mode == UnscaleMode::Nothing || grads.is_empty() {
+    if grads.is_empty() {
         return None;
     }
     /// One precision's gradients, in place.
@@ -879,6 +944,9 @@ struct DynOptimizer<'a, O: ?Sized>(&'a mut O);
 impl<E: Precision, D: Device, O: Optimizer<E, D> + ?Sized> Optimizer<E, D> for DynOptimizer<'_, O> {
     fn step(&mut self, params: &mut dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
         self.0.step(params, grads)
+    }
+    fn check_step(&self, params: &dyn Params<E, D>, grads: &Grads<D>) -> Result<()> {
+        self.0.check_step(params, grads)
     }
     fn step_unless_inf(
         &mut self,

@@ -697,6 +697,29 @@ impl Rewriter<'_> {
     fn rewrite_call(&mut self, call: &syn::ExprCall) -> Option<TokenStream> {
         let Expr::Path(fp) = &*call.func else { return None };
         let segs: Vec<String> = fp.path.segments.iter().map(|s| s.ident.to_string()).collect();
+        // `Tensor::matmul(x, &w)`: a table method called by its path is rewritten as the
+        // method call it is (`(x).matmul(&w)`).
+        if let [.., ty, name] = &segs[..]
+            && ty == "Tensor"
+            && let Some((receiver, args)) = call.args.iter().collect::<Vec<_>>().split_first()
+            && self.method_rule(name, args.len()).is_some()
+        {
+            let last = &fp.path.segments.last().expect("two segments").ident;
+            let mc = syn::ExprMethodCall {
+                attrs: Vec::new(),
+                receiver: Box::new(Expr::Paren(syn::ExprParen {
+                    attrs: Vec::new(),
+                    paren_token: Default::default(),
+                    expr: Box::new((*receiver).clone()),
+                })),
+                dot_token: Default::default(),
+                method: last.clone(),
+                turbofish: None,
+                paren_token: call.paren_token,
+                args: args.iter().map(|a| (*a).clone()).collect(),
+            };
+            return self.rewrite_method_call(&mc);
+        }
         let user = self.user_fns.iter().find(|(want, _)| segs.ends_with(want)).map(|(_, c)| *c);
         let cat = match user {
             Some(c) => c,

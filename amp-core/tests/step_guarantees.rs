@@ -369,3 +369,15 @@ fn step_many_checks_every_pair_before_stepping_any() {
     assert_eq!((a.w.to_vec(), b.w.to_vec(), oa.steps()), (a0, b0, 0), "the first pair did not step");
     assert_eq!(s.get_scale(), 256.0, "nor was the scale updated");
 }
+
+#[test]
+fn a_bare_param_is_named_as_such_in_errors() {
+    // A `Param` stepped on its own has no name (`named_params` gives ""): messages say so
+    // instead of printing an empty name.
+    let (mut a, b) = (Param::new(Tensor::<f32>::ones(&[2])), Param::new(Tensor::<f32>::ones(&[2])));
+    let mut opt = sgd();
+    opt.bind(&b);
+    let g = a.square().sum_all().backward();
+    let err = opt.step(&mut a, &g).expect_err("bound to b");
+    assert!(err.to_string().contains("this parameter is not the parameter this optimizer is bound to"), "{err}");
+}

@@ -653,15 +653,17 @@ impl<R: Rule, E: Precision> Optim<R, E> {
                 Some(id) if *id == p.id() => {}
                 Some(_) => {
                     return bad(format!(
-                        "`{name}` is not the parameter this optimizer is bound to (it has the same name but is \
+                        "{} is not the parameter this optimizer is bound to (it has the same name but is \
                          another tensor: a clone of the model, or another model). One optimizer steps one set \
-                         of parameters: build one optimizer per model, or `bind` it to this one on purpose"
+                         of parameters: build one optimizer per model, or `bind` it to this one on purpose",
+                        shown(name)
                     ));
                 }
                 None => {
                     return bad(format!(
-                        "`{name}` is not one of the {} parameters this optimizer is bound to (bound at its \
-                         first step or by `bind`)",
+                        "{} is not one of the {} parameters this optimizer is bound to (bound at its first \
+                         step or by `bind`)",
+                        shown(name),
                         bound.len()
                     ));
                 }
@@ -843,7 +845,7 @@ struct Plan<'a, E: Precision, D: Device> {
 
 /// A parameter's name for a message (`` `fc1.weight` ``; a bare `Param` has none).
 fn shown(name: &str) -> String {
-    if name.is_empty() { "the parameter".to_string() } else { format!("`{name}`") }
+    if name.is_empty() { "this parameter".to_string() } else { format!("`{name}`") }
 }
 
 impl<R: Rule, D: Device> Optimizer<f32, D> for Optim<R> {

@@ -56,6 +56,19 @@
 //!   edited header (two same-size tensors' offsets swapped) are refused. Files written before
 //!   it carry `amp.data_checksum` (the data section only), which is still verified; files
 //!   without either (exported from PyTorch) load unchecked.
+//! - JSON has no number for NaN or ±inf, and serde_json writes them as `null`, which does not
+//!   read back as a float. Every float field of the state types a checkpoint holds (Adam's,
+//!   AdamW's and SGD's moments, the [`GradScalerState`](crate::scaler::GradScalerState)'s
+//!   scale and factors) goes through [`floats`], which writes finite values as the same JSON
+//!   numbers as before and non-finite ones as strings (`"inf"`, `"-inf"`, `"NaN"`, `"-NaN"`,
+//!   or `"NaN:0x…"` with the bits of any other NaN) that read back bit for bit, as
+//!   `torch.save` does. A pure-bf16 optimizer's Kahan compensation is written as bf16 bit
+//!   patterns (integers) and round-trips already. A float the state still holds outside such
+//!   a field (a caller's own `extra` type with a plain `f64`) cannot round-trip:
+//!   [`save_checkpoint`] refuses it before writing anything, naming the field
+//!   (`state.extra.lr`) and the helper to use. A `null` where a float is expected (a
+//!   non-finite value written by an earlier version) is refused at load saying so, rather than
+//!   blaming another state type.
 //! - Loading checks every tensor (name, shape, dtype, and that no two file names map to one
 //!   parameter) before writing any, so a refused load leaves the model as it was. Files of
 //!   any float dtype are converted to the model's element type (f32, or bf16 for a pure-bf16
@@ -91,6 +104,8 @@ use crate::param::Params;
 use crate::precision::{Precision, as_same};
 use crate::rng::Rng;
 use crate::tensor::Tensor;
+
+pub mod floats;
 
 /// The file in a checkpoint directory that holds the [`TrainingState`] and names the weights.
 pub const STATE_FILE: &str = "training_state.json";
@@ -170,11 +185,18 @@ impl RawState {
     ) -> std::result::Result<TrainingState<O, S, X>, String> {
         fn part<T: DeserializeOwned>(name: &str, value: serde_json::Value) -> std::result::Result<T, String> {
             serde_json::from_value(value).map_err(|e| {
-                format!(
-                    "`state.{name}` does not hold a `{}`: {e} (was the checkpoint saved with another optimizer, \
-                     loss scaler or state type?)",
-                    std::any::type_name::<T>()
-                )
+                let e = e.to_string();
+                // A float read as null is a non-finite value an earlier version wrote as null,
+                // not a sign of another type.
+                let hint = if e.contains(floats::NULL_FLOAT) {
+                    ""
+                } else if e.contains("invalid type: null, expected f") {
+                    " (NaN and ±inf were written as null before amp-core wrote them as strings: the value \
+                     cannot be recovered)"
+                } else {
+                    " (was the checkpoint saved with another optimizer, loss scaler or state type?)"
+                };
+                format!("`state.{name}` does not hold a `{}`: {e}{hint}", std::any::type_name::<T>())
             })
         }
         Ok(TrainingState {
@@ -1232,6 +1254,16 @@ pub fn save_checkpoint<O: Serialize, S: Serialize, X: Serialize, E: Precision, D
         n += 1;
     }
     // The state is serialised first: a state that cannot be leaves no weights behind.
+    if let Some((field, value)) = floats::find_non_finite(state) {
+        return Err(Error::State {
+            context: "checkpoint".into(),
+            detail: format!(
+                "cannot save `state.{field}`: it is {value}, which JSON has no number for (serde_json would \
+                 write null, which does not load back as a float); serialise that field with \
+                 `#[serde(with = \"amp_core::checkpoint::floats\")]`, which writes NaN and ±inf as strings"
+            ),
+        });
+    }
     let file = StateFileOut { format: FORMAT, version: VERSION, weights: &weights_name, state };
     let json = serde_json::to_vec_pretty(&file).map_err(|e| Error::State {
         context: "checkpoint".into(),

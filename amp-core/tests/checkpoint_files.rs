@@ -2,8 +2,9 @@
 //! misshapen, mistyped, corrupt and truncated files (naming file and tensor, model untouched),
 //! PyTorch-style f16/bf16/f64 exports, and atomicity (failed writer, stray temp files, a crash
 //! between the two files, and a process killed while saving). Key mapping and non-strict loads
-//! of PyTorch-named files into a GPT, integer tensors as `Indices`, typed training state, and
-//! state files in the format written before the state was typed.
+//! of PyTorch-named files into a GPT, integer tensors as `Indices`, typed training state,
+//! state files in the format written before the state was typed, and optimizer and scaler
+//! state holding NaN and ±inf.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,9 +17,9 @@ use amp_core::checkpoint::{
 };
 use amp_core::data::{DataLoader, Dataset};
 use amp_core::nn::{Gpt, GptConfig};
-use amp_core::optim::{AdamState, AdamW, Optim, OptimizerState, Sgd, SgdState};
+use amp_core::optim::{AdamState, AdamW, Bf16OptimizerState, Optim, OptimizerState, Sgd, SgdState};
 use amp_core::scaler::{GradScaler, GradScalerState};
-use amp_core::{Indices, Param, Params, Rng, Tensor};
+use amp_core::{Indices, Param, Params, Rng, Tensor, bf16};
 use safetensors::tensor::Dtype;
 use serde_json::Value;
 
@@ -1024,4 +1025,140 @@ fn state_files_written_before_the_state_was_typed_still_load() {
     let err = read_checkpoint_state::<OptimizerState<AdamState>, (), ()>(&dir).unwrap_err().to_string();
     assert!(err.contains(STATE_FILE) && err.contains("`state.optimizer` does not hold"), "{err}");
     assert!(err.contains("invalid type: null"), "{err}");
+}
+
+// ---- non-finite optimizer and scaler state -----------------------------------------------------
+
+type AdamRun = TrainingState<OptimizerState<AdamState>, GradScalerState, ()>;
+
+/// Every float of an Adam state as bits (NaN != NaN, so states are compared this way).
+fn adam_bits(state: &OptimizerState<AdamState>) -> Vec<(String, u64, Vec<u32>, Vec<u32>)> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    state.params.iter().map(|(n, s)| (n.clone(), s.step, bits(&s.exp_avg), bits(&s.exp_avg_sq))).collect()
+}
+
+fn scaler_bits(s: &GradScalerState) -> (u32, u64, u64, i32, i32, Option<i32>) {
+    (
+        s.scale.to_bits(),
+        s.growth_factor.to_bits(),
+        s.backoff_factor.to_bits(),
+        s.growth_interval,
+        s.growth_tracker,
+        s.hysteresis_tracker,
+    )
+}
+
+#[test]
+fn non_finite_optimizer_and_scaler_state_round_trips_bit_for_bit() {
+    let dir = fresh_dir("non_finite");
+    let (model, opt, scaler) = stepped(1);
+    // What an inf gradient fed to Adam outside the scaler's checks leaves, and NaNs of every
+    // kind: Rust's, x86's default (sign bit set), one with a payload.
+    let x86_nan = f32::from_bits(0xffc0_0000);
+    let payload_nan = f32::from_bits(0x7f80_0123);
+    let mut optimizer = opt.state_dict();
+    let w = optimizer.params.get_mut("layers.0.weight").unwrap();
+    w.exp_avg_sq[0] = f32::INFINITY;
+    w.exp_avg[0] = f32::NAN;
+    w.exp_avg[1] = f32::NEG_INFINITY;
+    w.exp_avg[2] = x86_nan;
+    w.exp_avg_sq[3] = payload_nan;
+    w.exp_avg_sq[4] = -0.0;
+    let mut scaler_state = scaler.state_dict();
+    scaler_state.scale = f32::INFINITY;
+    scaler_state.backoff_factor = f64::NAN;
+    let state = TrainingState::with_parts(1, optimizer, scaler_state, ());
+    save_checkpoint(&dir, &model, &state).unwrap();
+
+    let mut other = net(2, &[4, 3]);
+    let back: AdamRun = load_checkpoint(&dir, &mut other).unwrap();
+    assert_eq!(adam_bits(&back.optimizer), adam_bits(&state.optimizer));
+    assert_eq!(scaler_bits(&back.scaler), scaler_bits(&state.scaler));
+    assert_eq!(values(&other), values(&model));
+    // The scaler refuses the loaded state for what it is.
+    let err = GradScaler::new().load_state_dict(&back.scaler).unwrap_err().to_string();
+    assert!(err.contains("backoff_factor") || err.contains("scale"), "{err}");
+
+    // Finite values are JSON numbers as before; non-finite ones strings.
+    let text = std::fs::read_to_string(dir.join(STATE_FILE)).unwrap();
+    let json: Value = serde_json::from_str(&text).unwrap();
+    let sq = &json["state"]["optimizer"]["params"]["layers.0.weight"]["exp_avg_sq"];
+    assert_eq!((&sq[0], &sq[3], &sq[4]), (&Value::from("inf"), &Value::from("NaN:0x7f800123"), &Value::from(-0.0)));
+    assert!(sq[1].is_f64() && sq[2].is_f64(), "{sq}");
+    let m = &json["state"]["optimizer"]["params"]["layers.0.weight"]["exp_avg"];
+    assert_eq!((&m[0], &m[1], &m[2]), (&Value::from("NaN"), &Value::from("-inf"), &Value::from("-NaN")));
+    assert_eq!(json["state"]["scaler"]["scale"], "inf");
+    assert_eq!(json["state"]["scaler"]["growth_factor"], 2.0);
+    let parts = format!("{}{}", json["state"]["optimizer"], json["state"]["scaler"]);
+    assert!(!parts.contains("null"), "nothing is written as null: {parts}");
+
+    // SGD's momentum and a pure-bf16 optimizer's state (Kahan compensation, bf16 bit patterns).
+    let mut sgd = Optim::new(Sgd::new(0.1).momentum(0.9)).unwrap();
+    let mut m = net(1, &[4, 3]);
+    let loss = m.embed.tensor().sum_all();
+    GradScaler::new().scale(loss).backward().unscale().step(&mut sgd, &mut m).update().unwrap();
+    let mut sgd_state = sgd.state_dict();
+    let buf = sgd_state.params.get_mut("embed").unwrap().momentum_buffer.as_mut().unwrap();
+    buf[0] = f32::NEG_INFINITY;
+    buf[1] = x86_nan;
+    save_checkpoint(&dir, &m, &TrainingState::with_parts(1, sgd_state.clone(), (), ())).unwrap();
+    let (back, _) = read_checkpoint_state::<OptimizerState<SgdState>, (), ()>(&dir).unwrap();
+    let bits = |s: &OptimizerState<SgdState>| {
+        s.params
+            .values()
+            .map(|p| p.momentum_buffer.as_ref().map(|b| b.iter().map(|x| x.to_bits()).collect()))
+            .collect::<Vec<Option<Vec<u32>>>>()
+    };
+    assert_eq!(bits(&back.optimizer), bits(&sgd_state));
+
+    let mut compensation = std::collections::BTreeMap::new();
+    compensation.insert("embed".to_string(), vec![bf16::NAN, bf16::INFINITY, bf16::from_bits(0xffc1), bf16::ONE]);
+    let bf = Bf16OptimizerState {
+        optimizer: state.optimizer.clone(),
+        rounding: amp_core::optim::Bf16Rounding::Kahan,
+        compensation,
+    };
+    save_checkpoint(&dir, &m, &TrainingState::with_parts(1, bf.clone(), (), ())).unwrap();
+    let (back, _) = read_checkpoint_state::<Bf16OptimizerState<AdamState>, (), ()>(&dir).unwrap();
+    assert_eq!(adam_bits(&back.optimizer.optimizer), adam_bits(&bf.optimizer));
+    let comp_bits =
+        |s: &Bf16OptimizerState<AdamState>| s.compensation["embed"].iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(comp_bits(&back.optimizer), comp_bits(&bf));
+}
+
+#[test]
+fn a_non_finite_float_that_json_cannot_hold_is_refused_at_save_naming_it() {
+    // A caller's own type with a plain f64 field: serde_json would write NaN as null, which
+    // does not load back; the save is refused naming the field and writes nothing.
+    let dir = fresh_dir("non_finite_extra");
+    let (model, opt, scaler) = stepped(1);
+    let info = RunInfo { name: "nan".into(), lr: f64::NAN };
+    let state = TrainingState::with_parts(1, opt.state_dict(), scaler.state_dict(), info);
+    let err = save_checkpoint(&dir, &model, &state).unwrap_err().to_string();
+    assert!(err.contains("`state.extra.lr`") && err.contains("NaN") && err.contains("floats"), "{err}");
+    assert!(files_in(&dir).is_empty(), "a refused save writes nothing: {:?}", files_in(&dir));
+    // Inside maps and sequences too, with the path to the value.
+    let mut extra = std::collections::BTreeMap::new();
+    extra.insert("losses".to_string(), vec![1.0, f32::INFINITY]);
+    let err = save_checkpoint(&dir, &model, &TrainingState::with_parts(1, (), (), extra)).unwrap_err().to_string();
+    assert!(err.contains(r#"`state.extra["losses"][1]`"#) && err.contains("inf"), "{err}");
+}
+
+#[test]
+fn a_null_moment_from_an_earlier_version_is_refused_saying_why() {
+    // Versions before non-finite floats were written as strings wrote them as null.
+    let dir = fresh_dir("null_moment");
+    let model = WB {
+        w: Param::new(Tensor::from_vec(vec![0.5, -1.25, 2.0, 3.5], &[2, 2])),
+        b: Param::new(Tensor::from_vec(vec![0.125, -0.0], &[2])),
+    };
+    save_weights(dir.join("model-00000001.safetensors"), &model).unwrap();
+    let mut v: Value = serde_json::from_str(STATE_BEFORE_TYPED).unwrap();
+    v["state"]["optimizer"]["params"]["w"]["exp_avg_sq"][2] = Value::Null;
+    std::fs::write(dir.join(STATE_FILE), serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    let err = read_checkpoint_state::<OptimizerState<AdamState>, GradScalerState, Value>(&dir).unwrap_err();
+    let err = err.to_string();
+    assert!(err.contains(STATE_FILE) && err.contains("`state.optimizer`"), "{err}");
+    assert!(err.contains("null where a float was expected") && err.contains("NaN"), "{err}");
+    assert!(!err.contains("another optimizer"), "the hint points at the real cause: {err}");
 }

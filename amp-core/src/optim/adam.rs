@@ -92,15 +92,21 @@ builder!(AdamW);
 /// Adam's state for one parameter (PyTorch's `step`, `exp_avg`, `exp_avg_sq`), the moments
 /// `Vec<f32>`s on the CPU and in checkpoints (`V` is the device's [`Device::StateVec`]).
 /// Other fields are refused when read, so another rule's state (SGD's) does not pass for
-/// Adam's.
+/// Adam's. Non-finite moments (an infinite gradient fed to Adam outside a scaler's checks)
+/// are written as strings and read back bit for bit ([`crate::checkpoint::floats`]).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    bound(serialize = "V: crate::checkpoint::floats::Floats", deserialize = "V: crate::checkpoint::floats::Floats")
+)]
 pub struct AdamState<V = Vec<f32>> {
     /// Steps this parameter has taken.
     pub step: u64,
     /// First moment.
+    #[serde(with = "crate::checkpoint::floats")]
     pub exp_avg: V,
     /// Second moment.
+    #[serde(with = "crate::checkpoint::floats")]
     pub exp_avg_sq: V,
 }
 

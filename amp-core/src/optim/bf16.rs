@@ -45,7 +45,7 @@ pub enum Bf16Rounding {
 
 /// The checkpoint of an [`Optim<R, bf16>`](Optim::for_bf16): the rule's state as for f32
 /// parameters, the rounding, and the Kahan compensation of each parameter (bf16 values,
-/// serialised as their bit patterns).
+/// serialised as their bit patterns, so NaN and ±inf round-trip bit for bit too).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(bound(serialize = "S: Serialize", deserialize = "S: DeserializeOwned"))]
 pub struct Bf16OptimizerState<S> {

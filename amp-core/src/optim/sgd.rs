@@ -69,11 +69,16 @@ impl Sgd {
 /// SGD's state for one parameter: the momentum buffer, created at its first step (absent
 /// without momentum), a `Vec<f32>` on the CPU and in checkpoints (`V` is the device's
 /// [`Device::StateVec`]). Other fields are refused when read, so another rule's state
-/// (Adam's) does not pass for SGD's.
+/// (Adam's) does not pass for SGD's. Non-finite values are written as strings and read back
+/// bit for bit ([`crate::checkpoint::floats`]).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    bound(serialize = "V: crate::checkpoint::floats::Floats", deserialize = "V: crate::checkpoint::floats::Floats")
+)]
 pub struct SgdState<V = Vec<f32>> {
     /// `momentum_buffer` in PyTorch.
+    #[serde(with = "crate::checkpoint::floats", default)]
     pub momentum_buffer: Option<V>,
 }
 

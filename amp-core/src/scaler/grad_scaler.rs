@@ -217,14 +217,19 @@ impl GradScalerOptions {
 /// A scaler checkpoint with exactly PyTorch's keys (`scale`, `growth_factor`,
 /// `backoff_factor`, `growth_interval`, `_growth_tracker`), so it reads and writes the same
 /// JSON as `torch.amp.GradScaler.state_dict()`. The hysteresis count is written only when the
-/// `hysteresis` option is above 1 (key `_hysteresis_tracker`).
+/// `hysteresis` option is above 1 (key `_hysteresis_tracker`). Non-finite values are written
+/// as strings and read back bit for bit ([`crate::checkpoint::floats`]), so such a state
+/// saves and loads and [`GradScaler::load_state_dict`] refuses it for what it is.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GradScalerState {
     /// The current scale.
+    #[serde(with = "crate::checkpoint::floats")]
     pub scale: f32,
     /// The growth factor.
+    #[serde(with = "crate::checkpoint::floats")]
     pub growth_factor: f64,
     /// The backoff factor.
+    #[serde(with = "crate::checkpoint::floats")]
     pub backoff_factor: f64,
     /// The growth interval.
     pub growth_interval: i32,

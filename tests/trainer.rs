@@ -348,10 +348,14 @@ fn resume_refuses_an_impossible_training_state_naming_the_file_and_tensor() {
     let cfg = small(&out, RunPrecision::F16);
     run(&TrainConfig { stop_after: Some(3), ..cfg.clone() }).unwrap();
     let state_path = out.join("checkpoint").join(amp::checkpoint::STATE_FILE);
-    let good: serde_json::Value = serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    let good_bytes = std::fs::read(&state_path).unwrap();
+    let good: serde_json::Value = serde_json::from_slice(&good_bytes).unwrap();
     let name = good["state"]["optimizer"]["params"].as_object().unwrap().keys().next().unwrap().clone();
+    // An edited file keeping its checksum is refused as modified; these edits drop it (as in
+    // files of versions before it) so that the checks of the values themselves are reached.
     let refused = |edit: &dyn Fn(&mut serde_json::Value), needles: &[&str]| {
         let mut v = good.clone();
+        v.as_object_mut().unwrap().remove("checksum").expect("the state file has a checksum");
         edit(&mut v);
         std::fs::write(&state_path, serde_json::to_vec(&v).unwrap()).unwrap();
         let err = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap_err().to_string();
@@ -383,8 +387,14 @@ fn resume_refuses_an_impossible_training_state_naming_the_file_and_tensor() {
     refused(&|v| v["state"]["scaler"]["_growth_tracker"] = serde_json::json!(5000), &["_growth_tracker 5000"]);
     // More applied optimizer steps than steps.
     refused(&|v| v["state"]["optimizer"]["steps"] = serde_json::json!(9), &["9 applied steps"]);
+    // The same negative moment with the checksum kept: refused as modified.
+    let mut v = good.clone();
+    v["state"]["optimizer"]["params"][&name]["exp_avg_sq"][0] = serde_json::json!(-1.0);
+    std::fs::write(&state_path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    let err = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap_err().to_string();
+    assert!(err.contains(state_path.to_str().unwrap()) && err.contains("was modified or corrupted"), "{err}");
     // The intact state resumes.
-    std::fs::write(&state_path, serde_json::to_vec(&good).unwrap()).unwrap();
+    std::fs::write(&state_path, &good_bytes).unwrap();
     run(&TrainConfig { resume: true, ..cfg }).unwrap();
 }
 

@@ -56,6 +56,17 @@
 //!   edited header (two same-size tensors' offsets swapped) are refused. Files written before
 //!   it carry `amp.data_checksum` (the data section only), which is still verified; files
 //!   without either (exported from PyTorch) load unchecked.
+//! - `training_state.json` carries a checksum of its own the same way: its first field,
+//!   `"checksum"`, holds 16 hex digits, and the checksum (the same function) is over the
+//!   file's bytes as written, with those 16 digits read as zeros. The field is first so the
+//!   digits sit at a fixed place (after `{\n  "checksum": "`) that the reader finds without
+//!   trusting the rest of the file. A changed digit anywhere (a moment, the step, the
+//!   checksum itself) and a file rewritten in another layout (reformatted, keys reordered) are
+//!   refused naming the file as modified or corrupted; a file that does not parse (truncated)
+//!   is refused naming the file before the checksum is looked at, and the format version is
+//!   checked first, as a later version may lay the file out otherwise. State files of earlier
+//!   versions have no `checksum` field and load unchecked, as weights without one do; earlier
+//!   versions reading a file with it ignore the field.
 //! - JSON has no number for NaN or ±inf, and serde_json writes them as `null`, which does not
 //!   read back as a float. Every float field of the state types a checkpoint holds (Adam's,
 //!   AdamW's and SGD's moments, the [`GradScalerState`](crate::scaler::GradScalerState)'s
@@ -116,6 +127,9 @@ const DATA_CHECKSUM_KEY: &str = "amp.data_checksum";
 const CHECKSUM_KEY: &str = "amp.checksum";
 /// What the checksum's 16 hex digits are read as while the checksum is computed.
 const CHECKSUM_PLACEHOLDER: &str = "0000000000000000";
+/// How `training_state.json` begins: its checksum is the first field, so the 16 digits are
+/// at a fixed place.
+const STATE_CHECKSUM_PREFIX: &[u8] = b"{\n  \"checksum\": \"";
 /// Format marker in `training_state.json`.
 const FORMAT: &str = "amp-checkpoint";
 const VERSION: u32 = 1;
@@ -223,6 +237,8 @@ impl<'de, O: DeserializeOwned, S: DeserializeOwned, X: DeserializeOwned> serde::
 /// The JSON file's layout as written: the state plus which weights belong to it.
 #[derive(Serialize)]
 struct StateFileOut<'a, O, S, X> {
+    /// The file's checksum (see the module notes); written as zeros, then filled in.
+    checksum: &'a str,
     format: &'a str,
     version: u32,
     /// File name of the weights, in the same directory.
@@ -233,6 +249,9 @@ struct StateFileOut<'a, O, S, X> {
 /// The JSON file's layout as read.
 #[derive(serde::Deserialize)]
 struct StateFileIn {
+    /// Absent in files of versions before it.
+    #[serde(default)]
+    checksum: Option<String>,
     format: String,
     version: u32,
     weights: String,
@@ -314,9 +333,9 @@ fn sync_dir(dir: &Path) -> Result<()> {
 
 // ---- safetensors files --------------------------------------------------------------------
 
-/// A checksum of the weights' data section: FNV-1a over little-endian 64-bit words with an
-/// xorshift per word. Each step is a bijection of the running state, so any changed word
-/// changes the result.
+/// The checksum of weights files and of `training_state.json`: FNV-1a over little-endian
+/// 64-bit words with an xorshift per word. Each step is a bijection of the running state, so
+/// any changed word changes the result.
 fn checksum(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut chunks = bytes.chunks_exact(8);
@@ -1264,11 +1283,21 @@ pub fn save_checkpoint<O: Serialize, S: Serialize, X: Serialize, E: Precision, D
             ),
         });
     }
-    let file = StateFileOut { format: FORMAT, version: VERSION, weights: &weights_name, state };
-    let json = serde_json::to_vec_pretty(&file).map_err(|e| Error::State {
+    let file = StateFileOut {
+        checksum: CHECKSUM_PLACEHOLDER,
+        format: FORMAT,
+        version: VERSION,
+        weights: &weights_name,
+        state,
+    };
+    let mut json = serde_json::to_vec_pretty(&file).map_err(|e| Error::State {
         context: "checkpoint".into(),
         detail: format!("cannot serialise the training state: {e}"),
     })?;
+    // As in the weights: the checksum is computed with its own digits zero, then written over them.
+    assert!(json.starts_with(STATE_CHECKSUM_PREFIX), "the checksum is the state file's first field");
+    let sum = format!("{:016x}", checksum(&json));
+    json[STATE_CHECKSUM_PREFIX.len()..][..16].copy_from_slice(sum.as_bytes());
     let weights = dir.join(&weights_name);
     save_weights(&weights, model)?;
     let state_path = dir.join(STATE_FILE);
@@ -1315,6 +1344,9 @@ pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: Deseri
         }
     };
     check_version(&file.format, file.version)?;
+    if let Some(recorded) = &file.checksum {
+        verify_state_checksum(&state_path, &bytes, recorded)?;
+    }
     if !is_weights_name(&file.weights) {
         return Err(file_err(
             &state_path,
@@ -1327,6 +1359,36 @@ pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: Deseri
     }
     let state = file.state.typed().map_err(|detail| file_err(&state_path, detail))?;
     Ok((state, weights))
+}
+
+/// Refuses `bytes`, a `training_state.json` that records the checksum `recorded`, unless the
+/// checksum of its bytes (with the checksum's own digits read as zeros) is `recorded`.
+fn verify_state_checksum(path: &Path, bytes: &[u8], recorded: &str) -> Result<()> {
+    let digits = STATE_CHECKSUM_PREFIX.len()..STATE_CHECKSUM_PREFIX.len() + 16;
+    let in_place = bytes.starts_with(STATE_CHECKSUM_PREFIX)
+        && bytes.get(digits.clone()) == Some(recorded.as_bytes())
+        && bytes.get(digits.end) == Some(&b'"');
+    if !in_place {
+        return Err(file_err(
+            path,
+            "was modified or corrupted since it was saved: its `checksum` is not the first field as written \
+             (was the file edited or reformatted?)"
+                .into(),
+        ));
+    }
+    let mut zeroed = bytes.to_vec();
+    zeroed[digits].copy_from_slice(CHECKSUM_PLACEHOLDER.as_bytes());
+    let actual = format!("{:016x}", checksum(&zeroed));
+    if actual != recorded {
+        return Err(file_err(
+            path,
+            format!(
+                "was modified or corrupted since it was saved: its content's checksum is {actual}, but the file \
+                 records {recorded}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Loads the checkpoint in `dir` into `model` and returns its training state, with its parts

@@ -3,8 +3,8 @@
 //! PyTorch-style f16/bf16/f64 exports, and atomicity (failed writer, stray temp files, a crash
 //! between the two files, and a process killed while saving). Key mapping and non-strict loads
 //! of PyTorch-named files into a GPT, integer tensors as `Indices`, typed training state,
-//! state files in the format written before the state was typed, and optimizer and scaler
-//! state holding NaN and ±inf.
+//! state files in the format written before the state was typed, the state file's checksum
+//! (and files without one), and optimizer and scaler state holding NaN and ±inf.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -272,15 +272,16 @@ fn corrupt_state_files_are_refused() {
         assert_eq!(values(model), before);
     };
     check(&good[..good.len() / 2], "not a valid checkpoint state", &mut model);
+    // The version is checked before the checksum (a later version may compute it otherwise).
     check(&good.replace("\"version\": 1", "\"version\": 9"), "version 9", &mut model);
-    check(
-        &good.replace("model-00000007.safetensors", "../elsewhere.safetensors"),
-        "not a checkpoint weights file",
-        &mut model,
-    );
+    // Edits the checksum refuses (see `a_state_file_with_one_changed_digit_is_refused_naming_it`);
+    // without it, as earlier versions wrote the file, the other checks refuse them.
+    let edited = good.replace("model-00000007.safetensors", "../elsewhere.safetensors");
+    check(&edited, "was modified or corrupted", &mut model);
+    check(&without_checksum(&edited), "not a checkpoint weights file", &mut model);
     // The state names a weights file that is gone.
     check(
-        &good.replace("model-00000007.safetensors", "model-00000008.safetensors"),
+        &without_checksum(&good.replace("model-00000007.safetensors", "model-00000008.safetensors")),
         "names weights file `model-00000008.safetensors`, which does not exist",
         &mut model,
     );
@@ -1000,12 +1001,14 @@ fn state_files_written_before_the_state_was_typed_still_load() {
 
     // Saved again from the typed state, the file has the same layout: the same keys and
     // values (f32 fields are now written in f32's shortest form, `0.1` where the JSON values
-    // had `0.10000000149011612`: the same f32 either way), and reads back the same.
+    // had `0.10000000149011612`: the same f32 either way) plus the file's checksum, and reads
+    // back the same.
     save_checkpoint(&dir, &loaded, &state).unwrap();
     let mut again: Value = serde_json::from_slice(&std::fs::read(dir.join(STATE_FILE)).unwrap()).unwrap();
     let before: Value = serde_json::from_str(STATE_BEFORE_TYPED).unwrap();
     assert_eq!(again["weights"], "model-00000001-1.safetensors");
     again["weights"] = before["weights"].clone();
+    assert!(again.as_object_mut().unwrap().remove("checksum").is_some_and(|c| c.as_str().unwrap().len() == 16));
     assert_eq!(as_f32(&again), as_f32(&before));
     assert_ne!(again, before, "the f32 values are written shorter");
     let (reread, _): (TrainingState<OptimizerState<AdamState>, GradScalerState, Value>, _) =
@@ -1027,9 +1030,94 @@ fn state_files_written_before_the_state_was_typed_still_load() {
     assert!(err.contains("invalid type: null"), "{err}");
 }
 
-// ---- non-finite optimizer and scaler state -----------------------------------------------------
+// ---- integrity of training_state.json and non-finite state ---------------------------------
+
+/// `training_state.json` text without its checksum line, as versions before the checksum wrote it.
+fn without_checksum(text: &str) -> String {
+    let start = text.find("\n  \"checksum\": \"").expect("the state file has a checksum");
+    let end = start + 1 + text[start + 1..].find('\n').unwrap();
+    format!("{}{}", &text[..start], &text[end..])
+}
+
+/// `text` with the first nonzero digit after `key` changed to another nonzero digit (still a
+/// number, so the JSON still parses).
+fn change_a_digit_after(text: &str, key: &str) -> String {
+    let at = text.find(key).unwrap_or_else(|| panic!("no {key} in {text}"));
+    let i = at + text[at..].find(|c: char| c.is_ascii_digit() && c != '0').unwrap();
+    let mut bytes = text.as_bytes().to_vec();
+    bytes[i] = b'0' + (bytes[i] - b'0') % 9 + 1;
+    String::from_utf8(bytes).unwrap()
+}
 
 type AdamRun = TrainingState<OptimizerState<AdamState>, GradScalerState, ()>;
+
+#[test]
+fn a_state_file_with_one_changed_digit_is_refused_naming_it() {
+    let dir = fresh_dir("state_digit");
+    let (model, opt, scaler) = stepped(1);
+    let state = TrainingState::with_parts(1, opt.state_dict(), scaler.state_dict(), ());
+    save_checkpoint(&dir, &model, &state).unwrap();
+    let state_path = dir.join(STATE_FILE);
+    let file = state_path.to_str().unwrap();
+    let good = std::fs::read_to_string(&state_path).unwrap();
+    let mut other = net(2, &[4, 3]);
+    let before = values(&other);
+    let refused = |text: &str, needles: &[&str], other: &mut Net| {
+        std::fs::write(&state_path, text).unwrap();
+        let err = load_checkpoint::<OptimizerState<AdamState>, GradScalerState, (), _>(&dir, other).unwrap_err();
+        let err = err.to_string();
+        assert!(err.contains(file), "the error names the file: {err}");
+        for needle in needles {
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+        assert_eq!(values(other), before, "a refused load changed the model");
+    };
+
+    // One digit of a second moment: still valid JSON holding another value, refused.
+    let edited = change_a_digit_after(&good, "\"exp_avg_sq\"");
+    let (a, b): (Value, Value) = (serde_json::from_str(&good).unwrap(), serde_json::from_str(&edited).unwrap());
+    assert_ne!(a["state"]["optimizer"], b["state"]["optimizer"], "the edit changed a moment");
+    refused(&edited, &["was modified or corrupted"], &mut other);
+    // The scaler's scale, a step count, a digit of the checksum itself.
+    refused(&change_a_digit_after(&good, "\"scale\""), &["was modified or corrupted"], &mut other);
+    refused(&change_a_digit_after(&good, "\"steps\""), &["was modified or corrupted"], &mut other);
+    refused(&change_a_digit_after(&good, "\"checksum\""), &["was modified or corrupted"], &mut other);
+    // Reformatted (the same JSON value, other bytes): the checksum no longer covers it.
+    refused(&serde_json::to_string(&a).unwrap(), &["was modified or corrupted"], &mut other);
+    // Truncated anywhere: named, whether or not the checksum survives the cut.
+    for len in [good.len() - 2, good.len() / 2, 20, 5, 0] {
+        refused(&good[..len], &["not a valid checkpoint state (truncated or corrupt?)"], &mut other);
+    }
+
+    // The intact file loads, bit for bit.
+    std::fs::write(&state_path, &good).unwrap();
+    let back: AdamRun = load_checkpoint(&dir, &mut other).unwrap();
+    assert_eq!(back, state);
+    assert_eq!(values(&other), values(&model));
+}
+
+#[test]
+fn a_state_file_without_a_checksum_still_loads() {
+    // As versions before the checksum wrote it: the same layout without the field.
+    let dir = fresh_dir("state_no_checksum");
+    let (model, opt, scaler) = stepped(1);
+    let state = TrainingState::with_parts(1, opt.state_dict(), scaler.state_dict(), ());
+    save_checkpoint(&dir, &model, &state).unwrap();
+    let state_path = dir.join(STATE_FILE);
+    let good = std::fs::read_to_string(&state_path).unwrap();
+    assert!(good.starts_with("{\n  \"checksum\": \""), "the checksum is the file's first field: {good}");
+    let old = without_checksum(&good);
+    assert!(old.starts_with("{\n  \"format\": \"amp-checkpoint\",\n  \"version\": 1,\n"), "{old}");
+    std::fs::write(&state_path, &old).unwrap();
+    let mut other = net(2, &[4, 3]);
+    let back: AdamRun = load_checkpoint(&dir, &mut other).unwrap();
+    assert_eq!(back, state);
+    assert_eq!(values(&other), values(&model));
+    // Unchecked, so an edit of such a file is not noticed (the file says nothing to check).
+    std::fs::write(&state_path, change_a_digit_after(&old, "\"exp_avg_sq\"")).unwrap();
+    let edited: AdamRun = load_checkpoint(&dir, &mut other).unwrap();
+    assert_ne!(edited.optimizer, state.optimizer);
+}
 
 /// Every float of an Adam state as bits (NaN != NaN, so states are compared this way).
 fn adam_bits(state: &OptimizerState<AdamState>) -> Vec<(String, u64, Vec<u32>, Vec<u32>)> {

@@ -307,6 +307,9 @@ pub struct Grads<D: Device = Cpu> {
     applied: Arc<Mutex<HashSet<TensorId>>>,
     /// The op of an f16 node of the graph they came from, when its loss was not scaled.
     unscaled_f16: Option<&'static str>,
+    /// The [`clock`] when the oldest backward pass whose gradients are in this set ran: a
+    /// parameter updated since has moved on from the values they are for.
+    made_at: u64,
 }
 
 impl Default for Grads {
@@ -325,12 +328,16 @@ impl Grads {
 impl<D: Device> Grads<D> {
     /// An empty set on any device, applied to nothing yet.
     pub(crate) fn empty() -> Self {
-        Grads { map: HashMap::new(), applied: Arc::default(), unscaled_f16: None }
+        Grads { map: HashMap::new(), applied: Arc::default(), unscaled_f16: None, made_at: clock() }
     }
     /// The first of `ids` these gradients (or a clone of them) were already applied to.
     pub(crate) fn first_applied(&self, ids: impl IntoIterator<Item = TensorId>) -> Option<TensorId> {
         let applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
         ids.into_iter().find(|id| applied.contains(id))
+    }
+    /// The [`clock`] of the oldest backward pass in this set.
+    pub(crate) fn made_at(&self) -> u64 {
+        self.made_at
     }
     /// Records that these gradients were applied to `ids`.
     pub(crate) fn mark_applied(&self, ids: impl IntoIterator<Item = TensorId>) {
@@ -389,6 +396,13 @@ impl<D: Device> Grads<D> {
     /// Adds `other` into `self` (micro-batch accumulation); ids missing on one side are kept.
     pub fn accumulate(&mut self, other: Grads<D>) {
         self.unscaled_f16 = self.unscaled_f16.or(other.unscaled_f16);
+        self.made_at = self.made_at.min(other.made_at);
+        // What `other` was applied to, its sum with these is too (unless they share a record).
+        if !Arc::ptr_eq(&self.applied, &other.applied) {
+            let theirs: Vec<TensorId> =
+                other.applied.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
+            self.mark_applied(theirs);
+        }
         for (id, g) in other.map {
             let merged = match self.map.remove(&id) {
                 Some(mine) => accumulate(mine, g),
@@ -425,8 +439,10 @@ fn check_fresh<D: Device>(order: &[Arc<Node<D>>]) -> Result<()> {
                         "this loss was computed before one of the parameters it uses (shape {:?}, an input of \
                          `{}`) was updated in place (an optimizer step, `Param::set` or a weight load), so its \
                          gradients would be for values that no longer exist. Compute the loss again after the \
-                         update (PyTorch refuses this too: \"one of the variables needed for gradient \
-                         computation has been modified by an inplace operation\")",
+                         update; a model that is only read (an EMA teacher, a target network) goes under \
+                         `no_grad` or `.detach()`, as it would have `requires_grad_(False)` in PyTorch (which \
+                         refuses such a graph too: \"one of the variables needed for gradient computation has \
+                         been modified by an inplace operation\")",
                         leaf.shape, node.op
                     ),
                 });

@@ -65,8 +65,10 @@
 //!   refused naming the file as modified or corrupted; a file that does not parse (truncated)
 //!   is refused naming the file before the checksum is looked at, and the format version is
 //!   checked first, as a later version may lay the file out otherwise. State files of earlier
-//!   versions have no `checksum` field and load unchecked, as weights without one do; earlier
-//!   versions reading a file with it ignore the field.
+//!   versions have no `checksum` field and load unchecked, as weights without one do (their
+//!   first key is `format`; a file without the field whose first key is another, one whose
+//!   `checksum` key was changed, is refused); earlier versions reading a file with it ignore
+//!   the field.
 //! - JSON has no number for NaN or ±inf, and serde_json writes them as `null`, which does not
 //!   read back as a float. Every float field of the state types a checkpoint holds (Adam's,
 //!   AdamW's and SGD's moments, the [`GradScalerState`](crate::scaler::GradScalerState)'s
@@ -1344,8 +1346,19 @@ pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: Deseri
         }
     };
     check_version(&file.format, file.version)?;
-    if let Some(recorded) = &file.checksum {
-        verify_state_checksum(&state_path, &bytes, recorded)?;
+    match &file.checksum {
+        Some(recorded) => verify_state_checksum(&state_path, &bytes, recorded)?,
+        // Files of earlier versions begin with `format`; one that does not lost its checksum
+        // field (a changed key is ignored by the reader, which would load it unchecked).
+        None if !first_key_is_format(&bytes) => {
+            return Err(file_err(
+                &state_path,
+                "was modified or corrupted since it was saved: it has no `checksum` field, and it is not laid \
+                 out as the files of earlier versions without one are"
+                    .into(),
+            ));
+        }
+        None => {}
     }
     if !is_weights_name(&file.weights) {
         return Err(file_err(
@@ -1359,6 +1372,13 @@ pub fn read_checkpoint_state<O: DeserializeOwned, S: DeserializeOwned, X: Deseri
     }
     let state = file.state.typed().map_err(|detail| file_err(&state_path, detail))?;
     Ok((state, weights))
+}
+
+/// Whether a JSON object's first key is `format`, as in the state files of versions before
+/// the checksum (written by this crate, or rewritten by a JSON library that sorts keys).
+fn first_key_is_format(bytes: &[u8]) -> bool {
+    let rest = bytes.trim_ascii_start();
+    rest.strip_prefix(b"{").is_some_and(|r| r.trim_ascii_start().starts_with(b"\"format\""))
 }
 
 /// Refuses `bytes`, a `training_state.json` that records the checksum `recorded`, unless the

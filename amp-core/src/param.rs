@@ -84,6 +84,10 @@ impl<E: Precision, D: Device> Param<E, D> {
         self.tensor.make_exclusive();
         &mut self.tensor.storage
     }
+    /// The autograd clock at this parameter's last update in place (0: never).
+    pub(crate) fn updated_at(&self) -> u64 {
+        self.tensor.node.as_ref().map_or(0, |n| n.updated_at.load(std::sync::atomic::Ordering::Relaxed))
+    }
     /// Graphs made before now used the old values: their backward pass is refused.
     fn mark_updated(&self) {
         if let Some(node) = &self.tensor.node {

@@ -1250,3 +1250,21 @@ fn a_null_moment_from_an_earlier_version_is_refused_saying_why() {
     assert!(err.contains("null where a float was expected") && err.contains("NaN"), "{err}");
     assert!(!err.contains("another optimizer"), "the hint points at the real cause: {err}");
 }
+
+#[test]
+fn a_state_file_whose_checksum_key_was_changed_is_refused() {
+    // Without this, changing the key (one byte) made the reader ignore the field and load the
+    // file unchecked, with any other edit in it.
+    let dir = fresh_dir("state_checksum_key");
+    let (model, opt, scaler) = stepped(1);
+    let state = TrainingState::with_parts(1, opt.state_dict(), scaler.state_dict(), ());
+    save_checkpoint(&dir, &model, &state).unwrap();
+    let state_path = dir.join(STATE_FILE);
+    let good = std::fs::read_to_string(&state_path).unwrap();
+    let edited = change_a_digit_after(&good, "\"exp_avg_sq\"").replacen("\"checksum\"", "\"checksun\"", 1);
+    std::fs::write(&state_path, edited).unwrap();
+    let mut other = net(2, &[4, 3]);
+    let err = load_checkpoint::<OptimizerState<AdamState>, GradScalerState, (), _>(&dir, &mut other).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains(STATE_FILE) && msg.contains("modified or corrupted"), "{msg}");
+}

@@ -340,12 +340,19 @@ fn a_try_error_mid_step_comes_back_through_question_mark() {
 
 #[test]
 fn one_set_of_gradients_reaches_a_parameter_once_whatever_applies_it() {
-    // Two sets, applied in turn, then the first again.
+    // One set, then a second computed after the step, then the first again.
     let (mut m, mut opt) = (model(0), sgd());
-    let (ga, gb) = (f32_loss(&m).backward(), f32_loss(&m).backward());
+    let ga = f32_loss(&m).backward();
     opt.step(&mut m, &ga).unwrap();
+    let gb = f32_loss(&m).backward();
     opt.step(&mut m, &gb).unwrap();
     let err = opt.step(&mut m, &ga).expect_err("ga again");
+    assert!(err.to_string().contains("already applied"), "{err}");
+    // Summed into a newer set, an applied set is still applied (`new.accumulate(old)`: the
+    // running sum of PyTorch's forgotten `zero_grad`).
+    let mut gc = f32_loss(&m).backward();
+    gc.accumulate(gb.clone());
+    let err = opt.step(&mut m, &gc).expect_err("gb inside gc");
     assert!(err.to_string().contains("already applied"), "{err}");
     // A clone of the optimizer, made before the first step.
     let g = f32_loss(&m).backward();
@@ -380,4 +387,49 @@ fn a_bare_param_is_named_as_such_in_errors() {
     let g = a.square().sum_all().backward();
     let err = opt.step(&mut a, &g).expect_err("bound to b");
     assert!(err.to_string().contains("this parameter is not the parameter this optimizer is bound to"), "{err}");
+}
+
+#[test]
+fn gradients_computed_before_a_step_are_refused_after_it() {
+    // The left-over micro-batch again, its backward run before the step this time: the set
+    // remembers when it was made, and a parameter updated since refuses it.
+    let (mut m, mut opt) = (model(0), sgd());
+    let (now, left_over) = (f32_loss(&m).backward(), f32_loss(&m).backward());
+    opt.step(&mut m, &now).unwrap();
+    let mut next = f32_loss(&m).backward();
+    next.accumulate(left_over);
+    let before = m.w.to_vec();
+    let err = opt.step(&mut m, &next).expect_err("old weights' gradients mixed in");
+    assert!(err.to_string().contains("computed before the last update of `w`"), "{err}");
+    assert_eq!(m.w.to_vec(), before);
+    // Micro-batches all computed before one step are one iteration: accepted.
+    let (g1, g2) = (f32_loss(&m).backward(), f32_loss(&m).backward());
+    let mut sum = g1;
+    sum.accumulate(g2);
+    opt.step(&mut m, &sum).unwrap();
+}
+
+#[test]
+fn step_many_leaves_a_model_without_gradients_alone() {
+    // Multi-task heads used on alternate batches: a pair whose model the loss did not use is
+    // skipped (its optimizer counts no step), not refused.
+    let (mut a, mut b, mut s) = (model(0), model(1), scaler());
+    let (mut oa, mut ob) = (sgd(), sgd());
+    let b0 = b.w.to_vec();
+    s.scale(loss(&a)).backward().unscale().step_many(&mut [(&mut oa, &mut a), (&mut ob, &mut b)]).update().unwrap();
+    assert_eq!((oa.steps(), ob.steps(), b.w.to_vec()), (1, 0, b0));
+}
+
+#[test]
+fn a_step_that_goes_on_after_an_error_is_under_the_drop_rule_again() {
+    // Log the error and carry on: the next call makes the step live again, so forgetting
+    // `.update()` still panics.
+    let result = std::panic::catch_unwind(|| {
+        let (mut m, mut s, mut opt) = (model(0), scaler(), sgd());
+        let mut grads = s.scale(loss(&m)).backward().unscale();
+        assert!(grads.try_clip_grad_norm(0.0).is_err());
+        drop(grads.step(&mut opt, &mut m)); // no `.update()`
+    });
+    let msg = result.expect_err("the drop rule").downcast::<String>().map(|b| *b).unwrap_or_default();
+    assert!(msg.contains("after `.step(..)`, before `.update()`"), "{msg}");
 }

@@ -733,9 +733,11 @@ impl<R: Rule, E: Precision> Optim<R, E> {
         let bad = |detail: String| Err(Error::State { context: "optimizer step".into(), detail });
         if let Some(op) = grads.unscaled_f16() {
             return bad(format!(
-                "these gradients come from a loss computed through f16 ops (`{op}`) without loss scaling: f16 \
-                 gradients underflow to zero. Step through a GradScaler: `scaler.scale(loss).backward().unscale()\
-                 .step(&mut optimizer, &mut model).update()` (PyTorch's `torch.amp.GradScaler`)"
+                "these gradients come from a loss computed through f16 ops (`{op}`) without a GradScaler: f16 \
+                 gradients underflow to zero unscaled. Step through one: `scaler.scale(loss).backward()\
+                 .unscale().step(&mut optimizer, &mut model).update()` (PyTorch's `torch.amp.GradScaler`; a \
+                 scale that never grows: `GradScalerOptions {{ init_scale, growth_interval: i32::MAX, .. }}`). \
+                 A loss scaled by hand is not seen as scaled"
             ));
         }
         self.check_bound(named)?;
@@ -752,6 +754,14 @@ impl<R: Rule, E: Precision> Optim<R, E> {
             let name = with_grad.iter().find(|(_, p)| p.id() == id).map_or("", |(n, _)| *n);
             return bad(format!(
                 "these gradients (or a clone of them) were already applied to {}: one backward pass, one step",
+                shown(name)
+            ));
+        }
+        if let Some((name, _)) = with_grad.iter().find(|(_, p)| p.updated_at() > grads.made_at()) {
+            return bad(format!(
+                "these gradients were computed before the last update of {} (a step, `Param::set` or a weight \
+                 load): they are for values it no longer has. One backward pass, one step: compute the loss \
+                 again",
                 shown(name)
             ));
         }

@@ -171,8 +171,9 @@ struct Inner<'s, K: LossScaler, D: Device> {
     /// norm was inf or NaN. Clipping multiplies every gradient by a coefficient made from it
     /// (0 or NaN then), so every optimizer skips, whichever gradient was not finite.
     clip_flag: Option<D::Storage<f32>>,
-    /// A `try_` call on `&mut self` returned an error: the caller has it, so dropping the
-    /// step does not panic (which would hide it behind the drop rule's message).
+    /// The last `try_` call on `&mut self` returned an error: the caller has it, so dropping
+    /// the step now does not panic (which would hide it behind the drop rule's message). The
+    /// next call that succeeds clears it.
     failed: bool,
 }
 
@@ -324,6 +325,10 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         self.inner.as_mut().expect("a live TrainStep holds its state")
     }
     fn into_stage<T: Stage>(mut self) -> TrainStep<'s, K, T, D> {
+        // A step that went on after an error is live again: the drop rule applies.
+        if let Some(st) = &mut self.inner {
+            st.failed = false;
+        }
         TrainStep { inner: self.inner.take(), _stage: PhantomData }
     }
     /// Ends the step with `e` (nothing to finish: the error says what went wrong).
@@ -391,17 +396,10 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         let st = self.st_mut();
         let more = check_precision_fits(&*st.scaler, &loss).and_then(|()| scaled_backward(&loss, &st.seed));
         drop(loss);
-        match more {
-            Ok(more) => {
-                st.grads.accumulate(more);
-                st.micro_batches += 1;
-                Ok(self)
-            }
-            Err(e) => {
-                st.failed = true;
-                Err(e)
-            }
-        }
+        st.failed = more.is_err();
+        st.grads.accumulate(more?);
+        st.micro_batches += 1;
+        Ok(self)
     }
     /// Adds another micro-batch's gradients; panics where [`TrainStep::try_accumulate`] errs.
     #[track_caller]
@@ -469,13 +467,9 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         S: CanClip,
     {
         let st = self.st_mut();
-        let scalars = match crate::clip::clip_in_place(&mut st.grads, max_norm) {
-            Ok(s) => s,
-            Err(e) => {
-                st.failed = true;
-                return Err(e);
-            }
-        };
+        let scalars = crate::clip::clip_in_place(&mut st.grads, max_norm);
+        st.failed = scalars.is_err();
+        let scalars = scalars?;
         let Some((dev, scalars)) = scalars else {
             let norm = st.dev.value(|| 0.0);
             st.grad_norm = Some(norm.clone());
@@ -511,7 +505,7 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
     {
         let st = self.st_mut();
         let clipped = crate::clip::try_clip_grad_value(&mut st.grads, clip_value);
-        st.failed |= clipped.is_err();
+        st.failed = clipped.is_err();
         clipped
     }
     /// Clamps every gradient value; panics if `clip_value` is negative or NaN.
@@ -857,9 +851,15 @@ fn max_of<D: Device>(dev: &D, parts: &[D::Storage<f32>]) -> D::Storage<f32> {
     dev.reduce(&all, &Layout::contiguous(&[n]), split, crate::backend::ReduceOp::Max, 1.0)
 }
 
-/// Checks every pair of a `step_many` with its optimizer's own checks before any steps.
+/// Checks every pair of a `step_many` that will step (its model has a gradient) with its
+/// optimizer's own checks, before any steps.
 fn check_pairs<E: Precision, D: Device>(pairs: &[OptimizerPair<'_, E, D>], grads: &Grads<D>) -> Result<()> {
-    pairs.iter().try_for_each(|(opt, model)| opt.check_step(&**model, grads))
+    for (opt, model) in pairs {
+        if model.named_params().iter().any(|(_, p)| grads.get_by_id(p.id()).is_some()) {
+            opt.check_step(&**model, grads)?;
+        }
+    }
+    Ok(())
 }
 
 /// The gradients whose flag is set: the step's one read of device memory.

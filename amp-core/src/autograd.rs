@@ -298,8 +298,9 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
 ///
 /// A `Grads` is always unscaled: a scaled loss's gradients stay inside the training step
 /// ([`crate::scaler::TrainStep`]), so whatever holds a `Grads` may clip it or step an optimizer
-/// with it. Each set (and its clones) carries the id of the backward pass that made it, so an
-/// optimizer applies it once ([`crate::optim::Optimizer::step`]).
+/// with it. Each set (and its clones) records the parameters it was applied to and when its
+/// backward pass ran, so an optimizer ([`crate::optim::Optimizer::step`]) applies it to a
+/// parameter once, and not after that parameter was updated.
 #[derive(Clone, Debug)]
 pub struct Grads<D: Device = Cpu> {
     map: HashMap<TensorId, AnyTensor<D>>,

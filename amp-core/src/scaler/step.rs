@@ -742,7 +742,8 @@ impl<K: LossScaler, D: Device> TrainStep<'_, K, GradsUnscaled, D> {
         GradsView { grads: &self.st().grads, scaled: false }
     }
     /// Whether any gradient is inf or NaN (the step will be skipped for the optimizers whose
-    /// parameters they belong to).
+    /// parameters they belong to), or a `clip_grad_norm`'s total norm was (every optimizer
+    /// will skip).
     pub fn found_inf(&self) -> D::Value<bool> {
         let st = self.st();
         let parts: Vec<D::Storage<f32>> = st.flags.iter().map(|(_, f)| f.clone()).chain(st.clip_flag.clone()).collect();

@@ -470,16 +470,16 @@ impl<'s, K: LossScaler, S: Stage, D: Device> TrainStep<'s, K, S, D> {
         let scalars = crate::clip::clip_in_place(&mut st.grads, max_norm);
         st.failed = scalars.is_err();
         let scalars = scalars?;
-        let Some((dev, scalars)) = scalars else {
+        let Some((dev, mut scalars)) = scalars else {
             let norm = st.dev.value(|| 0.0);
             st.grad_norm = Some(norm.clone());
             return Ok(norm);
         };
         if st.flags.is_some() {
-            // The unscale pass's check, on [total, coefficient]: set when the total is not finite.
-            let mut copy = dev.contiguous(&scalars, &Layout::contiguous(&[2]));
+            // The unscale pass's check (it only reads without a scale), on [total, coefficient]:
+            // set when the total is not finite.
             let mut flag = dev.full(1, 0f32);
-            dev.unscale_check(&mut [&mut copy], None, &mut flag, 0);
+            dev.unscale_check(&mut [&mut scalars], None, &mut flag, 0);
             st.clip_flag = Some(match st.clip_flag.take() {
                 Some(earlier) => max_of(&dev, &[earlier, flag]),
                 None => flag,

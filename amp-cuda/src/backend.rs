@@ -23,7 +23,7 @@ use amp_core::backend::{
 use amp_core::layout::Layout;
 use amp_core::optim::STEPS_PER_READ;
 use amp_core::{DType, Precision};
-use cudarc::driver::{DeviceRepr, result};
+use cudarc::driver::{DeviceRepr, LaunchConfig, result};
 
 use crate::device::{Cuda, ModuleKey, State};
 use crate::gemm::{self, Mat, as_operand, rm_gemm};
@@ -1012,6 +1012,11 @@ impl Device for Cuda {
         let mut keep = Vec::new();
         let (pq, pk, pv) =
             (self.contig_ptr(q, &mut keep), self.contig_ptr(k, &mut keep), self.contig_ptr(v, &mut keep));
+        if let Some([fwd, _, _]) = flash_attention(E::DTYPE, n, t, d, &[pq, pk, pv, out.ptr()]) {
+            let f = st.family_fn(Family::AttentionFlash, E::DTYPE, fwd);
+            launch!(st, f, flash_grid(n, t); out.ptr(), lse.ptr(), pq, pk, pv, t as i64, scale as f32);
+            return (out, CudaRowStats::new(StatsKind::LogSumExp, lse, RawVec::new(st, 0, ab)));
+        }
         let es = E::DTYPE.size_in_bytes() as u64;
         let block = attention_block(n, t, ab);
         let scores = RawVec::new(st, n * block * t, ab);
@@ -1060,6 +1065,16 @@ impl Device for Cuda {
         let delta = RawVec::new(st, n * t, ab);
         let f = st.family_fn(Family::Attention, E::DTYPE, "attention_delta_bwd");
         launch!(st, f, rows_grid(n * t, d, 0); delta.ptr(), po, pg, (n * t) as i64, d as i64);
+        if let Some([_, dq_stem, dkv_stem]) =
+            flash_attention(E::DTYPE, n, t, d, &[pq, pk, pv, pg, dq.ptr(), dk.ptr(), dv.ptr()])
+        {
+            let (lse, sc) = (stats.a.ptr(), scale as f32);
+            let f = st.family_fn(Family::AttentionFlash, E::DTYPE, dq_stem);
+            launch!(st, f, flash_grid(n, t); dq.ptr(), pq, pk, pv, pg, lse, delta.ptr(), t as i64, sc);
+            let f = st.family_fn(Family::AttentionFlash, E::DTYPE, dkv_stem);
+            launch!(st, f, flash_grid(n, t); dk.ptr(), dv.ptr(), pq, pk, pv, pg, lse, delta.ptr(), t as i64, sc);
+            return (dq, dk, dv);
+        }
         // dk and dv sum over query blocks in the accumulation type (in place for f32 and f64).
         let sums = (acc != E::DTYPE).then(|| (RawVec::new(st, n * t * d, ab), RawVec::new(st, n * t * d, ab)));
         let (pdk, pdv) = sums.as_ref().map_or((dk.ptr(), dv.ptr()), |(a, b)| (a.ptr(), b.ptr()));
@@ -1833,6 +1848,37 @@ fn reduce_parts(m: usize, dim: usize, inner: usize) -> Option<(usize, usize)> {
     Some((per, dim.div_ceil(per)))
 }
 
+/// Rows (queries, or keys in dK/dV) per block of the fused attention kernels, and their
+/// threads (`AMP_FLASH_ROWS` and `AMP_FLASH_THREADS` in `attention_flash.cu`; a test checks).
+const FLASH_ROWS: usize = 64;
+const FLASH_THREADS: u32 = 128;
+
+/// The fused tensor-core kernels (`attention_flash.cu`: forward, dQ, dK/dV) when causal attention
+/// can take them: f16 or bf16, heads of 32 or 64 values, every operand 16-byte aligned (their
+/// 128-bit loads), and a grid within CUDA's limits (heads in x, blocks of 64 rows in y).
+/// Otherwise (`None`) the cuBLAS path.
+fn flash_attention(dtype: DType, n: usize, t: usize, d: usize, ptrs: &[u64]) -> Option<[&'static str; 3]> {
+    let stems = match d {
+        32 => ["attention_flash_d32_fwd", "attention_flash_d32_dq_bwd", "attention_flash_d32_dkv_bwd"],
+        64 => ["attention_flash_d64_fwd", "attention_flash_d64_dq_bwd", "attention_flash_d64_dkv_bwd"],
+        _ => return None,
+    };
+    let fits = matches!(dtype, DType::F16 | DType::BF16)
+        && n < 1 << 31
+        && t.div_ceil(FLASH_ROWS) < 1 << 16
+        && ptrs.iter().all(|p| p.is_multiple_of(16));
+    fits.then_some(stems)
+}
+
+/// The fused attention kernels' grid: a block per head (x) and per 64 rows (y).
+fn flash_grid(n: usize, t: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, t.div_ceil(FLASH_ROWS) as u32, 1),
+        block_dim: (FLASH_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Query rows per block of causal attention: as many as keep its `[n, rows, t]` score tile in
 /// the accumulation type (`acc` bytes) within [`ATTENTION_TILE_BYTES`], a multiple of 16
 /// between 16 and 128, and at most `t`. Larger blocks mean fewer, larger GEMMs; the causal
@@ -1848,7 +1894,8 @@ const ATTENTION_TILE_BYTES: usize = 128 << 20;
 
 #[cfg(test)]
 mod tests {
-    use super::attention_block;
+    use super::{FLASH_ROWS, FLASH_THREADS, attention_block, flash_attention, flash_grid};
+    use amp_core::DType;
 
     #[test]
     fn gemm_operands_are_copied_only_to_fit_cublas_or_to_batch_in_one_call() {
@@ -1885,6 +1932,23 @@ mod tests {
         assert_eq!(reduce_parts(10, 5000, 1), None);
         assert_eq!(reduce_parts(1 << 17, 5000, 64), None);
         assert_eq!(reduce_parts(100, 63, 100), None);
+    }
+
+    #[test]
+    fn the_flash_constants_match_the_kernels_and_only_qualifying_heads_take_them() {
+        let source = include_str!("kernels/attention_flash.cu");
+        assert!(source.contains(&format!("#define AMP_FLASH_ROWS {FLASH_ROWS}\n")));
+        assert!(source.contains(&format!("#define AMP_FLASH_THREADS {FLASH_THREADS}\n")));
+        let aligned = [0x1000, 0x2000];
+        let takes = |dtype, n, t, d, ptrs: &[u64]| flash_attention(dtype, n, t, d, ptrs).map(|s| s[0]);
+        assert_eq!(takes(DType::BF16, 192, 1024, 64, &aligned), Some("attention_flash_d64_fwd"));
+        assert_eq!(takes(DType::F16, 1, 1, 32, &aligned), Some("attention_flash_d32_fwd"));
+        assert_eq!(takes(DType::F32, 192, 1024, 64, &aligned), None); // no f32 tensor-core kernel
+        assert_eq!(takes(DType::BF16, 192, 1024, 128, &aligned), None); // dK/dV would spill
+        assert_eq!(takes(DType::BF16, 192, 1024, 64, &[0x1000, 0x2008]), None); // misaligned
+        assert_eq!(takes(DType::BF16, 1, 64 << 16, 64, &aligned), None); // 65,536 blocks of rows
+        assert_eq!(flash_grid(192, 1024).grid_dim, (192, 16, 1));
+        assert_eq!(flash_grid(2, 65).grid_dim, (2, 2, 1));
     }
 
     #[test]

@@ -203,9 +203,11 @@ parity!(matmul_and_linear, |dev, E| {
 parity!(causal_attention, |dev, E| {
     let mut out = Vec::new();
     // Several query blocks of 128 rows with a short last one (150, 300), one block (70, 40),
-    // head sizes from 8 to 160, and a t below one warp.
-    for (i, (n, t, d)) in
-        [(2, 150, 16), (3, 70, 64), (1, 40, 128), (2, 5, 8), (2, 300, 64), (1, 33, 160)].into_iter().enumerate()
+    // head sizes from 8 to 160, and a t below one warp. In f16 and bf16, heads of 32 and 64
+    // take the fused tensor-core kernels (blocks of 64 rows: 130 is two and a ragged one).
+    for (i, (n, t, d)) in [(2, 150, 16), (3, 70, 64), (1, 40, 128), (2, 5, 8), (2, 300, 64), (1, 33, 160), (2, 130, 32)]
+        .into_iter()
+        .enumerate()
     {
         let s = 300 + 3 * i as u64;
         let q = input::<E, D>(dev, &[n, t, d], s, 1.0);
@@ -552,15 +554,19 @@ fn twenty_gpt_steps_match_the_cpu_in_f16_with_a_grad_scaler_and_in_bf16() {
 #[test]
 fn twenty_gpt_steps_with_fused_attention_match_the_cpu_in_bf16() {
     let Some(cuda) = cuda_or_skip("twenty_gpt_steps_with_fused_attention_match_the_cpu_in_bf16") else { return };
-    // Dropout 0: the fused kernel has no attention dropout.
-    let config = GptConfig { vocab_size: 29, block_size: 8, d_model: 32, n_layers: 2, n_heads: 4, dropout: 0.0 };
-    let init = Gpt::new(config, &mut Rng::seed(3)).with_fused_attention(true).unwrap();
-    let (mut cpu, mut gpu): (Gpt, Gpt<f32, Cuda>) = (init.clone(), init.to_device(&cuda));
-    let ns = amp_core::scaler::NoScale::new;
-    check(
-        "gpt_bf16_fused_attention",
-        DType::BF16,
-        gpt_steps::<bf16, _, _>(&mut cpu, &mut ns()),
-        gpt_steps::<bf16, _, _>(&mut gpu, &mut ns()),
-    );
+    // Dropout 0: the fused kernel has no attention dropout. Heads of 8 values take the cuBLAS
+    // path; one head of 32 the tensor-core kernels (attention_flash.cu).
+    for (heads, name) in [(4, "gpt_bf16_fused_attention"), (1, "gpt_bf16_fused_attention_tensor_cores")] {
+        let config =
+            GptConfig { vocab_size: 29, block_size: 8, d_model: 32, n_layers: 2, n_heads: heads, dropout: 0.0 };
+        let init = Gpt::new(config, &mut Rng::seed(3)).with_fused_attention(true).unwrap();
+        let (mut cpu, mut gpu): (Gpt, Gpt<f32, Cuda>) = (init.clone(), init.to_device(&cuda));
+        let ns = amp_core::scaler::NoScale::new;
+        check(
+            name,
+            DType::BF16,
+            gpt_steps::<bf16, _, _>(&mut cpu, &mut ns()),
+            gpt_steps::<bf16, _, _>(&mut gpu, &mut ns()),
+        );
+    }
 }

@@ -30,6 +30,8 @@ const MAP: &str = include_str!("map.cu");
 const REDUCE: &str = include_str!("reduce.cu");
 const ROWS: &str = include_str!("rows.cu");
 const ATTENTION: &str = include_str!("attention.cu");
+/// The tensor-core product helpers first: the fused attention kernels use them.
+const ATTENTION_FLASH: &str = concat!(include_str!("mma.cuh"), include_str!("attention_flash.cu"));
 const INDEX: &str = include_str!("index.cu");
 const CONV: &str = include_str!("conv.cu");
 const POOL: &str = include_str!("pool.cu");
@@ -68,6 +70,9 @@ pub enum Family {
     /// Causal attention's kernels between its cuBLAS products: the probabilities of a block
     /// of query rows, and in the backward g·out per row and the score gradients.
     Attention,
+    /// Causal attention fused on tensor cores (f16 and bf16, heads of 32 or 64 values):
+    /// the forward, and the backward's dQ and dK/dV kernels.
+    AttentionFlash,
     /// The embedding gather and scatter-add, concatenation.
     Index,
     /// im2col, col2im, the bias fill and the per-channel bias gradient.
@@ -87,13 +92,14 @@ pub enum Family {
 
 impl Family {
     /// Every family.
-    pub const ALL: [Family; 13] = [
+    pub const ALL: [Family; 14] = [
         Family::Copy,
         Family::Reduce,
         Family::Softmax,
         Family::Norm,
         Family::Loss,
         Family::Attention,
+        Family::AttentionFlash,
         Family::Index,
         Family::Conv,
         Family::Pool,
@@ -112,6 +118,7 @@ impl Family {
             Family::Norm => "norm",
             Family::Loss => "loss",
             Family::Attention => "attention",
+            Family::AttentionFlash => "attention_flash",
             Family::Index => "index",
             Family::Conv => "conv",
             Family::Pool => "pool",
@@ -126,6 +133,7 @@ impl Family {
     pub fn dtypes(self) -> &'static [DType] {
         match self {
             Family::Scaler | Family::Optim => &[DType::F32],
+            Family::AttentionFlash => &[DType::F16, DType::BF16],
             _ => &DTYPES,
         }
     }
@@ -136,6 +144,7 @@ impl Family {
             Family::Reduce => REDUCE,
             Family::Softmax | Family::Norm | Family::Loss => ROWS,
             Family::Attention => ATTENTION,
+            Family::AttentionFlash => ATTENTION_FLASH,
             Family::Index => INDEX,
             Family::Conv => CONV,
             Family::Pool => POOL,
@@ -154,6 +163,7 @@ impl Family {
             Family::Norm => "AMP_NORM_KERNELS",
             Family::Loss => "AMP_LOSS_KERNELS",
             Family::Attention => "AMP_ATTENTION_KERNELS",
+            Family::AttentionFlash => "AMP_FLASH_KERNELS",
             Family::Index => "AMP_INDEX_KERNELS",
             Family::Conv => "AMP_CONV_KERNELS",
             Family::Pool => "AMP_POOL_KERNELS",
@@ -195,6 +205,14 @@ impl Family {
             ],
             Family::Loss => &["cross_entropy_fwd", "cross_entropy_bwd", "mse_fwd", "mse_bwd", "mean_f64_fwd"],
             Family::Attention => &["attention_probs_fwd", "attention_delta_bwd", "attention_grads_bwd"],
+            Family::AttentionFlash => &[
+                "attention_flash_d32_fwd",
+                "attention_flash_d32_dq_bwd",
+                "attention_flash_d32_dkv_bwd",
+                "attention_flash_d64_fwd",
+                "attention_flash_d64_dq_bwd",
+                "attention_flash_d64_dkv_bwd",
+            ],
             Family::Index => &["gather_rows_fwd", "scatter_add_rows_bwd", "cat_fwd"],
             Family::Conv => &["im2col_fwd", "col2im_bwd", "bias_fill_fwd", "channel_sum_bwd"],
             Family::Pool => &["max_pool2d_fwd", "max_pool2d_bwd", "avg_pool2d_fwd", "avg_pool2d_bwd"],

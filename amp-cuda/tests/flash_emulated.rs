@@ -15,6 +15,14 @@ use std::process::Command;
 #[test]
 fn the_fused_attention_kernels_match_f64_attention_when_emulated_on_the_host() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let required = std::env::var("AMP_CUDA_REQUIRE_CXX").as_deref() == Ok("1");
+    if !dir.join("tests/emulated/flash_attention.cpp").exists() {
+        // A test binary carried away from its source tree (the GPU bundle): the GPU runs the
+        // kernels themselves there.
+        assert!(!required, "the emulation's sources are not at {}", dir.display());
+        println!("SKIPPED: the emulation's sources are not at {}", dir.display());
+        return;
+    }
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flash_attention_emulated");
     let compiled = Command::new(&cxx)
@@ -30,7 +38,6 @@ fn the_fused_attention_kernels_match_f64_attention_when_emulated_on_the_host() {
     let compiled = match compiled {
         Ok(out) => out,
         Err(e) => {
-            let required = std::env::var("AMP_CUDA_REQUIRE_CXX").as_deref() == Ok("1");
             assert!(!required, "a C++ compiler is required here ({cxx}: {e})");
             println!("SKIPPED: no C++ compiler ({cxx}: {e})");
             return;

@@ -43,7 +43,14 @@ fn the_fused_attention_kernels_match_f64_attention_when_emulated_on_the_host() {
             return;
         }
     };
-    assert!(compiled.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&compiled.stderr));
+    if !compiled.status.success() {
+        // A compiler without C++20 or `_Float16` (g++ before 12) as well as a broken source:
+        // CI, which requires the check, tells them apart.
+        let stderr = String::from_utf8_lossy(&compiled.stderr);
+        assert!(!required, "{cxx} failed:\n{stderr}");
+        println!("SKIPPED: {cxx} could not build the emulation (AMP_CUDA_REQUIRE_CXX=1 makes this fail):\n{stderr}");
+        return;
+    }
     let run = Command::new(&exe).output().expect("the emulation runs");
     let report = String::from_utf8_lossy(&run.stdout);
     println!("{report}");

@@ -12,14 +12,17 @@
 // - The softmax is online and in base 2: scores are scaled by scale·log2(e) so each exp is one
 //   exp2; the saved log-sum-exp is natural, as the cuBLAS path and the CPU save it.
 // - Rounding, as on the cuBLAS path: probabilities rounded once to T for P·V (the forward's
-//   are not yet normalised: the output is divided by the row's sum in f32) and for Pᵀ·dO;
-//   score gradients dS rounded once to T for dS·K and dSᵀ·Q; sums in f32, one rounding at the
-//   store.
+//   are not yet normalised: the output is divided by the row's f32 sum of the unrounded ones)
+//   and for Pᵀ·dO; score gradients dS rounded once to T for dS·K and dSᵀ·Q; sums in f32, one
+//   rounding at the store.
 // - The backward is two kernels and no atomics: dQ by query block (recomputing P and dP), dK
 //   and dV by key block. Deterministic, as the rest of the backend.
 // - Staged rows past t are zeros and never stored; keys after a query, and in dK/dV queries
 //   past t, get probability 0. Every pointer is 16-byte aligned (128-bit staging loads): the
 //   host checks, and takes the cuBLAS path otherwise.
+// - Non-finite inputs: a masked entry is 0 in every product, and 0·inf is NaN, so an inf or NaN
+//   in V (forward) or dO (dV) spreads to rows of the same 64-row tile that should not see it
+//   (the cuBLAS path does the same within its blocks); dS is selected, not multiplied, to 0.
 
 #define AMP_FLASH_ROWS 64
 #define AMP_FLASH_THREADS 128
@@ -30,9 +33,6 @@ typedef unsigned short amp_u16;
 template <typename T> __device__ __forceinline__ u32 amp_pack2(float lo, float hi) {
     return (u32)store<T>(lo).bits | ((u32)store<T>(hi).bits << 16);
 }
-
-// `v` rounded to T and back (the value a product will see).
-template <typename T> __device__ __forceinline__ float amp_round(float v) { return load(store<T>(v)); }
 
 // Rows [r0, r0 + 64) of a row-major [t, D] matrix into a shared tile whose rows have D + 8
 // values (the pad spreads a warp's fragment reads over all 32 banks); rows past t are zeros.
@@ -177,8 +177,9 @@ __device__ void amp_flash_fwd(T* out_, float* lse, const T* q_, const T* k_, con
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    // The rounded value, as P·V will see it, so the row sums what it weighs.
-                    const float p = amp_round<T>(exp2f(s[nt][2 * h + j] - base));
+                    // Summed before P·V rounds it, so the saved lse is as exact as the cuBLAS
+                    // path's (the backward recomputes P from it, whichever path wrote it).
+                    const float p = exp2f(s[nt][2 * h + j] - base);
                     s[nt][2 * h + j] = p;
                     l[h] += p;
                 }
@@ -241,8 +242,9 @@ __device__ void amp_flash_dq(T* dq_, const T* q_, const T* k_, const T* v_, cons
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const i64 key = kb * AMP_FLASH_ROWS + nt * 8 + c + j;
+                    // A select, not p = 0: dP of a masked key may be inf or NaN (0·inf).
                     const float p = key > row ? 0.f : exp2f(s[nt][2 * h + j] * sl - lr[h]);
-                    s[nt][2 * h + j] = p * (dp[nt][2 * h + j] - dr[h]) * scale;
+                    s[nt][2 * h + j] = key > row ? 0.f : p * (dp[nt][2 * h + j] - dr[h]) * scale;
                 }
         }
         u32 da[4][4];
@@ -303,9 +305,10 @@ __device__ void amp_flash_dkv(T* dk_, T* dv_, const T* q_, const T* k_, const T*
                 for (int j = 0; j < 2; ++j) {
                     const int qi = nt * 8 + c + j;
                     const i64 query = qb * AMP_FLASH_ROWS + qi;
-                    const float p = (query < key || query >= t) ? 0.f : exp2f(st[nt][2 * h + j] * sl - ls[qi]);
+                    const bool masked = query < key || query >= t;
+                    const float p = masked ? 0.f : exp2f(st[nt][2 * h + j] * sl - ls[qi]);
                     st[nt][2 * h + j] = p;
-                    dpt[nt][2 * h + j] = p * (dpt[nt][2 * h + j] - ds[qi]) * scale;
+                    dpt[nt][2 * h + j] = masked ? 0.f : p * (dpt[nt][2 * h + j] - ds[qi]) * scale;
                 }
         }
         u32 pa[4][4];

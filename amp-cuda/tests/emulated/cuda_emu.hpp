@@ -13,7 +13,12 @@
 //   f32 into each lane's part of D; a layout misread in the kernels shows up as wrong values.
 // - f16 is the compiler's _Float16 (round to nearest even); bf16 rounds to nearest even in
 //   software; f32 math is the C library's.
-// - `uint4` is 16-byte aligned as on the GPU, so a misaligned 128-bit access is a fault here too.
+// - `uint4` is 16-byte aligned as on the GPU, so a misaligned 128-bit access may fault here too
+//   (where the compiler emits an aligned move).
+// - More lenient than a GPU: barriers count arrivals from any call site (a `__syncthreads` or
+//   warp collective in divergent code passes), misaligned 32-bit accesses do not fault, shared
+//   arrays start zeroed and blocks never overlap (so reads of unwritten shared memory and races
+//   between blocks go unseen), and the math is the C library's, summed in order in f32.
 #pragma once
 
 #include <algorithm>

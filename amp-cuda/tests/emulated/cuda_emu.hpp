@@ -6,8 +6,9 @@
 // Design notes:
 // - Every thread of a block is a std::thread; blocks run one after another, so `__shared__`
 //   arrays (function-local statics here) are the block's. `__syncthreads` is a barrier of the
-//   block (whose waiters yield: YieldBarrier), and the warp-collective operations (`__shfl_xor_sync`, `amp_mma`) exchange values
-//   through a per-warp scratch between two barriers of the warp.
+//   block (its waiters yield: YieldBarrier), and the warp-collective operations
+//   (`__shfl_xor_sync`, `amp_mma`) exchange values through the warp's `Exchange`, one barrier
+//   of the warp each.
 // - `amp_mma` rebuilds the warp's whole A (16 x 16) and B (16 x 8) from every lane's registers
 //   by the PTX ISA's fragment table (the one src/kernels/mma.cuh documents) and adds A·B in
 //   f32 into each lane's part of D; a layout misread in the kernels shows up as wrong values.
@@ -110,10 +111,16 @@ class YieldBarrier {
     std::atomic<unsigned> phase_{0};
 };
 
-struct Warp {
-    YieldBarrier bar{32};
+// What the lanes of a warp exchange in one collective operation.
+struct Exchange {
     float f[32];
     u32 a[32][4], b[32][2];
+};
+// Two exchanges used in turn, so each collective needs one barrier: a lane writes exchange k + 2
+// only after the barrier of collective k + 1, which every lane reaches after reading exchange k.
+struct Warp {
+    YieldBarrier bar{32};
+    Exchange x[2];
 };
 struct Block {
     explicit Block(int threads) : bar(threads), warps(threads / 32) {
@@ -126,16 +133,18 @@ thread_local Block* amp_emu_block = nullptr;
 
 inline Warp& amp_emu_warp() { return *amp_emu_block->warps[threadIdx.x / 32]; }
 
+// This lane's exchange for its next collective (every lane of a warp makes the same calls).
+thread_local unsigned amp_emu_turn = 0;
+inline Exchange& amp_emu_exchange() { return amp_emu_warp().x[amp_emu_turn++ & 1]; }
+
 inline void __syncthreads() { amp_emu_block->bar.arrive_and_wait(); }
 
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
-    Warp& w = amp_emu_warp();
+    Exchange& x = amp_emu_exchange();
     const int lane = threadIdx.x & 31;
-    w.f[lane] = v;
-    w.bar.arrive_and_wait();
-    const float r = w.f[lane ^ mask];
-    w.bar.arrive_and_wait();
-    return r;
+    x.f[lane] = v;
+    amp_emu_warp().bar.arrive_and_wait();
+    return x.f[lane ^ mask];
 }
 
 template <typename T> inline float amp_emu_half(u32 r, int hi) {
@@ -146,11 +155,11 @@ template <typename T> inline float amp_emu_half(u32 r, int hi) {
 
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D += A·B over the warp (see mma.cuh).
 template <typename T> inline void amp_emu_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-    Warp& w = amp_emu_warp();
+    Exchange& w = amp_emu_exchange();
     const int lane = threadIdx.x & 31;
     for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
     for (int i = 0; i < 2; ++i) w.b[lane][i] = b[i];
-    w.bar.arrive_and_wait();
+    amp_emu_warp().bar.arrive_and_wait();
     float A[16][16], B[16][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, c = (l & 3) * 2;
@@ -163,7 +172,6 @@ template <typename T> inline void amp_emu_mma(float (&d)[4], const u32 (&a)[4], 
             B[c + 8 + e][g] = amp_emu_half<T>(w.b[l][1], e);
         }
     }
-    w.bar.arrive_and_wait();  // every lane has read the scratch before it is written again
     const int g = lane >> 2, c = (lane & 3) * 2;
     for (int i = 0; i < 4; ++i) {
         const int row = g + (i >= 2 ? 8 : 0), col = c + (i & 1);

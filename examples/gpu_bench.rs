@@ -107,17 +107,23 @@ mod bench {
     /// Causal attention at GPT-2 small's shape and batch 16 (`[16, 12, 1024, 64]` bf16),
     /// forward alone and forward + backward (through the sum of the output, as PyTorch's side
     /// does), in TFLOP/s of causal attention: `2 n t² d` for the forward's two products over
-    /// the causal half, 2.5 times that for the backward's five.
+    /// the causal half, 2.5 times that for the backward's five. First on the fused tensor-core
+    /// kernels (the default), then on the cuBLAS path (`attention_blocked_*`), for the ratio.
     fn attention(gpu: &Cuda) {
         let (b, h, t, d) = (16, 12, 1024, 64);
         let qkv = || tiled::<bf16>(gpu, b * h * t, d).reshape(&[b, h, t, d]);
         let (q, k, v) = (qkv().requires_grad_(), qkv().requires_grad_(), qkv().requires_grad_());
         let shape = format!("{b}x{h}x{t}x{d}");
         let fwd_flops = 2.0 * (b * h) as f64 * (t * t * d) as f64;
-        let s = amp::no_grad(|| time(gpu, 10, || drop(q.causal_attention(&k, &v))));
-        println!("BENCH attention_fwd bf16 {shape} ms {:.4} TFLOP/s {:.1}", s * 1e3, fwd_flops / s / 1e12);
-        let s = time(gpu, 10, || drop(q.causal_attention(&k, &v).sum_all().backward()));
-        println!("BENCH attention_fwd_bwd bf16 {shape} ms {:.4} TFLOP/s {:.1}", s * 1e3, 3.5 * fwd_flops / s / 1e12);
+        for (flash, name) in [(true, "attention"), (false, "attention_blocked")] {
+            gpu.set_flash_attention(flash);
+            let s = amp::no_grad(|| time(gpu, 10, || drop(q.causal_attention(&k, &v))));
+            println!("BENCH {name}_fwd bf16 {shape} ms {:.4} TFLOP/s {:.1}", s * 1e3, fwd_flops / s / 1e12);
+            let s = time(gpu, 10, || drop(q.causal_attention(&k, &v).sum_all().backward()));
+            let tflops = 3.5 * fwd_flops / s / 1e12;
+            println!("BENCH {name}_fwd_bwd bf16 {shape} ms {:.4} TFLOP/s {tflops:.1}", s * 1e3);
+        }
+        gpu.set_flash_attention(true);
     }
 }
 

@@ -1012,7 +1012,9 @@ impl Device for Cuda {
         let mut keep = Vec::new();
         let (pq, pk, pv) =
             (self.contig_ptr(q, &mut keep), self.contig_ptr(k, &mut keep), self.contig_ptr(v, &mut keep));
-        if let Some([fwd, _, _]) = flash_attention(E::DTYPE, n, t, d, &[pq, pk, pv, out.ptr()]) {
+        let ptrs = [pq, pk, pv, out.ptr()];
+        let flash = if self.flash_attention() { flash_kernels(E::DTYPE, n, t, d, &ptrs) } else { None };
+        if let Some([fwd, _, _]) = flash {
             let f = st.family_fn(Family::AttentionFlash, E::DTYPE, fwd);
             launch!(st, f, flash_grid(n, t); out.ptr(), lse.ptr(), pq, pk, pv, t as i64, scale as f32);
             return (out, CudaRowStats::new(StatsKind::LogSumExp, lse, RawVec::new(st, 0, ab)));
@@ -1065,9 +1067,9 @@ impl Device for Cuda {
         let delta = RawVec::new(st, n * t, ab);
         let f = st.family_fn(Family::Attention, E::DTYPE, "attention_delta_bwd");
         launch!(st, f, rows_grid(n * t, d, 0); delta.ptr(), po, pg, (n * t) as i64, d as i64);
-        if let Some([_, dq_stem, dkv_stem]) =
-            flash_attention(E::DTYPE, n, t, d, &[pq, pk, pv, pg, dq.ptr(), dk.ptr(), dv.ptr()])
-        {
+        let ptrs = [pq, pk, pv, pg, dq.ptr(), dk.ptr(), dv.ptr()];
+        let flash = if self.flash_attention() { flash_kernels(E::DTYPE, n, t, d, &ptrs) } else { None };
+        if let Some([_, dq_stem, dkv_stem]) = flash {
             let (lse, sc) = (stats.a.ptr(), scale as f32);
             let f = st.family_fn(Family::AttentionFlash, E::DTYPE, dq_stem);
             launch!(st, f, flash_grid(n, t); dq.ptr(), pq, pk, pv, pg, lse, delta.ptr(), t as i64, sc);
@@ -1856,8 +1858,8 @@ const FLASH_THREADS: u32 = 128;
 /// The fused tensor-core kernels (`attention_flash.cu`: forward, dQ, dK/dV) when causal attention
 /// can take them: f16 or bf16, heads of 32 or 64 values, every operand 16-byte aligned (their
 /// 128-bit loads), and a grid within CUDA's limits (heads in x, blocks of 64 rows in y).
-/// Otherwise (`None`) the cuBLAS path.
-fn flash_attention(dtype: DType, n: usize, t: usize, d: usize, ptrs: &[u64]) -> Option<[&'static str; 3]> {
+/// Otherwise (`None`) the cuBLAS path, as when [`Cuda::set_flash_attention`] turned them off.
+fn flash_kernels(dtype: DType, n: usize, t: usize, d: usize, ptrs: &[u64]) -> Option<[&'static str; 3]> {
     let stems = match d {
         32 => ["attention_flash_d32_fwd", "attention_flash_d32_dq_bwd", "attention_flash_d32_dkv_bwd"],
         64 => ["attention_flash_d64_fwd", "attention_flash_d64_dq_bwd", "attention_flash_d64_dkv_bwd"],
@@ -1894,7 +1896,7 @@ const ATTENTION_TILE_BYTES: usize = 128 << 20;
 
 #[cfg(test)]
 mod tests {
-    use super::{FLASH_ROWS, FLASH_THREADS, attention_block, flash_attention, flash_grid};
+    use super::{FLASH_ROWS, FLASH_THREADS, attention_block, flash_grid, flash_kernels};
     use amp_core::DType;
 
     #[test]
@@ -1940,7 +1942,7 @@ mod tests {
         assert!(source.contains(&format!("#define AMP_FLASH_ROWS {FLASH_ROWS}\n")));
         assert!(source.contains(&format!("#define AMP_FLASH_THREADS {FLASH_THREADS}\n")));
         let aligned = [0x1000, 0x2000];
-        let takes = |dtype, n, t, d, ptrs: &[u64]| flash_attention(dtype, n, t, d, ptrs).map(|s| s[0]);
+        let takes = |dtype, n, t, d, ptrs: &[u64]| flash_kernels(dtype, n, t, d, ptrs).map(|s| s[0]);
         assert_eq!(takes(DType::BF16, 192, 1024, 64, &aligned), Some("attention_flash_d64_fwd"));
         assert_eq!(takes(DType::F16, 1, 1, 32, &aligned), Some("attention_flash_d32_fwd"));
         assert_eq!(takes(DType::F32, 192, 1024, 64, &aligned), None); // no f32 tensor-core kernel

@@ -142,6 +142,20 @@ impl Cuda {
         self.state().tf32.load(Ordering::Relaxed)
     }
 
+    /// Lets causal attention in f16 and bf16 with heads of 32 or 64 values run on the fused
+    /// tensor-core kernels (FlashAttention-2's algorithm: no score tile in memory). On by
+    /// default; off, it takes the other path: cuBLAS products by block of query rows over f32
+    /// score tiles (PyTorch's `torch.backends.cuda.enable_flash_sdp`). Applies to every handle
+    /// of this device; either path's forward pairs with either's backward.
+    pub fn set_flash_attention(&self, enabled: bool) {
+        self.state().flash_attention.store(enabled, Ordering::Relaxed)
+    }
+
+    /// Whether causal attention may take the fused kernels ([`Cuda::set_flash_attention`]).
+    pub fn flash_attention(&self) -> bool {
+        self.state().flash_attention.load(Ordering::Relaxed)
+    }
+
     /// The blocking host-device calls made on this GPU since it was opened (by every handle):
     /// device-to-host copies (each waits for the stream), stream synchronisations, and the
     /// driver's frees (the caching allocator's releases; each synchronises the device). A
@@ -269,6 +283,8 @@ pub(crate) struct State {
     pub(crate) blas: Mutex<CudaBlas>,
     modules: Mutex<HashMap<ModuleKey, Loaded>>,
     pub(crate) tf32: AtomicBool,
+    /// Whether causal attention may take the fused kernels ([`Cuda::set_flash_attention`]).
+    pub(crate) flash_attention: AtomicBool,
     /// Blocking calls so far ([`Cuda::blocking_calls`]).
     pub(crate) waits: Arc<AtomicU64>,
 }
@@ -323,6 +339,7 @@ impl State {
             blas: Mutex::new(blas),
             modules: Mutex::new(HashMap::new()),
             tf32: AtomicBool::new(false),
+            flash_attention: AtomicBool::new(true),
             waits,
         })
     }

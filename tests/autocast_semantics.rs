@@ -344,16 +344,19 @@ fn parenthesised_receivers_are_rewritten_without_lint() {
 // ---- a table op called by its path ----------------------------------------------------------
 
 #[autocast]
-fn by_path(x: &Tensor<f32>, w: &Param) -> (DType, DType, Tensor<f32>) {
+fn by_path(x: &Tensor<f32>, w: &Param) -> (DType, DType, Tensor<f32>, [DType; 2]) {
     let h = Tensor::matmul(x, w); // as `x.matmul(w)`: f16
     let p = Tensor::<f16>::softmax(&h, 1); // f32, as `h.softmax(1)`
-    (h.dtype(), p.dtype(), Tensor::log_softmax(&h, 1))
+    // Qualified-self paths, as `<Tensor<f32>>::matmul` reads in generic code: f16 too.
+    let q = [<Tensor<f32>>::matmul(x, w).dtype(), <Tensor<f32, amp::Cpu>>::matmul(x, w).dtype()];
+    (h.dtype(), p.dtype(), Tensor::log_softmax(&h, 1), q)
 }
 
 #[test]
 fn a_table_op_called_by_its_path_is_rewritten_as_its_method_call() {
     let (x, w) = (data(&[4, 6], 1), param(&[6, 8], 2));
-    let (h, p, out) = by_path(&x, &w);
+    let (h, p, out, qualified) = by_path(&x, &w);
     assert_eq!((h, p, out.dtype()), (DType::F16, DType::F32, DType::F32));
+    assert_eq!(qualified, [DType::F16, DType::F16]);
     assert_eq!(out.to_vec(), x.cast::<f16>().matmul(&w.cast::<f16>()).log_softmax_f32(1).to_vec());
 }

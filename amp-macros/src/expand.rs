@@ -697,14 +697,24 @@ impl Rewriter<'_> {
     fn rewrite_call(&mut self, call: &syn::ExprCall) -> Option<TokenStream> {
         let Expr::Path(fp) = &*call.func else { return None };
         let segs: Vec<String> = fp.path.segments.iter().map(|s| s.ident.to_string()).collect();
-        // `Tensor::matmul(x, &w)`: a table method called by its path is rewritten as the
-        // method call it is (`(x).matmul(&w)`).
-        if let [.., ty, name] = &segs[..]
-            && ty == "Tensor"
+        // `Tensor::matmul(x, &w)` or `<Tensor<f32>>::matmul(x, &w)` (not `<T as Trait>::..`):
+        // a table method called by its path is rewritten as the method call it is
+        // (`(x).matmul(&w)`).
+        let on_tensor = match &fp.qself {
+            None => segs.len() >= 2 && segs[segs.len() - 2] == "Tensor",
+            Some(q) => {
+                q.position == 0
+                    && segs.len() == 1
+                    && matches!(&*q.ty, syn::Type::Path(tp) if tp.qself.is_none()
+                        && tp.path.segments.last().is_some_and(|s| s.ident == "Tensor"))
+            }
+        };
+        if on_tensor
+            && let Some(name) = segs.last()
             && let Some((receiver, args)) = call.args.iter().collect::<Vec<_>>().split_first()
             && self.method_rule(name, args.len()).is_some()
         {
-            let last = &fp.path.segments.last().expect("two segments").ident;
+            let last = &fp.path.segments.last().expect("a named function").ident;
             let mc = syn::ExprMethodCall {
                 attrs: Vec::new(),
                 receiver: Box::new(Expr::Paren(syn::ExprParen {

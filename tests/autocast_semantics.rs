@@ -360,3 +360,44 @@ fn a_table_op_called_by_its_path_is_rewritten_as_its_method_call() {
     assert_eq!(qualified, [DType::F16, DType::F16]);
     assert_eq!(out.to_vec(), x.cast::<f16>().matmul(&w.cast::<f16>()).log_softmax_f32(1).to_vec());
 }
+
+// ---- nested module calls on fields of `self` -------------------------------------------------
+
+struct ConvBlock {
+    conv: amp::nn::Conv2d,
+    bn0: amp::nn::BatchNorm2d,
+    bn1: amp::nn::BatchNorm2d,
+}
+
+impl ConvBlock {
+    /// PyTorch's `self.bn1(self.bn0(self.conv(x)))`: each module's `forward` borrows its own
+    /// field (batch norm mutably, for its running statistics) while its argument reads others.
+    #[autocast]
+    fn forward(&mut self, x: &Tensor<f32>) -> Tensor<f32> {
+        self.bn1.forward(&self.bn0.forward(&self.conv.forward(x))).relu().cast::<f32>()
+    }
+}
+
+#[test]
+fn nested_module_calls_on_disjoint_fields_borrow_each_field_mutably() {
+    let mut rng = Rng::seed(50);
+    let mut block = ConvBlock {
+        conv: amp::nn::Conv2d::new(
+            2,
+            3,
+            3,
+            amp::Conv2dOptions { padding: (1, 1), ..Default::default() },
+            true,
+            &mut rng,
+        ),
+        bn0: amp::nn::BatchNorm2d::new(3),
+        bn1: amp::nn::BatchNorm2d::new(3),
+    };
+    let x = data(&[2, 2, 5, 5], 51);
+    let y = block.forward(&x);
+    assert_eq!(y.shape(), &[2, 3, 5, 5]);
+    // Both batch norms saw a batch in training mode: their running means moved off 0.
+    for bn in [&block.bn0, &block.bn1] {
+        assert!(bn.running_mean.to_vec().iter().any(|&m| m != 0.0));
+    }
+}

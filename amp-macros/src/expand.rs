@@ -207,12 +207,56 @@ fn place_root(e: &Expr) -> Option<(String, bool)> {
     }
 }
 
-/// Whether the identifier `name` occurs anywhere in `tokens`.
-fn mentions(tokens: TokenStream, name: &str) -> bool {
-    tokens.into_iter().any(|t| match t {
-        proc_macro2::TokenTree::Ident(i) => i == name,
-        proc_macro2::TokenTree::Group(g) => mentions(g.stream(), name),
+/// The first field a place takes from its root variable (`bn1` of `self.bn1.inner`,
+/// `(*self).bn1` or `self.bn1[0]`), or `None` for the bare variable or an index on it.
+fn first_field(e: &Expr) -> Option<String> {
+    match e {
+        Expr::Field(f) => first_field(&f.base).or_else(|| {
+            place_root(&f.base).filter(|(_, bare)| *bare || is_deref_of_root(&f.base)).map(|_| match &f.member {
+                syn::Member::Named(i) => i.to_string(),
+                syn::Member::Unnamed(i) => i.index.to_string(),
+            })
+        }),
+        Expr::Index(i) => first_field(&i.expr),
+        Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => first_field(&u.expr),
+        Expr::Paren(p) => first_field(&p.expr),
+        _ => None,
+    }
+}
+
+/// `*root` or `(*root)`: a deref of the bare variable.
+fn is_deref_of_root(e: &Expr) -> bool {
+    match e {
+        Expr::Paren(p) => is_deref_of_root(&p.expr),
+        Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => matches!(place_root(&u.expr), Some((_, true))),
         _ => false,
+    }
+}
+
+/// Whether every use of the variable `root` in `tokens` reads a field other than `field`
+/// (`root.other`, not `root`, `root.field` or a method `root.f(..)`): a mutable borrow of
+/// `root.field` taken first then stands beside them. No `field` (a bare receiver): no use at all.
+fn disjoint_uses(tokens: TokenStream, root: &str, field: Option<&str>) -> bool {
+    use proc_macro2::{Delimiter, TokenTree};
+    let tokens: Vec<TokenTree> = tokens.into_iter().collect();
+    tokens.iter().enumerate().all(|(i, t)| match t {
+        TokenTree::Group(g) => disjoint_uses(g.stream(), root, field),
+        TokenTree::Ident(id) if id == root => {
+            let after_dot = matches!(tokens.get(i + 1), Some(TokenTree::Punct(p)) if p.as_char() == '.');
+            let name = match tokens.get(i + 2) {
+                Some(TokenTree::Ident(n)) if after_dot => n.to_string(),
+                // `self.0.1` lexes as `self`, `.`, `0.1`: the field is `0`.
+                Some(TokenTree::Literal(n)) if after_dot => n.to_string().split('.').next().unwrap_or("").to_string(),
+                _ => return false,
+            };
+            let method = match tokens.get(i + 3) {
+                Some(TokenTree::Group(g)) => g.delimiter() == Delimiter::Parenthesis,
+                Some(TokenTree::Punct(p)) => p.as_char() == ':',
+                _ => false,
+            };
+            !method && field.is_some_and(|f| f != name)
+        }
+        _ => true,
     })
 }
 
@@ -578,8 +622,10 @@ impl Rewriter<'_> {
 
     /// The receiver of a module's method, in the form a method call would take it in: a
     /// temporary moved; a place borrowed mutably where the function's bindings show it can be
-    /// (and no argument uses the same variable: the borrow is taken before the arguments are
-    /// evaluated), else `place.__amp_place()` (a `&mut T` reborrowed, anything else borrowed).
+    /// (and the arguments use its variable only through other fields: the borrow is taken
+    /// before the arguments are evaluated, so `self.bn1.forward(&self.conv1.forward(x))` may
+    /// borrow `self.bn1` mutably, `self.bn1.forward(&self.stem(x))` may not), else
+    /// `place.__amp_place()` (a `&mut T` reborrowed, anything else borrowed).
     fn module_receiver(&self, recv: &Expr, args: &syn::punctuated::Punctuated<Expr, syn::Token![,]>) -> TokenStream {
         if !is_place(recv) {
             // A block in parentheses: `{ v }.forward(..)` (moving a variable) keeps its braces
@@ -592,7 +638,7 @@ impl Rewriter<'_> {
         let mutable = place_root(recv).is_some_and(|(root, bare)| {
             let kind = self.bindings.get(&root).copied().unwrap_or(Binding::Plain);
             let can = kind == Binding::Mut || (kind == Binding::MutRef && !bare);
-            can && !mentions(quote!(#args), &root)
+            can && disjoint_uses(quote!(#args), &root, first_field(recv).as_deref())
         });
         if mutable { quote_spanned!(span=> &mut #recv) } else { quote_spanned!(span=> #recv.__amp_place()) }
     }

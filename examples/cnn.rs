@@ -64,8 +64,7 @@ struct Cnn {
     down: Conv2d,
     bn_down: BatchNorm2d,
     block2: ResBlock,
-    #[param(skip)]
-    pool: AdaptiveAvgPool2d,
+    pool: AdaptiveAvgPool2d, // a module with no parameters, as Dropout: no `skip` needed
     head: Linear,
 }
 

@@ -229,3 +229,35 @@ fn misuse_is_a_compile_error_on_the_field() {
     let t = trybuild::TestCases::new();
     t.compile_fail("tests/ui/derive_params/*.rs");
 }
+
+/// PyTorch habit: layers without parameters marked `skip` (here a `Dropout`, beside a real
+/// non-module field and a generic one).
+#[derive(Params)]
+struct SkippedLayers<X: Clone> {
+    w: Param<bf16>,
+    #[param(skip)]
+    drop: amp::nn::Dropout,
+    #[param(skip)]
+    pool: amp::nn::MaxPool2d,
+    #[param(skip)]
+    rate: f32,
+    #[param(skip)]
+    extra: X,
+}
+
+#[test]
+fn eval_reaches_a_module_field_marked_skip() {
+    let mut m = SkippedLayers {
+        w: param(&[2], &mut Rng::seed(9)).to_precision(),
+        drop: amp::nn::Dropout::new(0.5),
+        pool: amp::nn::MaxPool2d::new(2),
+        rate: 0.5,
+        extra: 7u8,
+    };
+    assert_eq!(names::<bf16>(&m), ["w"], "still no parameters from skipped fields");
+    m.eval();
+    assert!(!m.drop.is_training(), "a skipped Dropout left on after eval() drops half of every eval batch");
+    m.train();
+    assert!(m.drop.is_training());
+    assert_eq!((m.rate, m.extra), (0.5, 7));
+}

@@ -186,6 +186,47 @@ impl<D: Device> IsBuffer<D> for Tensor<f32, D> {
     }
 }
 
+/// How `#[derive(Params)]` passes `train()` / `eval()` on to a `#[param(skip)]` field: one whose
+/// type is a module (it implements `Params<E, D>`, as `Dropout` and the pooling layers do) still
+/// follows the mode, so skipping a `Dropout` field cannot leave dropout on after `eval()`;
+/// anything else (a rate, a config) is left alone. The impl is picked by autoref
+/// specialisation on the field's type (`(&&SkippedField::new(..)).__amp_set_training(..)`: the
+/// module impl is on `&SkippedField`, the fallback on `SkippedField`), so a field of a type
+/// parameter without a `Params` bound gets the fallback. Not a public API.
+#[doc(hidden)]
+pub struct SkippedField<'a, T: ?Sized, E, D>(std::cell::Cell<Option<&'a mut T>>, std::marker::PhantomData<(E, D)>);
+
+impl<'a, T: ?Sized, E, D> SkippedField<'a, T, E, D> {
+    /// Wraps a skipped field for one `set_training` call.
+    pub fn new(field: &'a mut T) -> Self {
+        SkippedField(std::cell::Cell::new(Some(field)), std::marker::PhantomData)
+    }
+}
+
+/// A skipped field that is a module: it takes the mode ([`SkippedField`]).
+#[doc(hidden)]
+pub trait SkippedModule {
+    /// Sets the field's training mode.
+    fn __amp_set_training(&self, training: bool);
+}
+
+impl<T: ?Sized + Params<E, D>, E: Precision, D: Device> SkippedModule for &SkippedField<'_, T, E, D> {
+    fn __amp_set_training(&self, training: bool) {
+        if let Some(field) = self.0.take() {
+            field.set_training(training)
+        }
+    }
+}
+
+/// A skipped field that is not a module: nothing to do ([`SkippedField`]).
+#[doc(hidden)]
+pub trait SkippedOther {
+    /// Does nothing.
+    fn __amp_set_training(&self, _training: bool) {}
+}
+
+impl<T: ?Sized, E, D> SkippedOther for SkippedField<'_, T, E, D> {}
+
 /// Joins a name prefix and a field name with a dot (an empty side is left out).
 pub fn join_name(prefix: &str, name: &str) -> String {
     match (prefix.is_empty(), name.is_empty()) {

@@ -23,6 +23,8 @@
 //! - f16 anywhere in a visited field's type (`Param<f16>`, `Linear<f16>`) is refused: no
 //!   optimizer updates f16 parameters (pure f16 training is not supported), and `#[param(skip)]`
 //!   would freeze the weight, so the message says to keep it f32 and autocast.
+//! - A `#[param(skip)]` field is left out of everything but train/eval: if its type is a module
+//!   after all (a `Dropout` skipped by habit), `set_training` still reaches it.
 //! - `#[param(buffer)]` marks an f32 tensor field as a buffer (running statistics): listed by
 //!   `named_buffers` (with every submodule's), saved in checkpoints and moved by `to_device`,
 //!   never given a gradient or optimizer state.
@@ -314,9 +316,11 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
         Fields::Unit => Vec::new(),
     };
     let mut seen = std::collections::HashMap::new();
+    let mut skipped = Vec::new();
     for (member, name, field) in members {
         let opts = field_opts(&field.attrs, &mut errors);
         if opts.skip.is_some() {
+            skipped.push(member);
             continue;
         }
         if names_f16(&field.ty) {
@@ -529,6 +533,15 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
                 __amp_out.push((#krate::param::join_name(#name, &__amp_name), __amp_buffer));
             }
         });
+    }
+    // A skipped field still follows train/eval when its type is a module (a `Dropout` marked
+    // `skip` by habit): `param::SkippedField` picks that by the field's type.
+    for member in &skipped {
+        set_training.push(quote! {{
+            #[allow(unused_imports)]
+            use #krate::param::{SkippedModule as _, SkippedOther as _};
+            (&&#krate::param::SkippedField::<_, #e, #dev>::new(&mut self.#member)).__amp_set_training(__amp_training);
+        }});
     }
     // A buffer field must be an f32 tensor on the module's device; the error lands on its type.
     for (member, name, ty) in &buffer_fields {

@@ -153,3 +153,17 @@ fn a_cloned_batch_norm_keeps_its_own_running_statistics() {
     assert_ne!(bits(&bn.running_mean), before.0, "the trained copy moved");
     assert_eq!(frozen.num_batches_tracked.item(), 0.0);
 }
+
+#[test]
+#[should_panic(expected = "BatchNorm2d: expected a 4-D input [N, C, H, W], got shape [8, 3]")]
+fn batch_norm_2d_refuses_an_input_that_is_not_an_image_batch() {
+    // A flattened batch reaching the 2-D module is a porting mistake (PyTorch: "expected 4D
+    // input (got 2D input)"); the op itself takes [N, C, ...] of any rank.
+    BatchNorm2d::new(3).forward(&Tensor::<f32>::zeros(&[8, 3]));
+}
+
+#[test]
+#[should_panic(expected = "Dropout::new: p must be in [0, 1), got 1.5")]
+fn dropout_checks_its_probability_when_built() {
+    amp_core::nn::Dropout::new(1.5);
+}

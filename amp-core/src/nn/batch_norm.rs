@@ -95,6 +95,9 @@ impl<D: Device> BatchNorm2d<D> {
     /// PyTorch's forward does.
     #[track_caller]
     pub fn forward<X: Precision>(&mut self, x: &Tensor<X, D>) -> Tensor<X, D> {
+        // The op takes [N, C, ...] of any rank (F.batch_norm); the 2-D module, as PyTorch's,
+        // takes images only, so a flattened or 5-D input is a mistake caught here.
+        assert!(x.rank() == 4, "BatchNorm2d: expected a 4-D input [N, C, H, W], got shape {:?}", x.shape());
         let opts = BatchNormOptions { training: self.mode.is_training(), momentum: self.momentum, eps: self.eps };
         let (w, b) = (self.weight.cast::<X>(), self.bias.cast::<X>());
         let y = x.batch_norm(Some(&mut self.running_mean), Some(&mut self.running_var), Some(&w), Some(&b), opts);

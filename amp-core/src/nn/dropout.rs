@@ -10,7 +10,13 @@ pub struct Dropout {
 
 impl Dropout {
     /// A dropout layer, in training mode.
+    ///
+    /// # Panics
+    /// If `p` is not in `[0, 1)` (checked here, as PyTorch's `nn.Dropout(p)` checks it, not at
+    /// the first forward).
+    #[track_caller]
     pub fn new(p: f64) -> Self {
+        assert!((0.0..1.0).contains(&p), "Dropout::new: p must be in [0, 1), got {p}");
         Dropout { p, training: true }
     }
     /// Whether dropout is active.
@@ -18,6 +24,7 @@ impl Dropout {
         self.training
     }
     /// Zeroes elements with probability `p` (scaling the rest by `1/(1-p)`) when training.
+    #[track_caller]
     pub fn forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>, rng: &mut Rng) -> Tensor<E, D> {
         x.dropout(self.p, self.training, rng)
     }

@@ -167,3 +167,9 @@ fn batch_norm_2d_refuses_an_input_that_is_not_an_image_batch() {
 fn dropout_checks_its_probability_when_built() {
     amp_core::nn::Dropout::new(1.5);
 }
+
+#[test]
+#[should_panic(expected = "Conv2d: the kernel size must be at least 1, got 0")]
+fn conv2d_refuses_an_empty_kernel_when_built() {
+    Conv2d::new(1, 1, 0, Conv2dOptions::default(), true, &mut Rng::seed(0));
+}

@@ -29,6 +29,7 @@ impl Conv2d {
         bias: bool,
         rng: &mut Rng,
     ) -> Self {
+        assert!(kernel > 0, "Conv2d: the kernel size must be at least 1, got 0");
         assert!(
             options.groups > 0
                 && in_channels.is_multiple_of(options.groups)

@@ -401,3 +401,34 @@ fn nested_module_calls_on_disjoint_fields_borrow_each_field_mutably() {
         assert!(bn.running_mean.to_vec().iter().any(|&m| m != 0.0));
     }
 }
+
+// ---- empty values in declared return positions ----------------------------------------------
+
+#[autocast]
+fn maybe(x: &Tensor<f32>, w: &Param, skip: bool) -> Option<Tensor<f32>> {
+    if skip {
+        return None;
+    }
+    let h = x.matmul(w);
+    if h.shape()[0] == 0 { None } else { Some(h) }
+}
+
+#[autocast]
+fn layers(x: &Tensor<f32>, w: &Param, n: usize) -> Vec<Tensor<f32>> {
+    if n == 0 {
+        return Vec::new();
+    }
+    if n == 1 {
+        return vec![];
+    }
+    (0..n).map(|_| x.matmul(w).cast::<f32>()).collect()
+}
+
+#[test]
+fn none_and_empty_vecs_return_from_autocast_functions() {
+    let (x, w) = (data(&[2, 3], 60), param(&[3, 4], 61));
+    assert!(maybe(&x, &w, true).is_none());
+    assert_eq!(maybe(&x, &w, false).map(|t| t.dtype()), Some(DType::F32));
+    assert!(layers(&x, &w, 0).is_empty() && layers(&x, &w, 1).is_empty());
+    assert_eq!(layers(&x, &w, 2).len(), 2);
+}

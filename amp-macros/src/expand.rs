@@ -224,6 +224,13 @@ fn first_field(e: &Expr) -> Option<String> {
     }
 }
 
+/// `Vec::new` or `Vec::with_capacity` (with or without a turbofish on `Vec`).
+fn is_empty_vec(func: &Expr) -> bool {
+    let Expr::Path(p) = func else { return false };
+    let segs: Vec<String> = p.path.segments.iter().map(|s| s.ident.to_string()).collect();
+    matches!(&segs[..], [.., v, f] if v == "Vec" && (f == "new" || f == "with_capacity"))
+}
+
 /// `*root` or `(*root)`: a deref of the bare variable.
 fn is_deref_of_root(e: &Expr) -> bool {
     match e {
@@ -888,6 +895,11 @@ impl Rewriter<'_> {
             // A diverging tail needs nothing; a macro's value is left as it is (but `vec![..]`
             // is a `Vec`, conformed below).
             Expr::Return(_) => return,
+            // A value with no tensor in it yet (`None`, `Vec::new()`, `vec![]`) takes its type
+            // from the declared one; wrapped, it would leave the compiler nothing to infer from.
+            Expr::Path(p) if p.qself.is_none() && p.path.is_ident("None") => return,
+            Expr::Call(c) if c.args.len() <= 1 && is_empty_vec(&c.func) => return,
+            Expr::Macro(m) if m.mac.path.is_ident("vec") && m.mac.tokens.is_empty() => return,
             Expr::Macro(m) if !(m.mac.path.is_ident("vec") && vec_elem(ty).is_some()) => return,
             // `Tensor::zeros(..)` and the like take their precision from the declared type.
             Expr::Call(c) if is_tensor_constructor(&c.func) => return,

@@ -261,3 +261,20 @@ fn eval_reaches_a_module_field_marked_skip() {
     assert!(m.drop.is_training());
     assert_eq!((m.rate, m.extra), (0.5, 7));
 }
+
+/// A fixed number of layers as an array, named by index as a `Vec`'s (`nn.ModuleList`).
+#[derive(Params)]
+struct TwoLayers {
+    layers: [amp::nn::Linear; 2],
+}
+
+#[test]
+fn an_array_of_modules_is_a_module_list() {
+    let mut rng = Rng::seed(10);
+    let mut m = TwoLayers {
+        layers: [amp::nn::Linear::new(3, 4, true, &mut rng), amp::nn::Linear::new(4, 2, false, &mut rng)],
+    };
+    assert_eq!(names::<f32>(&m), ["layers.0.weight", "layers.0.bias", "layers.1.weight"]);
+    assert_eq!(m.named_params_mut().len(), 3);
+    m.eval();
+}

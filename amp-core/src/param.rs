@@ -249,7 +249,9 @@ impl<E: Precision, D: Device> Params<E, D> for Param<E, D> {
     }
 }
 
-impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Vec<T> {
+/// Elements named by index (`0.weight`, `1.weight`), as PyTorch's `nn.ModuleList` names them;
+/// `Vec<T>` and arrays `[T; N]` are these.
+impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for [T] {
     fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
         self.iter().enumerate().flat_map(|(i, m)| prefixed(i.to_string(), m.named_params())).collect()
     }
@@ -265,6 +267,35 @@ impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Vec<T> {
     fn set_training(&mut self, training: bool) {
         self.iter_mut().for_each(|m| m.set_training(training))
     }
+}
+
+/// A list of modules ([`Params`] for `[T]`).
+macro_rules! params_as_slice {
+    () => {
+        fn named_params(&self) -> Vec<(String, &Param<E, D>)> {
+            self[..].named_params()
+        }
+        fn named_params_mut(&mut self) -> Vec<(String, &mut Param<E, D>)> {
+            self[..].named_params_mut()
+        }
+        fn named_buffers(&self) -> Vec<(String, &Tensor<f32, D>)> {
+            self[..].named_buffers()
+        }
+        fn named_buffers_mut(&mut self) -> Vec<(String, &mut Tensor<f32, D>)> {
+            self[..].named_buffers_mut()
+        }
+        fn set_training(&mut self, training: bool) {
+            self[..].set_training(training)
+        }
+    };
+}
+
+impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Vec<T> {
+    params_as_slice!();
+}
+
+impl<E: Precision, D: Device, T: Params<E, D>, const N: usize> Params<E, D> for [T; N] {
+    params_as_slice!();
 }
 
 impl<E: Precision, D: Device, T: Params<E, D>> Params<E, D> for Option<T> {

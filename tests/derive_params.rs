@@ -271,9 +271,8 @@ struct TwoLayers {
 #[test]
 fn an_array_of_modules_is_a_module_list() {
     let mut rng = Rng::seed(10);
-    let mut m = TwoLayers {
-        layers: [amp::nn::Linear::new(3, 4, true, &mut rng), amp::nn::Linear::new(4, 2, false, &mut rng)],
-    };
+    let mut m =
+        TwoLayers { layers: [amp::nn::Linear::new(3, 4, true, &mut rng), amp::nn::Linear::new(4, 2, false, &mut rng)] };
     assert_eq!(names::<f32>(&m), ["layers.0.weight", "layers.0.bias", "layers.1.weight"]);
     assert_eq!(m.named_params_mut().len(), 3);
     m.eval();

@@ -264,6 +264,7 @@ pub fn is_grad_enabled() -> bool {
 
 /// Turns recording off on this thread until dropped (restores the previous mode).
 #[must_use = "recording resumes as soon as the guard is dropped"]
+#[derive(Debug)]
 pub struct NoGradGuard {
     previous: bool,
 }

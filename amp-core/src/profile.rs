@@ -127,6 +127,7 @@ pub fn host_scope(name: impl FnOnce() -> String) -> Option<HostScope> {
 }
 
 /// An open host scope ([`host_scope`]).
+#[derive(Debug)]
 pub struct HostScope {
     timed: Option<(String, Instant)>,
 }

@@ -438,3 +438,19 @@ fn flatten_dims_errors() {
     assert_eq!(x.flatten_dims(2, 2).shape(), &[2, 3, 4]);
     assert_eq!(Tensor::<f32>::scalar(2.0).flatten_dims(0, 0).shape(), &[1]);
 }
+
+#[test]
+fn values_a_user_holds_or_logs_print_with_debug() {
+    let guard = amp_core::NoGradGuard::new();
+    assert!(format!("{guard:?}").starts_with("NoGradGuard"));
+    drop(guard);
+    let config = amp_core::data::ShapesConfig { train: 8, test: 4, ..Default::default() };
+    let task = amp_core::data::ShapesTask::new(config).unwrap();
+    let shown = format!("{task:?}");
+    assert!(shown.contains("train: 8") && shown.contains("test: 4"), "{shown}");
+    let mut scaler = amp_core::scaler::GradScaler::default();
+    let w = amp_core::Param::new(Tensor::<f32>::ones(&[2]));
+    let step = scaler.scale(w.sum_all());
+    assert_eq!(format!("{step:?}"), r#"TrainStep { stage: "LossScaled", live: true }"#);
+    step.abandon();
+}

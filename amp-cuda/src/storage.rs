@@ -49,6 +49,13 @@ pub struct CudaStorage<E> {
     _e: PhantomData<fn() -> E>,
 }
 
+impl<E: amp_core::Precision> std::fmt::Debug for CudaStorage<E> {
+    /// The element type and count (not the device memory's contents: reading them would wait).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaStorage<{}>[{}]", E::DTYPE.name(), self.len)
+    }
+}
+
 impl<E> Clone for CudaStorage<E> {
     fn clone(&self) -> Self {
         CudaStorage { buf: self.buf.clone(), len: self.len, _e: PhantomData }

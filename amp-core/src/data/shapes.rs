@@ -38,6 +38,17 @@ pub struct ShapesTask {
     test: TensorDataset<Tensor<f32>, Indices>,
 }
 
+impl std::fmt::Debug for ShapesTask {
+    /// The configuration and the set sizes (not the images).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShapesTask")
+            .field("config", &self.config)
+            .field("train", &crate::data::Dataset::len(&self.train))
+            .field("test", &crate::data::Dataset::len(&self.test))
+            .finish()
+    }
+}
+
 impl ShapesTask {
     /// Renders the training and held-out sets; errors on sizes that cannot hold a shape.
     pub fn new(config: ShapesConfig) -> Result<Self> {

@@ -148,6 +148,16 @@ pub struct TrainStep<'s, K: LossScaler, S: Stage, D: Device = Cpu> {
     _stage: PhantomData<S>,
 }
 
+impl<K: LossScaler, S: Stage, D: Device> std::fmt::Debug for TrainStep<'_, K, S, D> {
+    /// The stage and whether the step is still live (not its tensors).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainStep")
+            .field("stage", &std::any::type_name::<S>().rsplit("::").next().unwrap_or(""))
+            .field("live", &self.inner.is_some())
+            .finish()
+    }
+}
+
 /// What a step carries from stage to stage.
 struct Inner<'s, K: LossScaler, D: Device> {
     scaler: &'s mut K,

@@ -379,7 +379,7 @@ fn f16_gradients_are_refused_like_pytorch() {
     let mut s = GradScaler::new();
     let leaf = Tensor::<f16>::from_f32s(&[1.0, 2.0], &[2]).requires_grad_();
     let loss = leaf.cast::<f32>().sum_all();
-    let err = s.scale(loss).backward().try_unscale().err().expect("refused");
+    let err = s.scale(loss).backward().try_unscale().expect_err("refused");
     assert!(err.to_string().contains("f16"), "{err}");
 }
 
@@ -389,7 +389,7 @@ fn a_loss_computed_in_f16_needs_a_scaler_that_scales() {
     let f16_loss = |m: &Probe| x.cast::<f16>().mul(&m.p.cast::<f16>()).cast::<f32>().sum_all();
     // NoScale (bf16/f32 training) and a disabled GradScaler refuse it at `scale`, naming the fix.
     let mut none = NoScale;
-    let err = none.try_scale(f16_loss(&m)).err().expect("NoScale refuses an f16 graph");
+    let err = none.try_scale(f16_loss(&m)).expect_err("NoScale refuses an f16 graph");
     let msg = err.to_string();
     assert!(msg.contains("`mul`") || msg.contains("`cast`"), "{msg}");
     assert!(msg.contains("GradScaler::new()"), "{msg}");

@@ -95,7 +95,7 @@ fn a_failed_step_returns_its_error_without_a_drop_panic() {
     let (mut a, mut b, mut s, mut opt) = (model(0), model(1), scaler(), sgd());
     s.scale(loss(&a)).backward().unscale().step(&mut opt, &mut a).update().unwrap();
     // The optimizer is bound to `a`: stepping it on `b` errs, and the step ends with the error.
-    let err = s.scale(loss(&b)).backward().unscale().try_step(&mut opt, &mut b).err().expect("refused");
+    let err = s.scale(loss(&b)).backward().unscale().try_step(&mut opt, &mut b).expect_err("refused");
     assert!(err.to_string().contains("`w` is not the parameter this optimizer is bound to"), "{err}");
 }
 
@@ -143,7 +143,7 @@ fn gradients_of_other_parameters_are_refused() {
     let err = opt.step(&mut a, &f32_loss(&b).backward()).expect_err("b's gradients");
     assert!(err.to_string().contains("belong to other parameters"), "{err}");
     let mut s = scaler();
-    let err = s.scale(f32_loss(&b)).backward().unscale().try_step(&mut opt, &mut a).err().expect("refused");
+    let err = s.scale(f32_loss(&b)).backward().unscale().try_step(&mut opt, &mut a).expect_err("refused");
     assert!(err.to_string().contains("belong to other parameters"), "{err}");
 }
 
@@ -231,7 +231,7 @@ fn bf16_with_no_scale_trains() {
 #[test]
 fn f16_under_no_scale_is_refused_naming_grad_scaler() {
     let (m, mut s) = (model(0), NoScale);
-    let err = s.try_scale(loss(&m)).err().expect("f16 graph without scaling");
+    let err = s.try_scale(loss(&m)).expect_err("f16 graph without scaling");
     assert!(err.to_string().contains("GradScaler::new()"), "{err}");
 }
 
@@ -288,7 +288,7 @@ fn a_loss_computed_before_a_step_is_refused_after_it() {
     let (first, left_over) = (loss(&m), loss(&m));
     s.scale(first).backward().unscale().step(&mut opt, &mut m).update().unwrap();
     let mut grads = s.scale(loss(&m)).backward();
-    let err = grads.try_accumulate(left_over).err().expect("a graph of the old weights");
+    let err = grads.try_accumulate(left_over).expect_err("a graph of the old weights");
     assert!(err.to_string().contains("updated in place"), "{err}");
     // The step itself is still whole: its own micro-batch goes on.
     grads.accumulate(loss(&m));
@@ -371,7 +371,7 @@ fn step_many_checks_every_pair_before_stepping_any() {
     let (a0, b0) = (a.w.to_vec(), b.w.to_vec());
     let l = loss(&a).add(&loss(&b));
     let err = s.scale(l).backward().unscale().try_step_many(&mut [(&mut oa, &mut a), (&mut ob, &mut b)]);
-    let err = err.err().expect("the second optimizer is bound elsewhere");
+    let err = err.expect_err("the second optimizer is bound elsewhere");
     assert!(err.to_string().contains("bound to"), "{err}");
     assert_eq!((a.w.to_vec(), b.w.to_vec(), oa.steps()), (a0, b0, 0), "the first pair did not step");
     assert_eq!(s.get_scale(), 256.0, "nor was the scale updated");

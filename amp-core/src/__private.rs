@@ -986,8 +986,9 @@ pub(crate) fn check_reach(op: &'static str, input: DType) {
     if input != want {
         panic!(
             "`{op}` ran on a {input} tensor inside a `#[autocast]` ({low}) region, where autocast runs it in {want}: \
-             the function that called it is not rewritten by `#[autocast]` (a helper, or a module's method, without \
-             the attribute), so its ops would run as written. Put `#[autocast(P)]` on that function (generic: \
+             the code that called it is not rewritten by `#[autocast]` (a helper, or a module's method, without \
+             the attribute; or a macro call's arguments, `vec![..]`, `assert!(..)`, which no attribute rewrites: \
+             compute the value in a `let` first), so its ops would run as written. Put `#[autocast(P)]` on that function (generic: \
              `fn f<P: Precision>(..)`, called as `f::<P>(..)`), or `#[autocast]`, or list it in the caller's \
              `fp32 = [..]` / `lower = [..]`; code meant to run as written goes in `autocast_off! {{ .. }}`"
         );

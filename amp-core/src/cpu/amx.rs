@@ -60,12 +60,15 @@ pub(crate) fn status() -> Option<&'static str> {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn detect() -> bool {
-    use std::arch::x86_64::__cpuid_count;
+    // SAFETY: `cpuid` exists on every x86_64 CPU (recent Rust makes the intrinsic safe; the
+    // block keeps the crate building on its minimum version, 1.89).
+    #[allow(unused_unsafe)]
+    let cpuid = |leaf, sub| unsafe { std::arch::x86_64::__cpuid_count(leaf, sub) };
     // Leaves 1 and 7 exist when the maximum leaf (leaf 0's eax) says so.
-    if __cpuid_count(0, 0).eax < 7 {
+    if cpuid(0, 0).eax < 7 {
         return false;
     }
-    let (leaf1, leaf7) = (__cpuid_count(1, 0), __cpuid_count(7, 0));
+    let (leaf1, leaf7) = (cpuid(1, 0), cpuid(7, 0));
     let amx_bf16 = leaf7.edx >> 22 & 1 == 1;
     let amx_tile = leaf7.edx >> 24 & 1 == 1;
     let osxsave = leaf1.ecx >> 27 & 1 == 1;

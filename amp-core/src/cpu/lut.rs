@@ -227,7 +227,10 @@ fn amd() -> bool {
     {
         static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *AMD.get_or_init(|| {
-            let id = std::arch::x86_64::__cpuid(0);
+            // SAFETY: `cpuid` exists on every x86_64 CPU (recent Rust makes the intrinsic safe;
+            // the block keeps the crate building on its minimum version, 1.89).
+            #[allow(unused_unsafe)]
+            let id = unsafe { std::arch::x86_64::__cpuid(0) };
             [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6E65, 0x444D_4163] // "AuthenticAMD"
         })
     }

@@ -1868,7 +1868,7 @@ fn flash_kernels(dtype: DType, n: usize, t: usize, d: usize, ptrs: &[u64]) -> Op
     let fits = matches!(dtype, DType::F16 | DType::BF16)
         && n < 1 << 31
         && t.div_ceil(FLASH_ROWS) < 1 << 16
-        && ptrs.iter().all(|p| p.is_multiple_of(16));
+        && vector_rows(d, dtype.size_in_bytes(), ptrs);
     fits.then_some(stems)
 }
 

@@ -128,11 +128,13 @@ macro_rules! all_cases {
         case!("div_scalar", $low, |x: f16| [f16] Some(x.div_scalar(2.0).dtype()));
         case!("rdiv_scalar", $low, |x: f16| [f16] Some(x.rdiv_scalar(2.0).dtype()));
         case!("dropout", $low, |x: f16| [f16] Some(x.dropout(0.5, true, &mut Rng::seed(0)).dtype()));
-        // Batch norm runs in its input's precision (f32 statistics inside, f32 buffers).
+        // Batch norm runs in its input's precision (f32 statistics inside; f32 weight, bias and
+        // buffers taken as they are).
         case!("batch_norm", $low, |x: f16| [f16] {
             let (mut mean, mut var) = (Tensor::<f32>::zeros(&[3]), Tensor::<f32>::ones(&[3]));
+            let (weight, bias) = (Tensor::<f32>::ones(&[3]), Tensor::<f32>::zeros(&[3]));
             let train = amp::BatchNormOptions { training: true, ..Default::default() };
-            Some(x.batch_norm(Some(&mut mean), Some(&mut var), None, None, train).dtype())
+            Some(x.batch_norm(Some(&mut mean), Some(&mut var), Some(&weight), Some(&bias), train).dtype())
         });
         case!("max_pool2d", $low, |x: bf16| [bf16] Some(x.unsqueeze(0).max_pool2d((2, 2), (1, 1), (1, 1)).dtype()));
         case!("avg_pool2d", $low, |x: f16| [f16] Some(x.unsqueeze(0).avg_pool2d((1, 2), (1, 1), (0, 0)).dtype()));

@@ -176,8 +176,9 @@ pub trait Precision:
     type ExponentBits: Unsigned + IsLess<U8, Output: Bit>;
     /// Explicit mantissa (fraction) bits of the format, as a type.
     type MantissaBits: Unsigned;
-    /// The type arithmetic on this precision is carried out in.
-    type Acc: Accum;
+    /// The type arithmetic on this precision is carried out in, itself a precision (f32 or
+    /// f64): what batch norm's weight and bias are in, as PyTorch's mixed batch norm keeps them.
+    type Acc: Accum + Precision;
     /// The run-time mirror.
     const DTYPE: DType;
     /// Whether gradients in this format underflow without loss scaling (exponent narrower

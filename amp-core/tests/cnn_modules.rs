@@ -173,3 +173,56 @@ fn dropout_checks_its_probability_when_built() {
 fn conv2d_refuses_an_empty_kernel_when_built() {
     Conv2d::new(1, 1, 0, Conv2dOptions::default(), true, &mut Rng::seed(0));
 }
+
+#[test]
+fn batch_norm_2d_takes_its_f32_parameters_unrounded_for_a_bf16_input() {
+    // PyTorch's mixed batch norm (cuDNN's, and autocast's for a bf16 activation) keeps the
+    // parameters in f32: the output is the f32 computation rounded once, and the parameters'
+    // gradients are f32 sums. Rounding the weight to bf16 first (what this did before) is off
+    // by up to a unit of bf16 in the output and 2^-9 relative in the gradient.
+    let (n, c, h, w) = (4, 3, 5, 5);
+    let x = Tensor::<f32>::randn(&[n, c, h, w], &mut Rng::seed(11)).add_scalar(0.5).cast::<amp_core::bf16>();
+    let mut bn = BatchNorm2d::new(c);
+    // Weights and biases with bits bf16 has not (multiples of 2^-12 near 1).
+    bn.weight =
+        amp_core::Param::new(Tensor::from_vec(vec![1.0 + 3.0 / 4096.0, 0.75 + 5.0 / 4096.0, 1.5 - 7.0 / 4096.0], &[c]));
+    bn.bias =
+        amp_core::Param::new(Tensor::from_vec(vec![1.0 / 4096.0, -0.25 + 1.0 / 4096.0, 0.5 + 3.0 / 4096.0], &[c]));
+    let y = bn.forward(&x);
+    let r = Tensor::<f32>::randn(&[n, c, h, w], &mut Rng::seed(12));
+    let grads = y.cast::<f32>().mul(&r).sum_all().backward();
+
+    // The reference, in f64 from the same bf16 inputs and f32 parameters; the gradient reaching
+    // the bf16 output is `r` rounded to bf16 (the cast's backward).
+    let rs = r.cast::<amp_core::bf16>().to_f64_vec();
+    let (xs, ys) = (x.to_f64_vec(), y.to_f64_vec());
+    let (ws, bs) = (bn.weight.to_f64_vec(), bn.bias.to_f64_vec());
+    let gw = grads.get(&bn.weight).expect("the weight's gradient").to_f64_vec();
+    let at = |ni: usize, ci: usize, k: usize| (ni * c + ci) * h * w + k;
+    for ci in 0..c {
+        let idx: Vec<usize> = (0..n).flat_map(|ni| (0..h * w).map(move |k| at(ni, ci, k))).collect();
+        let m = idx.len() as f64;
+        let mean = idx.iter().map(|&i| xs[i]).sum::<f64>() / m;
+        let var = idx.iter().map(|&i| (xs[i] - mean).powi(2)).sum::<f64>() / m;
+        let rstd = 1.0 / (var + 1e-5).sqrt();
+        let mut dw = 0.0;
+        for &i in &idx {
+            let xhat = (xs[i] - mean) * rstd;
+            let want = xhat * ws[ci] + bs[ci];
+            // Correctly rounded to bf16 (half a unit of its last place), give or take f32's
+            // statistics.
+            let half_ulp = 2f64.powi(want.abs().log2().floor() as i32 - 8);
+            assert!(
+                (ys[i] - want).abs() <= half_ulp + 1e-5 * want.abs(),
+                "channel {ci}, element {i}: {} against {want} (half a bf16 unit {half_ulp:e})",
+                ys[i]
+            );
+            dw += rs[i] * xhat;
+        }
+        assert!(
+            (gw[ci] - dw).abs() <= 1e-5 * dw.abs().max(1.0),
+            "channel {ci}: weight gradient {} against {dw}",
+            gw[ci]
+        );
+    }
+}

@@ -753,27 +753,33 @@ fn pooling<E: Precision>() {
     check_grad!(E, "adaptive_avg_pool2d", ONCE, [x.clone()], |t| t[0].adaptive_avg_pool2d((4, 3)));
 }
 
+/// Batch norm of `t[0]` with the weight `t[1]` and bias `t[2]` taken in `P::Acc`, the
+/// parameters' precision (a widening cast: the f64 reference sees the same values), and the
+/// running statistics when given.
+fn affine_batch_norm<P: Precision>(
+    t: &[Tensor<P>],
+    running: Option<(&Tensor<f32>, &Tensor<f32>)>,
+    opts: amp_core::BatchNormOptions,
+) -> Tensor<P> {
+    let (w, b) = (t[1].cast::<P::Acc>(), t[2].cast::<P::Acc>());
+    let (mut m, mut v) = running.map(|(m, v)| (m.clone(), v.clone())).unzip();
+    t[0].batch_norm(m.as_mut(), v.as_mut(), Some(&w), Some(&b), opts)
+}
+
 fn batch_norms<E: Precision>() {
     use amp_core::BatchNormOptions;
     let x = randn(&[4, 5, 6, 7], 220).mul_scalar(2.0).add_scalar(1.0);
     let (w, b) = (randn(&[5], 221), randn(&[5], 222));
     let train = BatchNormOptions { training: true, ..Default::default() };
     let (mean, var) = (Tensor::<f32>::from_f64s(&[0.5, -1.0, 1.0, 0.0, 2.0], &[5]), Tensor::<f32>::full(&[5], 3.0));
+    let running = Some((&mean, &var));
     // Statistics in f32, one rounding of the output, in both modes.
-    let bn = |t: &[Tensor<E>], opts| {
-        let (mut m, mut v) = (mean.clone(), var.clone());
-        t[0].batch_norm(Some(&mut m), Some(&mut v), Some(&t[1]), Some(&t[2]), opts)
-    };
-    let bn64 = |t: &[Tensor<f64>], opts| {
-        let (mut m, mut v) = (mean.clone(), var.clone());
-        t[0].batch_norm(Some(&mut m), Some(&mut v), Some(&t[1]), Some(&t[2]), opts)
-    };
     macro_rules! both {
         ($check:ident, $name:expr, $opts:expr) => {{
             let inputs = [x.clone(), w.clone(), b.clone()];
             let low: Vec<Tensor<E>> = inputs.iter().map(|t| t.cast::<E>()).collect();
             let exact: Vec<Tensor<f64>> = low.iter().map(|t| t.cast::<f64>()).collect();
-            $check(&bn(&low, $opts), &bn64(&exact, $opts), ONCE, $name);
+            $check(&affine_batch_norm(&low, running, $opts), &affine_batch_norm(&exact, running, $opts), ONCE, $name);
         }};
     }
     both!(assert_close_ulps, "batch_norm training", train);
@@ -781,17 +787,15 @@ fn batch_norms<E: Precision>() {
     check!(E, "batch_norm no affine", ONCE, [x.clone()], |t| t[0].batch_norm(None, None, None, None, train));
     check!(E, "batch_norm (parallel)", ONCE, [randn(&[16, 8, 32, 32], 223)], |t| t[0]
         .batch_norm(None, None, None, None, train));
-    check_grad!(E, "batch_norm training", ONCE, [x.clone(), w.clone(), b.clone()], |t| t[0].batch_norm(
-        None,
-        None,
-        Some(&t[1]),
-        Some(&t[2]),
-        train
+    // The parameters' gradients come back in f32 and are rounded once, by the cast into E.
+    check_grad!(E, "batch_norm training", ONCE, [x.clone(), w.clone(), b.clone()], |t| affine_batch_norm(
+        t, None, train
     ));
-    check_grad!(E, "batch_norm eval", ONCE, [x.clone(), w.clone(), b.clone()], |t| {
-        let (mut m, mut v) = (mean.clone(), var.clone());
-        t[0].batch_norm(Some(&mut m), Some(&mut v), Some(&t[1]), Some(&t[2]), BatchNormOptions::default())
-    });
+    check_grad!(E, "batch_norm eval", ONCE, [x.clone(), w.clone(), b.clone()], |t| affine_batch_norm(
+        t,
+        running,
+        BatchNormOptions::default()
+    ));
 }
 
 #[test]

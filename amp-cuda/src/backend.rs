@@ -1449,8 +1449,8 @@ impl Device for Cuda {
     fn batch_norm<E: Precision>(
         &self,
         x: (&CudaStorage<E>, &Layout),
-        weight: Option<(&CudaStorage<E>, &Layout)>,
-        bias: Option<(&CudaStorage<E>, &Layout)>,
+        weight: Option<(&CudaStorage<E::Acc>, &Layout)>,
+        bias: Option<(&CudaStorage<E::Acc>, &Layout)>,
         stats: BatchNormStats<'_, CudaStorage<f32>>,
         eps: f64,
     ) -> (CudaStorage<E>, CudaRowStats<E>) {
@@ -1489,8 +1489,9 @@ impl Device for Cuda {
                 }
             }
         }
-        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));
-        let pb = bias.map_or(0, |b| self.contig_ptr(b, &mut keep));
+        let mut keep_params = Vec::new(); // the parameters' contiguous copies, in E::Acc
+        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep_params));
+        let pb = bias.map_or(0, |b| self.contig_ptr(b, &mut keep_params));
         let y = self.uninit::<E>(total);
         if total > 0 {
             let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_fwd");
@@ -1503,11 +1504,11 @@ impl Device for Cuda {
         &self,
         x: (&CudaStorage<E>, &Layout),
         g: (&CudaStorage<E>, &Layout),
-        weight: Option<(&CudaStorage<E>, &Layout)>,
+        weight: Option<(&CudaStorage<E::Acc>, &Layout)>,
         stats: &CudaRowStats<E>,
         needs: (bool, bool),
         training: bool,
-    ) -> (CudaStorage<E>, Option<CudaStorage<E>>, Option<CudaStorage<E>>) {
+    ) -> (CudaStorage<E>, Option<CudaStorage<E::Acc>>, Option<CudaStorage<E::Acc>>) {
         assert_eq!(stats.kind, StatsKind::Channels, "batch norm backward with other statistics");
         let st = self.st();
         let DimSplit { outer: n, dim: ch, inner } = DimSplit::of(x.1.shape(), 1);
@@ -1515,7 +1516,8 @@ impl Device for Cuda {
         let acc = acc_dtype(E::DTYPE);
         let mut keep = Vec::new();
         let (px, pg) = (self.contig_ptr(x, &mut keep), self.contig_ptr(g, &mut keep));
-        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep));
+        let mut keep_weight = Vec::new();
+        let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep_weight));
         let (sg, sgx) = (RawVec::new(st, ch, acc.size_in_bytes()), RawVec::new(st, ch, acc.size_in_bytes()));
         if (training || needs.0 || needs.1) && ch > 0 {
             let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_sums_bwd");
@@ -1530,8 +1532,9 @@ impl Device for Cuda {
                 dx.ptr(), px, pg, stats.a.ptr(), stats.b.ptr(), pw, sg.ptr(), sgx.ptr(), total as i64, ch as i64,
                 inner as i64, training as i32, inv_m);
         }
-        let gw = needs.0.then(|| self.cast_ptr::<E>(sgx.ptr(), acc, ch));
-        let gb = needs.1.then(|| self.cast_ptr::<E>(sg.ptr(), acc, ch));
+        // The parameters' gradients in their precision, E::Acc: copies of the sums.
+        let gw = needs.0.then(|| self.cast_ptr::<E::Acc>(sgx.ptr(), acc, ch));
+        let gb = needs.1.then(|| self.cast_ptr::<E::Acc>(sg.ptr(), acc, ch));
         (dx, gw, gb)
     }
 

@@ -78,12 +78,25 @@ fn positive<E: Precision, D: Device>(dev: &D, shape: &[usize], seed: u64) -> Ten
 /// Records `y` and the gradients of `leaves` of `Σ y·r` for a fixed random `r` (so every
 /// gradient element is exercised).
 fn record<E: Precision, D: Device>(out: &mut Outputs, label: &str, y: &Tensor<E, D>, leaves: &[&Tensor<E, D>]) {
+    record_with::<E, E, D>(out, label, y, leaves, &[]);
+}
+
+/// [`record`] with leaves of a second precision `P` too (batch norm's f32 parameters of an
+/// f16 input), their gradients numbered after the others'.
+fn record_with<E: Precision, P: Precision, D: Device>(
+    out: &mut Outputs,
+    label: &str,
+    y: &Tensor<E, D>,
+    leaves: &[&Tensor<E, D>],
+    params: &[&Tensor<P, D>],
+) {
     out.push((format!("{label}.y"), y.to_f64_vec()));
     let r = Tensor::<f32>::randn(y.shape(), &mut Rng::seed(99)).to_device(y.device());
     let grads: Grads<D> = y.cast::<f32>().mul(&r).sum_all().backward();
-    for (i, x) in leaves.iter().enumerate() {
-        let g = grads.get(x).map(|g| g.to_f64_vec()).unwrap_or_default();
-        out.push((format!("{label}.grad{i}"), g));
+    let leaf_grads = leaves.iter().map(|x| grads.get(x).map(|g| g.to_f64_vec()));
+    let param_grads = params.iter().map(|p| grads.get(p).map(|g| g.to_f64_vec()));
+    for (i, g) in leaf_grads.chain(param_grads).enumerate() {
+        out.push((format!("{label}.grad{i}"), g.unwrap_or_default()));
     }
 }
 
@@ -299,17 +312,18 @@ parity!(pooling, |dev, E| {
 parity!(batch_norm, |dev, E| {
     let mut out = Vec::new();
     let x = input::<E, D>(dev, &[3, 4, 5, 2], 41, 1.0);
-    let g = input::<E, D>(dev, &[4], 42, 1.0);
-    let b = input::<E, D>(dev, &[4], 43, 1.0);
+    // The weight and bias in E::Acc: f32 parameters of an f16/bf16 input, as PyTorch's.
+    let g = input::<E::Acc, D>(dev, &[4], 42, 1.0);
+    let b = input::<E::Acc, D>(dev, &[4], 43, 1.0);
     let mut mean = Tensor::<f32>::zeros(&[4]).to_device(dev);
     let mut var = Tensor::<f32>::ones(&[4]).to_device(dev);
     let train = BatchNormOptions { training: true, ..Default::default() };
     let y = x.batch_norm(Some(&mut mean), Some(&mut var), Some(&g), Some(&b), train);
-    record(&mut out, "batch_norm_train", &y, &[&x, &g, &b]);
+    record_with(&mut out, "batch_norm_train", &y, &[&x], &[&g, &b]);
     out.push(("running_mean".into(), mean.to_f64_vec()));
     out.push(("running_var".into(), var.to_f64_vec()));
     let e = x.batch_norm(Some(&mut mean), Some(&mut var), Some(&g), None, BatchNormOptions::default());
-    record(&mut out, "batch_norm_eval", &e, &[&x, &g]);
+    record_with(&mut out, "batch_norm_eval", &e, &[&x], &[&g]);
     out
 });
 

@@ -180,7 +180,7 @@ pub(crate) const TABLE: &[Op] = &[
         Passthrough,
         &[OptT, OptT, OptT, OptT, O],
         "on no autocast list of PyTorch's (unlike layer_norm): runs in the input's precision, as cuDNN's does, with \
-         its statistics in f32 inside the kernel and the running buffers always f32",
+         its statistics in f32 inside the kernel, and the weight, bias and running buffers f32",
     ),
     op("max_pool2d", Passthrough, &[O, O, O], "a selection, exact"),
     op("avg_pool2d", Passthrough, &[O, O, O], "a short window's mean, summed in f32 inside the kernel"),

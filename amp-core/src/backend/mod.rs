@@ -842,31 +842,31 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + Default + 'static {
     ) -> Self::Storage<E>;
     /// Batch norm of `x` (`[N, C, ...]`, channels on dim 1): `y = (x - mean) / sqrt(var +
     /// eps) * weight + bias` per channel with the statistics `stats` says (updating the
-    /// running buffers in training when given), the optional weight and bias of shape `[C]`;
-    /// returns the output and the channel means and reciprocal standard deviations for
+    /// running buffers in training when given), the optional weight and bias of shape `[C]` in
+    /// `E::Acc` (f32 parameters of an f16/bf16 input, unrounded); returns the output and the channel means and reciprocal standard deviations for
     /// backward.
     fn batch_norm<E: Precision>(
         &self,
         x: (&Self::Storage<E>, &Layout),
-        weight: Option<(&Self::Storage<E>, &Layout)>,
-        bias: Option<(&Self::Storage<E>, &Layout)>,
+        weight: Option<(&Self::Storage<E::Acc>, &Layout)>,
+        bias: Option<(&Self::Storage<E::Acc>, &Layout)>,
         stats: BatchNormStats<'_, Self::Storage<f32>>,
         eps: f64,
     ) -> (Self::Storage<E>, Self::RowStats<E>);
     /// Batch norm's backward: the input gradient (through the batch statistics when
     /// `training`, `dx = w·rstd·(g - mean(g) - x̂·mean(g·x̂))` per channel; as a fixed affine
-    /// `dx = w·rstd·g` otherwise), and the weight (`Σ g·x̂`) and bias (`Σ g`) gradients where
-    /// `needs` asks for them.
+    /// `dx = w·rstd·g` otherwise), and the weight (`Σ g·x̂`) and bias (`Σ g`) gradients in
+    /// `E::Acc`, the parameters' precision, where `needs` asks for them.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn batch_norm_backward<E: Precision>(
         &self,
         x: (&Self::Storage<E>, &Layout),
         g: (&Self::Storage<E>, &Layout),
-        weight: Option<(&Self::Storage<E>, &Layout)>,
+        weight: Option<(&Self::Storage<E::Acc>, &Layout)>,
         stats: &Self::RowStats<E>,
         needs: (bool, bool),
         training: bool,
-    ) -> (Self::Storage<E>, Option<Self::Storage<E>>, Option<Self::Storage<E>>);
+    ) -> (Self::Storage<E>, Option<Self::Storage<E::Acc>>, Option<Self::Storage<E::Acc>>);
 
     // ---- gather, scatter-add, embedding, cat --------------------------------------------------
 

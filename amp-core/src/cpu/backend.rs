@@ -805,8 +805,8 @@ impl Device for Cpu {
     fn batch_norm<E: Precision>(
         &self,
         x: (&Storage<E>, &Layout),
-        weight: Option<(&Storage<E>, &Layout)>,
-        bias: Option<(&Storage<E>, &Layout)>,
+        weight: Option<(&Storage<E::Acc>, &Layout)>,
+        bias: Option<(&Storage<E::Acc>, &Layout)>,
         stats: BatchNormStats<'_, Storage<f32>>,
         eps: f64,
     ) -> (Storage<E>, RowStats<E::Acc>) {
@@ -835,11 +835,11 @@ impl Device for Cpu {
         &self,
         x: (&Storage<E>, &Layout),
         g: (&Storage<E>, &Layout),
-        weight: Option<(&Storage<E>, &Layout)>,
+        weight: Option<(&Storage<E::Acc>, &Layout)>,
         stats: &RowStats<E::Acc>,
         needs: (bool, bool),
         training: bool,
-    ) -> (Storage<E>, Option<Storage<E>>, Option<Storage<E>>) {
+    ) -> (Storage<E>, Option<Storage<E::Acc>>, Option<Storage<E::Acc>>) {
         profiled!(E, "batch_norm_bwd");
         let RowStats::Channels(stats) = stats else { unreachable!("batch norm backward with other statistics") };
         let split = DimSplit::of(&x.1.shape, 1);

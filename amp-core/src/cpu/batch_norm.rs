@@ -83,23 +83,15 @@ pub(crate) fn channel_stats<A: Accum>(mean: Vec<A>, var: &[A], eps: f64) -> Norm
     NormStats { mean, rstd }
 }
 
-fn load_opt<E: Precision>(v: Option<&[E]>, c: usize) -> Option<Vec<E::Acc>> {
-    v.map(|v| {
-        let mut out = vec![E::Acc::default(); c];
-        E::load(v, &mut out);
-        out
-    })
-}
-
-/// `y = (x - mean) * rstd * w + b` per channel, rounded once.
+/// `y = (x - mean) * rstd * w + b` per channel, rounded once; the weight and bias in
+/// `E::Acc` (f32 parameters of an f16/bf16 input, as PyTorch's mixed batch norm).
 pub(crate) fn forward<E: Precision>(
     x: &[E],
     s: DimSplit,
     st: &NormStats<E::Acc>,
-    w: Option<&[E]>,
-    b: Option<&[E]>,
+    wa: Option<&[E::Acc]>,
+    ba: Option<&[E::Acc]>,
 ) -> Vec<E> {
-    let (wa, ba) = (load_opt(w, s.dim), load_opt(b, s.dim));
     let inner = s.inner;
     // Every run is stored.
     let mut out = super::alloc::take::<E>(x.len());
@@ -112,8 +104,8 @@ pub(crate) fn forward<E: Precision>(
             let mut buf = [E::Acc::default(); BUF];
             for (k, y) in chunk.chunks_mut(inner).enumerate() {
                 let (r, c) = (r0 + k, (r0 + k) % s.dim);
-                let scale = st.rstd[c] * wa.as_ref().map_or(E::Acc::one(), |w| w[c]);
-                let (mean, shift) = (st.mean[c], ba.as_ref().map_or(E::Acc::zero(), |b| b[c]));
+                let scale = st.rstd[c] * wa.map_or(E::Acc::one(), |w| w[c]);
+                let (mean, shift) = (st.mean[c], ba.map_or(E::Acc::zero(), |b| b[c]));
                 for (xs, ys) in x[r * inner..(r + 1) * inner].chunks(BUF).zip(y.chunks_mut(BUF)) {
                     let bb = &mut buf[..xs.len()];
                     E::load(xs, bb);
@@ -129,19 +121,18 @@ pub(crate) fn forward<E: Precision>(
 }
 
 /// Batch norm's gradients: the input's (always), the weight's (`Σ g·x̂`) and the bias's
-/// (`Σ g`) when asked for. In training, `dx = w·rstd·(g - Σg/M - x̂·Σ(g·x̂)/M)` (`M = N·inner`);
+/// (`Σ g`, both in `E::Acc`, the parameters' precision) when asked for. In training, `dx = w·rstd·(g - Σg/M - x̂·Σ(g·x̂)/M)` (`M = N·inner`);
 /// in eval, `dx = w·rstd·g`.
 #[allow(clippy::type_complexity)]
 pub(crate) fn backward<E: Precision>(
     x: &[E],
     g: &[E],
     s: DimSplit,
-    w: Option<&[E]>,
+    wa: Option<&[E::Acc]>,
     st: &NormStats<E::Acc>,
     (need_w, need_b): (bool, bool),
     training: bool,
-) -> (Vec<E>, Option<Vec<E>>, Option<Vec<E>>) {
-    let wa = load_opt(w, s.dim);
+) -> (Vec<E>, Option<Vec<E::Acc>>, Option<Vec<E::Acc>>) {
     let m = s.outer * s.inner;
     // Σg and Σ(g·x̂) per channel, needed by training's dx and by the parameter gradients.
     let sums: Vec<(E::Acc, E::Acc)> = if training || need_w || need_b {
@@ -192,7 +183,7 @@ pub(crate) fn backward<E: Precision>(
             for (k, out) in chunk.chunks_mut(inner).enumerate() {
                 let (r, c) = (r0 + k, (r0 + k) % s.dim);
                 let (mean, rstd) = (st.mean[c], st.rstd[c]);
-                let scale = rstd * wa.as_ref().map_or(E::Acc::one(), |w| w[c]);
+                let scale = rstd * wa.map_or(E::Acc::one(), |w| w[c]);
                 let span = r * inner..(r + 1) * inner;
                 for ((xs, gs), os) in x[span.clone()].chunks(BUF).zip(g[span].chunks(BUF)).zip(out.chunks_mut(BUF)) {
                     let (bx, bg) = (&mut bx[..xs.len()], &mut bg[..xs.len()]);
@@ -213,14 +204,7 @@ pub(crate) fn backward<E: Precision>(
             }
         },
     );
-    let finish = |need: bool, pick: fn(&(E::Acc, E::Acc)) -> E::Acc| {
-        need.then(|| {
-            let acc: Vec<E::Acc> = sums.iter().map(pick).collect();
-            let mut out = super::alloc::take::<E>(s.dim);
-            E::store(&acc, &mut out);
-            out
-        })
-    };
+    let finish = |need: bool, pick: fn(&(E::Acc, E::Acc)) -> E::Acc| need.then(|| sums.iter().map(pick).collect());
     let gb = finish(need_b, |p| p.0);
     let gw = finish(need_w, |p| p.1);
     (gx, gw, gb)

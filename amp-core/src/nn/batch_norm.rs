@@ -6,8 +6,9 @@ use crate::{Cpu, Device, Param, Precision, Tensor};
 /// Batch norm over the channels of `[N, C, H, W]`, PyTorch's `nn.BatchNorm2d`: learnable
 /// `weight` (ones) and `bias` (zeros), and the buffers `running_mean` (zeros), `running_var`
 /// (ones) and `num_batches_tracked`, saved under PyTorch's names, moved with the module and
-/// never trained. Statistics and buffers are f32 whatever the input precision; the output has
-/// the input's precision.
+/// never trained. Statistics, parameters and buffers are f32 whatever the input precision (an
+/// f16/bf16 input takes the f32 weight and bias as they are, as PyTorch's mixed batch norm
+/// does); the output has the input's precision.
 ///
 /// In training mode (`train()`, the default) each forward normalises with the batch's
 /// statistics and moves the running ones by `momentum`; in evaluation mode (`eval()`) it
@@ -99,7 +100,8 @@ impl<D: Device> BatchNorm2d<D> {
         // takes images only, so a flattened or 5-D input is a mistake caught here.
         assert!(x.rank() == 4, "BatchNorm2d: expected a 4-D input [N, C, H, W], got shape {:?}", x.shape());
         let opts = BatchNormOptions { training: self.mode.is_training(), momentum: self.momentum, eps: self.eps };
-        let (w, b) = (self.weight.cast::<X>(), self.bias.cast::<X>());
+        // f32 parameters as they are (an f64 input's batch norm computes in f64).
+        let (w, b) = (self.weight.cast::<X::Acc>(), self.bias.cast::<X::Acc>());
         let y = x.batch_norm(Some(&mut self.running_mean), Some(&mut self.running_var), Some(&w), Some(&b), opts);
         if self.mode.is_training() {
             self.num_batches_tracked = self.num_batches_tracked.add_scalar(1.0);

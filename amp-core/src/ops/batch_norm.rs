@@ -1,7 +1,10 @@
 //! Batch norm, functional (PyTorch's `F.batch_norm`): per-channel statistics over every dim
 //! but dim 1 of `[N, C, ...]`, on the device's fused kernels. Statistics are in `E::Acc` (f32
 //! for f16, bf16 and f32) and the output is rounded once; the running buffers are f32 whatever
-//! the input's precision, updated in place in training with PyTorch's rule.
+//! the input's precision, updated in place in training with PyTorch's rule. The weight and
+//! bias are in `E::Acc` too: an f16/bf16 input takes f32 parameters as they are (PyTorch's
+//! mixed batch norm, cuDNN's), so autocast never rounds them, and their gradients come back
+//! in f32 unrounded.
 //!
 //! Derivatives, with `x̂` the normalised input, `rstd = 1/sqrt(var + eps)` and sums over a
 //! channel's `M = N·H·W` elements: in training (through the batch statistics)
@@ -36,8 +39,9 @@ impl Default for BatchNormOptions {
 impl<E: Precision, D: Device> Tensor<E, D> {
     /// Batch norm of `self` (`[N, C, ...]`, channels on dim 1), as PyTorch's `F.batch_norm`:
     /// `y = (x - mean) / sqrt(var + eps) * weight + bias` per channel, `weight` and `bias` of
-    /// shape `[C]` when given (in the input's precision: cast an f32 parameter with
-    /// `cast::<E>()`, whose gradient comes back in f32).
+    /// shape `[C]` when given, in the input's accumulation precision `E::Acc`: f32 for an f16,
+    /// bf16 or f32 input (an f32 parameter as it is, as PyTorch's mixed-precision batch norm
+    /// takes it; cast bf16 parameters with `cast::<f32>()`), f64 for f64.
     ///
     /// - Training (`opts.training`): the batch's mean and biased variance normalise. With
     ///   `running_mean` and `running_var` (f32 `[C]`, both or neither), each is updated in
@@ -54,8 +58,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         &self,
         running_mean: Option<&mut Tensor<f32, D>>,
         running_var: Option<&mut Tensor<f32, D>>,
-        weight: Option<&Tensor<E, D>>,
-        bias: Option<&Tensor<E, D>>,
+        weight: Option<&Tensor<E::Acc, D>>,
+        bias: Option<&Tensor<E::Acc, D>>,
         opts: BatchNormOptions,
     ) -> Result<Self> {
         const OP: &str = "batch_norm";
@@ -151,8 +155,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         &self,
         running_mean: Option<&mut Tensor<f32, D>>,
         running_var: Option<&mut Tensor<f32, D>>,
-        weight: Option<&Tensor<E, D>>,
-        bias: Option<&Tensor<E, D>>,
+        weight: Option<&Tensor<E::Acc, D>>,
+        bias: Option<&Tensor<E::Acc, D>>,
         opts: BatchNormOptions,
     ) -> Self {
         or_panic(self.try_batch_norm(running_mean, running_var, weight, bias, opts))

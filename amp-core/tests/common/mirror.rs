@@ -332,8 +332,8 @@ impl Device for Mirror {
     fn batch_norm<E: Precision>(
         &self,
         x: (&Buf<E>, &Layout),
-        weight: Option<(&Buf<E>, &Layout)>,
-        bias: Option<(&Buf<E>, &Layout)>,
+        weight: Option<(&Buf<E::Acc>, &Layout)>,
+        bias: Option<(&Buf<E::Acc>, &Layout)>,
         stats: BatchNormStats<'_, Buf<f32>>,
         eps: f64,
     ) -> (Buf<E>, Self::RowStats<E>) {
@@ -351,11 +351,11 @@ impl Device for Mirror {
         &self,
         x: (&Buf<E>, &Layout),
         g: (&Buf<E>, &Layout),
-        weight: Option<(&Buf<E>, &Layout)>,
+        weight: Option<(&Buf<E::Acc>, &Layout)>,
         stats: &Self::RowStats<E>,
         needs: (bool, bool),
         training: bool,
-    ) -> (Buf<E>, Option<Buf<E>>, Option<Buf<E>>) {
+    ) -> (Buf<E>, Option<Buf<E::Acc>>, Option<Buf<E::Acc>>) {
         hit();
         let (gx, gw, gb) = Cpu.batch_norm_backward(v(x), v(g), weight.map(v), stats, needs, training);
         (Buf(gx), gw.map(Buf), gb.map(Buf))

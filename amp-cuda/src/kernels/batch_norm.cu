@@ -60,7 +60,8 @@ __device__ void amp_bn_given(typename Acc<T>::type* mean_out, typename Acc<T>::t
 
 template <typename T>
 __device__ void amp_bn_fwd(T* y, const T* x, const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
-                           const T* w, const T* b, i64 total, i64 ch, i64 inner) {
+                           const typename Acc<T>::type* w, const typename Acc<T>::type* b, i64 total, i64 ch,
+                           i64 inner) {
     typedef typename Acc<T>::type A;
     AMP_GRID_LOOP(e, total) {
         i64 c = (e / inner) % ch;
@@ -101,7 +102,8 @@ __device__ void amp_bn_sums(typename Acc<T>::type* sg_out, typename Acc<T>::type
 // training: dx = w·rstd·(g - Σg/M - x̂·Σ(g·x̂)/M); eval: dx = w·rstd·g.
 template <typename T>
 __device__ void amp_bn_bwd(T* dx, const T* x, const T* g, const typename Acc<T>::type* mean,
-                           const typename Acc<T>::type* rstd, const T* w, const typename Acc<T>::type* sg,
+                           const typename Acc<T>::type* rstd, const typename Acc<T>::type* w,
+                           const typename Acc<T>::type* sg,
                            const typename Acc<T>::type* sgx, i64 total, i64 ch, i64 inner, int training, double inv_m) {
     typedef typename Acc<T>::type A;
     const A im = (A)inv_m;
@@ -143,8 +145,8 @@ __device__ void amp_bn_bwd(T* dx, const T* x, const T* g, const typename Acc<T>:
     }                                                                                                      \
     extern "C" __global__ void batch_norm_fwd_##SUF(amp_t_##SUF* y, const amp_t_##SUF* x,                  \
                                                     const AMP_BN_ACC(SUF) * mean, const AMP_BN_ACC(SUF) * rstd, \
-                                                    const amp_t_##SUF* w, const amp_t_##SUF* b, i64 total, \
-                                                    i64 ch, i64 inner) {                                   \
+                                                    const AMP_BN_ACC(SUF) * w, const AMP_BN_ACC(SUF) * b, \
+                                                    i64 total, i64 ch, i64 inner) {                        \
         amp_bn_fwd<amp_t_##SUF>(y, x, mean, rstd, w, b, total, ch, inner);                                 \
     }                                                                                                      \
     extern "C" __global__ void batch_norm_sums_bwd_##SUF(AMP_BN_ACC(SUF) * sg, AMP_BN_ACC(SUF) * sgx,      \
@@ -156,7 +158,7 @@ __device__ void amp_bn_bwd(T* dx, const T* x, const T* g, const typename Acc<T>:
     }                                                                                                      \
     extern "C" __global__ void batch_norm_bwd_##SUF(amp_t_##SUF* dx, const amp_t_##SUF* x, const amp_t_##SUF* g, \
                                                     const AMP_BN_ACC(SUF) * mean, const AMP_BN_ACC(SUF) * rstd, \
-                                                    const amp_t_##SUF* w, const AMP_BN_ACC(SUF) * sg,      \
+                                                    const AMP_BN_ACC(SUF) * w, const AMP_BN_ACC(SUF) * sg, \
                                                     const AMP_BN_ACC(SUF) * sgx, i64 total, i64 ch, i64 inner, \
                                                     int training, double inv_m) {                          \
         amp_bn_bwd<amp_t_##SUF>(dx, x, g, mean, rstd, w, sg, sgx, total, ch, inner, training, inv_m);      \

@@ -34,16 +34,21 @@ template <> struct IsF64<double> { static const bool value = true; };
 
 // ---- conversions ---------------------------------------------------------------------------
 
+// The host emulation of the kernels (amp-cuda/tests/emulated/cuda_emu.hpp) cannot compile
+// inline PTX: it defines these f16/bf16 conversions in software instead.
+#ifndef AMP_HOST_EMULATION
 __device__ __forceinline__ float load(f16_t v) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
     return f;
 }
+#endif
 __device__ __forceinline__ float load(bf16_t v) { return __uint_as_float(((u32)v.bits) << 16); }
 __device__ __forceinline__ float load(float v) { return v; }
 __device__ __forceinline__ double load(double v) { return v; }
 
 template <typename T> __device__ __forceinline__ T store(typename Acc<T>::type v);
+#ifndef AMP_HOST_EMULATION  // inline PTX (see load above)
 template <> __device__ __forceinline__ f16_t store<f16_t>(float v) {
     f16_t r;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
@@ -54,11 +59,13 @@ template <> __device__ __forceinline__ bf16_t store<bf16_t>(float v) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
     return r;
 }
+#endif
 template <> __device__ __forceinline__ float store<float>(float v) { return v; }
 template <> __device__ __forceinline__ double store<double>(double v) { return v; }
 
 // One rounding from double (casts involving f64, and means computed in f64).
 template <typename T> __device__ __forceinline__ T narrow(double v);
+#ifndef AMP_HOST_EMULATION  // inline PTX (see load above)
 template <> __device__ __forceinline__ f16_t narrow<f16_t>(double v) {
     f16_t r;
     asm("cvt.rn.f16.f64 %0, %1;" : "=h"(r.bits) : "d"(v));
@@ -69,6 +76,7 @@ template <> __device__ __forceinline__ bf16_t narrow<bf16_t>(double v) {
     asm("cvt.rn.bf16.f64 %0, %1;" : "=h"(r.bits) : "d"(v));
     return r;
 }
+#endif
 template <> __device__ __forceinline__ float narrow<float>(double v) { return __double2float_rn(v); }
 template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
 

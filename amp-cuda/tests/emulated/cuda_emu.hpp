@@ -1,44 +1,57 @@
-// A host emulation of the CUDA features the fused attention kernels use, so that the kernel
-// source (src/kernels/attention_flash.cu, included as it is) runs on a machine with no GPU
-// and its indexing, masking, online softmax and fragment handling are checked against a
-// reference (flash_attention.cpp).
+// A host emulation of the CUDA features amp-cuda's kernels use, so that kernel sources
+// (src/kernels/*.cu, included as they are) run on a machine with no GPU and are checked against
+// references (flash_attention.cpp, rows.cpp, amp_step.cpp).
 //
 // Design notes:
-// - Every thread of a block is a std::thread; blocks run one after another, so `__shared__`
-//   arrays (function-local statics here) are the block's. `__syncthreads` is a barrier of the
-//   block (its waiters yield: YieldBarrier), and the warp-collective operations
-//   (`__shfl_xor_sync`, `amp_mma`) exchange values through the warp's `Exchange`, one barrier
-//   of the warp each.
+// - This header is the CUDA runtime and builtins, then the real prelude (src/kernels/
+//   prelude.cuh: types, layouts, Pack16, block reductions), then what the prelude leaves to the
+//   emulation under AMP_HOST_EMULATION: the f16/bf16 conversions (inline PTX on the GPU) and
+//   `amp_mma` (mma.cuh on the GPU).
+// - Every thread of a block is a std::thread; blocks run one after another on the same threads
+//   (one std::thread per thread index for the whole launch), so `__shared__` arrays
+//   (function-local statics here) are the block's. `__syncthreads` is a barrier of the block
+//   (its waiters yield: YieldBarrier), `__syncthreads_or` a barrier with an OR, and the
+//   warp-collective operations (`__shfl_xor_sync` on float and double, `amp_mma`) exchange
+//   values through the warp's `Exchange`, one barrier of the warp each.
+// - Dynamic shared memory: `extern __shared__ __align__(16) unsigned char amp_dyn[]` (rows.cu)
+//   becomes, with `amp_dyn` defined below as `(*amp_emu_dyn())` and `extern` defined empty
+//   around the include (`__shared__` is `static`, and `extern static` does not compile), a
+//   redeclaration of `amp_emu_dyn`, a function returning the running block's buffer: exactly
+//   the launch's size, 16-byte aligned, filled with 0xff bytes (a NaN in f32 and f64) before
+//   each block so reads of unwritten memory show, and followed by a guard checked after each
+//   block, so writes past the launch's size abort.
 // - `amp_mma` rebuilds the warp's whole A (16 x 16) and B (16 x 8) from every lane's registers
 //   by the PTX ISA's fragment table (the one src/kernels/mma.cuh documents) and adds A·B in
 //   f32 into each lane's part of D; a layout misread in the kernels shows up as wrong values.
 // - f16 is the compiler's _Float16 (round to nearest even); bf16 rounds to nearest even in
-//   software; f32 math is the C library's.
+//   software (from double by rounding to odd in f32 first, one rounding overall); f32 and f64
+//   math is the C library's. The `__*_rn` intrinsics are plain IEEE operations (`__fmaf_rn` is
+//   fmaf): compile with -ffp-contract=off so the compiler fuses nothing either.
 // - `uint4` is 16-byte aligned as on the GPU, so a misaligned 128-bit access may fault here too
 //   (where the compiler emits an aligned move).
 // - More lenient than a GPU: barriers count arrivals from any call site (a `__syncthreads` or
-//   warp collective in divergent code passes), misaligned 32-bit accesses do not fault, shared
-//   arrays start zeroed and blocks never overlap (so reads of unwritten shared memory and races
-//   between blocks go unseen), and the math is the C library's, summed in order in f32.
+//   warp collective in divergent code passes), misaligned 32-bit accesses do not fault, static
+//   shared arrays start zeroed and keep their values from block to block, blocks never overlap
+//   (so races between blocks go unseen), threads of a block interleave as the OS schedules them
+//   (a race inside a block shows only by chance), the limits of the hardware (48 KiB of shared
+//   memory a block, registers, `__launch_bounds__`) are not checked (tests/ptx.rs checks them
+//   on the compiled kernels), and the math is the C library's, summed in order.
 #pragma once
+
+#include <math.h>  // the C++ <math.h>: float overloads of exp, log, sqrt... in the global namespace
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 
-typedef long long i64;
-typedef unsigned long long u64;
-typedef unsigned int u32;
-
-struct f16_t { unsigned short bits; };
-struct bf16_t { unsigned short bits; };
-typedef f16_t amp_t_f16;
-typedef bf16_t amp_t_bf16;
+#define AMP_HOST_EMULATION 1
 
 #define __device__
 #define __global__
@@ -48,50 +61,46 @@ typedef bf16_t amp_t_bf16;
 #define __launch_bounds__(n)
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-struct alignas(16) uint4 { u32 x, y, z, w; };
-inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return uint4{x, y, z, w}; }
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-// ---- conversions (the prelude's, in software) ------------------------------------------------
+// ---- builtins ----------------------------------------------------------------------------------
 
-inline float load(f16_t v) {
-    _Float16 h;
-    std::memcpy(&h, &v.bits, 2);
-    return (float)h;
-}
-inline float load(bf16_t v) {
-    u32 u = (u32)v.bits << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-template <typename T> T store(float v);
-template <> inline f16_t store<f16_t>(float v) {
-    _Float16 h = (_Float16)v;
-    f16_t r;
-    std::memcpy(&r.bits, &h, 2);
+template <typename To, typename From> inline To amp_emu_bits(From v) {
+    static_assert(sizeof(To) == sizeof(From));
+    To r;
+    std::memcpy(&r, &v, sizeof r);
     return r;
 }
-template <> inline bf16_t store<bf16_t>(float v) {
-    u32 u;
-    std::memcpy(&u, &v, 4);
-    bf16_t r;
-    if (std::isnan(v)) {
-        r.bits = (unsigned short)((u >> 16) | 0x40);
-    } else {
-        u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-        r.bits = (unsigned short)(u >> 16);
-    }
-    return r;
+inline float __uint_as_float(unsigned v) { return amp_emu_bits<float>(v); }
+inline float __int_as_float(int v) { return amp_emu_bits<float>(v); }
+inline unsigned __float_as_uint(float v) { return amp_emu_bits<unsigned>(v); }
+inline double __longlong_as_double(long long v) { return amp_emu_bits<double>(v); }
+inline long long __double_as_longlong(double v) { return amp_emu_bits<long long>(v); }
+
+inline float __double2float_rn(double v) { return (float)v; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+
+[[noreturn]] inline void __trap() {
+    std::fprintf(stderr, "emulated kernel: __trap() in block %u thread %u\n", blockIdx.x, threadIdx.x);
+    std::abort();
 }
-template <typename A> A amp_neg_inf() { return -INFINITY; }
-template <typename A> A amp_max(A a, A b) { return (a > b || std::isnan(a)) ? a : b; }
 
 // ---- blocks and warps ------------------------------------------------------------------------
 
 // A reusable barrier whose waiters yield the core instead of sleeping: with 128 threads on a
-// few cores, waking each sleeper through the kernel cost several times the emulation's work.
+// few cores, waking each sleeper through the kernel cost several times the emulation's work
+// (and sleeping on a futex was no faster than yielding with 512 threads on 2 cores).
 class YieldBarrier {
   public:
     explicit YieldBarrier(int count) : count_(count) {}
@@ -113,8 +122,8 @@ class YieldBarrier {
 
 // What the lanes of a warp exchange in one collective operation.
 struct Exchange {
-    float f[32];
-    u32 a[32][4], b[32][2];
+    unsigned long long v[32];  // a shuffled value's bits
+    unsigned a[32][4], b[32][2];
 };
 // Two exchanges used in turn, so each collective needs one barrier: a lane writes exchange k + 2
 // only after the barrier of collective k + 1, which every lane reaches after reading exchange k.
@@ -122,12 +131,39 @@ struct Warp {
     YieldBarrier bar{32};
     Exchange x[2];
 };
+
+// Bytes after a block's dynamic shared memory that must stay as they were.
+#define AMP_EMU_GUARD 256
+
 struct Block {
-    explicit Block(int threads) : bar(threads), warps(threads / 32) {
+    Block(int threads, size_t dyn_bytes) : bar(threads), warps(threads / 32), dyn_bytes(dyn_bytes) {
         for (auto& w : warps) w = std::make_unique<Warp>();
+        dyn.reset(new uint4[(dyn_bytes + AMP_EMU_GUARD) / 16 + 1]);
+        refill();
+    }
+    // Before each block: unwritten memory reads as 0xff bytes, the guard as 0xa5.
+    void refill() {
+        unsigned char* p = reinterpret_cast<unsigned char*>(dyn.get());
+        std::memset(p, 0xff, dyn_bytes);
+        std::memset(p + dyn_bytes, 0xa5, AMP_EMU_GUARD);
+        for (auto& o : ors) o.store(0);
+    }
+    // After each block: nothing was written past the launch's dynamic shared memory.
+    void check_guard() const {
+        const unsigned char* p = reinterpret_cast<const unsigned char*>(dyn.get()) + dyn_bytes;
+        for (int i = 0; i < AMP_EMU_GUARD; ++i) {
+            if (p[i] != 0xa5) {
+                std::fprintf(stderr, "emulated kernel: block (%u, %u) wrote byte %zu of a %zu-byte dynamic shared memory\n",
+                             blockIdx.x, blockIdx.y, dyn_bytes + i, dyn_bytes);
+                std::abort();
+            }
+        }
     }
     YieldBarrier bar;
     std::vector<std::unique_ptr<Warp>> warps;
+    size_t dyn_bytes;
+    std::unique_ptr<uint4[]> dyn;
+    std::atomic<int> ors[3];  // __syncthreads_or's slots, used in turn
 };
 thread_local Block* amp_emu_block = nullptr;
 
@@ -137,24 +173,109 @@ inline Warp& amp_emu_warp() { return *amp_emu_block->warps[threadIdx.x / 32]; }
 thread_local unsigned amp_emu_turn = 0;
 inline Exchange& amp_emu_exchange() { return amp_emu_warp().x[amp_emu_turn++ & 1]; }
 
+// The running block's dynamic shared memory (see the design notes: rows.cu's `amp_dyn`).
+static inline unsigned char (*amp_emu_dyn())[] {
+    return reinterpret_cast<unsigned char (*)[]>(amp_emu_block->dyn.get());
+}
+#define amp_dyn (*amp_emu_dyn())
+
 inline void __syncthreads() { amp_emu_block->bar.arrive_and_wait(); }
 
-inline float __shfl_xor_sync(unsigned, float v, int mask) {
-    Exchange& x = amp_emu_exchange();
-    const int lane = threadIdx.x & 31;
-    x.f[lane] = v;
-    amp_emu_warp().bar.arrive_and_wait();
-    return x.f[lane ^ mask];
+// Call k ORs into slot k % 3 and reads it after the barrier; thread 0 clears slot (k + 2) % 3
+// (call k - 1's, which every thread read before arriving) for call k + 2, which no thread
+// reaches before thread 0 arrives at call k + 1's barrier.
+thread_local unsigned amp_emu_or_turn = 0;
+inline int __syncthreads_or(int p) {
+    Block& b = *amp_emu_block;
+    const unsigned k = amp_emu_or_turn++;
+    if (p) b.ors[k % 3].fetch_or(1);
+    b.bar.arrive_and_wait();
+    const int r = b.ors[k % 3].load();
+    if (threadIdx.x == 0) b.ors[(k + 2) % 3].store(0);
+    return r;
 }
 
-template <typename T> inline float amp_emu_half(u32 r, int hi) {
-    T v;
-    v.bits = (unsigned short)(hi ? r >> 16 : r & 0xffffu);
-    return load(v);
+template <typename V> inline V __shfl_xor_sync(unsigned, V v, int mask) {
+    static_assert(sizeof(V) <= 8, "a shuffled value is at most 64 bits");
+    Exchange& x = amp_emu_exchange();
+    const int lane = threadIdx.x & 31;
+    x.v[lane] = 0;
+    std::memcpy(&x.v[lane], &v, sizeof v);
+    amp_emu_warp().bar.arrive_and_wait();
+    V r;
+    std::memcpy(&r, &x.v[lane ^ mask], sizeof r);
+    return r;
+}
+
+// Runs `body` as a kernel over `grid` blocks of `threads` threads (a multiple of 32) with
+// `dyn_bytes` of dynamic shared memory.
+template <typename F> void amp_emu_launch(dim3 grid, unsigned threads, size_t dyn_bytes, F body) {
+    if (threads == 0 || threads % 32 != 0 || threads > 1024) {
+        std::fprintf(stderr, "emulated launch: %u threads a block\n", threads);
+        std::abort();
+    }
+    Block block((int)threads, dyn_bytes);
+    std::vector<std::thread> ts;
+    for (unsigned i = 0; i < threads; ++i)
+        ts.emplace_back([&, i] {
+            threadIdx = dim3{i, 0, 0};
+            blockDim = dim3{threads, 1, 1};
+            gridDim = grid;
+            amp_emu_block = &block;
+            for (unsigned by = 0; by < grid.y; ++by)
+                for (unsigned bx = 0; bx < grid.x; ++bx) {
+                    blockIdx = dim3{bx, by, 0};
+                    amp_emu_turn = 0;
+                    amp_emu_or_turn = 0;
+                    body();
+                    block.bar.arrive_and_wait();  // every thread is done with this block
+                    if (i == 0) {
+                        block.check_guard();
+                        block.refill();
+                    }
+                    block.bar.arrive_and_wait();
+                }
+        });
+    for (auto& t : ts) t.join();
+}
+
+// ---- the real prelude ------------------------------------------------------------------------
+
+#include "prelude.cuh"
+
+// ---- what the prelude leaves to the emulation: conversions ---------------------------------
+
+inline float load(f16_t v) { return (float)amp_emu_bits<_Float16>(v.bits); }
+template <> inline f16_t store<f16_t>(float v) { return f16_t{amp_emu_bits<unsigned short>((_Float16)v)}; }
+template <> inline f16_t narrow<f16_t>(double v) { return f16_t{amp_emu_bits<unsigned short>((_Float16)v)}; }
+
+template <> inline bf16_t store<bf16_t>(float v) {
+    unsigned u = __float_as_uint(v);
+    if (std::isnan(v)) return bf16_t{(unsigned short)((u >> 16) | 0x40)};
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return bf16_t{(unsigned short)(u >> 16)};
+}
+// Rounded to odd in f32 (truncated, the last bit set if anything was dropped), then to
+// nearest even in bf16: one correct rounding, as cvt.rn.bf16.f64.
+template <> inline bf16_t narrow<bf16_t>(double v) {
+    if (std::isnan(v)) return store<bf16_t>((float)v);
+    float f = (float)v;
+    if ((double)f != v) {
+        if (std::fabs((double)f) > std::fabs(v)) f = std::nextafter(f, 0.0f);
+        f = __uint_as_float(__float_as_uint(f) | 1u);
+    }
+    return store<bf16_t>(f);
+}
+
+// ---- what the prelude leaves to the emulation: mma.cuh ------------------------------------
+
+template <typename T> inline float amp_emu_half(unsigned r, int hi) {
+    return load(T{(unsigned short)(hi ? r >> 16 : r & 0xffffu)});
 }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D += A·B over the warp (see mma.cuh).
-template <typename T> inline void amp_emu_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+template <typename T>
+inline void amp_emu_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
     Exchange& w = amp_emu_exchange();
     const int lane = threadIdx.x & 31;
     for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
@@ -182,22 +303,3 @@ template <typename T> inline void amp_emu_mma(float (&d)[4], const u32 (&a)[4], 
 }
 inline void amp_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2], f16_t) { amp_emu_mma<f16_t>(d, a, b); }
 inline void amp_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2], bf16_t) { amp_emu_mma<bf16_t>(d, a, b); }
-
-// Runs `body` as a kernel over `grid` blocks of `threads` threads (a multiple of 32).
-template <typename F> void amp_emu_launch(dim3 grid, unsigned threads, F body) {
-    for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-            Block block((int)threads);
-            std::vector<std::thread> ts;
-            for (unsigned i = 0; i < threads; ++i)
-                ts.emplace_back([&, i] {
-                    threadIdx = dim3{i, 0, 0};
-                    blockIdx = dim3{bx, by, 0};
-                    blockDim = dim3{threads, 1, 1};
-                    gridDim = grid;
-                    amp_emu_block = &block;
-                    body();
-                });
-            for (auto& t : ts) t.join();
-        }
-}

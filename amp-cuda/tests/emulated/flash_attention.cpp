@@ -8,7 +8,7 @@
 // probabilities and score gradients once to f16/bf16 (2^-11 / 2^-8 relative), so errors of a
 // few of those units pass and an indexing or masking mistake (errors of order 1) does not.
 
-#include "cuda_emu.hpp"
+#include "cuda_emu.hpp"  // the CUDA runtime, the real prelude, and amp_mma for mma.cuh
 #include "attention_flash.cu"
 
 #include <cstdio>
@@ -49,17 +49,17 @@ template <typename T, int D> Errors run_case(int n, i64 t, float spread, unsigne
 
     std::vector<T> out(len), dq(len), dk(len), dv(len);
     std::vector<float> lse(n * t), delta(n * t);
-    amp_emu_launch(grid, AMP_FLASH_THREADS,
+    amp_emu_launch(grid, AMP_FLASH_THREADS, 0,
                    [&] { amp_flash_fwd<T, D>(out.data(), lse.data(), q.data(), k.data(), v.data(), t, scale); });
     for (i64 r = 0; r < n * t; ++r) {  // attention_delta_bwd: g·out per row, in f32
         float acc = 0.f;
         for (int j = 0; j < D; ++j) acc += load(out[r * D + j]) * load(g[r * D + j]);
         delta[r] = acc;
     }
-    amp_emu_launch(grid, AMP_FLASH_THREADS, [&] {
+    amp_emu_launch(grid, AMP_FLASH_THREADS, 0, [&] {
         amp_flash_dq<T, D>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), t, scale);
     });
-    amp_emu_launch(grid, AMP_FLASH_THREADS, [&] {
+    amp_emu_launch(grid, AMP_FLASH_THREADS, 0, [&] {
         amp_flash_dkv<T, D>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), t,
                             scale);
     });
@@ -125,6 +125,7 @@ template <typename T, int D> int check(const char* dtype, int n, i64 t, float sp
 }
 
 int main() {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines before an abort (a failed guard, a trap) reach the test
     int failures = 0;
     // Lengths: one query; inside one tile; one past a tile; several tiles with a ragged end.
     // Spread 3 makes scores of a few tens, so each row's running max moves.

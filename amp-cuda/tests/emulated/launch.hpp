@@ -1,0 +1,123 @@
+// What the emulated runners share: launch configurations as amp-cuda's backend computes them
+// (src/launch.rs, mirrored here), aligned buffers, and error bookkeeping.
+#pragma once
+
+#include "cuda_emu.hpp"
+
+#include <map>
+#include <random>
+#include <string>
+
+// ---- src/launch.rs ------------------------------------------------------------------------------
+
+// launch::ROW_SMEM: the Rust test passes amp_cuda::kernels::ROW_SMEM as the first argument.
+inline size_t amp_row_smem = 47 * 1024;
+
+struct Cfg {
+    dim3 grid;
+    unsigned threads;
+    size_t smem;
+};
+
+template <typename F> void launch(Cfg c, F body) { amp_emu_launch(c.grid, c.threads, c.smem, body); }
+
+inline size_t next_power_of_two(size_t n) {
+    size_t p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+// launch::grid: a grid-stride launch of 256-thread blocks over n items.
+inline Cfg grid_cfg(size_t n) {
+    const size_t blocks = std::clamp<size_t>((n + 255) / 256, 1, 1 << 16);
+    return Cfg{dim3{(unsigned)blocks, 1, 1}, 256, 0};
+}
+// launch::rows_grid: one block per row, threads d rounded up to a power of two in [32, 512].
+inline Cfg rows_grid(size_t rows, size_t d, size_t smem) {
+    const size_t threads = std::clamp<size_t>(next_power_of_two(d), 32, 512);
+    const size_t blocks = std::clamp<size_t>(rows, 1, 1 << 16);
+    return Cfg{dim3{(unsigned)blocks, 1, 1}, (unsigned)threads, smem};
+}
+// launch::warp_rows_grid: one warp per row, WARP_ROWS (4) rows a block.
+inline Cfg warp_rows_grid(size_t rows) {
+    const size_t blocks = std::clamp<size_t>((rows + 3) / 4, 1, 1 << 16);
+    return Cfg{dim3{(unsigned)blocks, 1, 1}, 128, 0};
+}
+// launch::vector_rows: whole 128-bit vectors per row at 16-byte-aligned addresses.
+inline bool vector_rows(size_t d, size_t elem_bytes, bool aligned) {
+    return d > 0 && d % (16 / elem_bytes) == 0 && aligned;
+}
+// launch::warp_vectors: the vectors per lane of the warp kernels, 0 for the block kernels.
+inline int warp_vectors(size_t d, size_t elem_bytes, bool aligned) {
+    if (!vector_rows(d, elem_bytes, aligned)) return 0;
+    const size_t per_vector = 16 / elem_bytes, per_lane = (d / per_vector + 31) / 32;
+    for (int nv : {1, 2, 4, 8})
+        if (per_lane <= (size_t)nv && nv * per_vector <= 32) return nv;
+    return 0;
+}
+// launch::row_cache: (dynamic shared memory, cached) for a row of per_row bytes.
+inline std::pair<size_t, int> row_cache(size_t per_row) {
+    return per_row <= amp_row_smem ? std::make_pair(per_row, 1) : std::make_pair((size_t)0, 0);
+}
+
+// ---- buffers -------------------------------------------------------------------------------------
+
+// n values of T at element `off` of a 16-byte-aligned allocation (off 1: misaligned for 128-bit
+// accesses, as a view at an odd offset), every byte 0xff (a NaN in each float type) until written.
+template <typename T> struct Buf {
+    std::vector<uint4> raw;
+    T* p;
+    size_t n;
+    explicit Buf(size_t n, size_t off = 0) : raw(((n + off) * sizeof(T)) / 16 + 2), p(nullptr), n(n) {
+        std::memset((void*)raw.data(), 0xff, raw.size() * sizeof(uint4));
+        p = reinterpret_cast<T*>(raw.data()) + off;
+    }
+    T& operator[](size_t i) { return p[i]; }
+    const T& operator[](size_t i) const { return p[i]; }
+};
+
+template <typename T> double val(T v) { return (double)load(v); }
+template <typename T> T from(double v) { return narrow<T>(v); }
+
+template <typename T> const char* dtype_name();
+template <> inline const char* dtype_name<float>() { return "f32"; }
+template <> inline const char* dtype_name<double>() { return "f64"; }
+template <> inline const char* dtype_name<f16_t>() { return "f16"; }
+template <> inline const char* dtype_name<bf16_t>() { return "bf16"; }
+
+// ---- errors --------------------------------------------------------------------------------------
+
+// The largest |got - ref| / scale seen; a non-finite value where the reference is finite (or a
+// finite one where it is not) counts as infinitely wrong.
+struct Err {
+    double worst = 0;
+    void add(double got, double ref, double scale) {
+        double e;
+        if (std::isnan(ref)) e = std::isnan(got) ? 0 : INFINITY;
+        else if (std::isinf(ref)) e = got == ref ? 0 : INFINITY;
+        else e = std::fabs(got - ref) / scale;
+        if (!(e <= 1e300)) e = INFINITY;
+        worst = std::max(worst, e);
+    }
+};
+
+struct Report {
+    int failures = 0, cases = 0;
+    std::map<std::string, std::pair<double, double>> worst;  // family -> (error, tolerance) of the worst ratio
+    // One line per check; returns whether it passed.
+    bool check(const std::string& family, const std::string& what, double err, double tol) {
+        const bool ok = err <= tol;
+        ++cases;
+        if (!ok) ++failures;
+        std::printf("%s %-28s %-52s error %.2e (tolerance %.0e)\n", ok ? "ok  " : "FAIL", family.c_str(), what.c_str(),
+                    err, tol);
+        auto& w = worst[family];
+        if (w.second == 0 || err / tol > w.first / w.second) w = {err, tol};
+        return ok;
+    }
+    int finish() {
+        std::printf("worst error per family (relative to its tolerance):\n");
+        for (auto& [f, w] : worst) std::printf("  %-28s %.2e (tolerance %.0e)\n", f.c_str(), w.first, w.second);
+        std::printf("%d of %d check(s) failed\n", failures, cases);
+        return failures == 0 ? 0 : 1;
+    }
+};

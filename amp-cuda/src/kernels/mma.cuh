@@ -10,7 +10,8 @@
 //     d[0], d[1] = D[g][c, c+1]                       d[2], d[3] = D[g+8][c, c+1]
 //   each 32-bit register holding its first element in the low half.
 // - The host emulation of the kernels (amp-cuda/tests/emulated/) defines the same function
-//   from that table, so this file is the only one that differs between the two.
+//   from that table (with the prelude's f16/bf16 conversions, the only pieces that differ
+//   between the two).
 
 __device__ __forceinline__ void amp_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2], f16_t) {
     asm volatile(

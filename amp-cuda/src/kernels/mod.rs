@@ -5,8 +5,9 @@
 //!   prelude (`prelude.cuh`) defines the f16/bf16 types and their conversions by inline PTX,
 //!   the layout structs and the block reductions. Each family file defines templates and one
 //!   macro per dtype that declares its `extern "C"` entry points. The fused attention family
-//!   also starts with `mma.cuh` (tensor-core products by inline PTX), the one piece its host
-//!   emulation (`tests/emulated/`) replaces.
+//!   also starts with `mma.cuh` (tensor-core products by inline PTX). The host emulation
+//!   (`tests/emulated/`) runs these sources as they are, replacing only `mma.cuh` and the
+//!   prelude's inline-PTX conversions (guarded by `AMP_HOST_EMULATION`).
 //! - A [`Program`] is the prelude, one family file and the macro lines for one (op, precision):
 //!   what the backend compiles once per device and caches. Elementwise ops get their program
 //!   from the op value: a struct `amp_op` whose `fwd` / `der` / `apply` return the op's CUDA C

@@ -1,5 +1,6 @@
 //! Launch plumbing: the layout structs kernels take by value, launch configurations, and small
-//! host <-> device copies.
+//! host <-> device copies. Public so the host emulation's tests (`tests/kernels_emulated.rs`)
+//! can check that their runners launch kernels by these rules.
 //!
 //! Design notes:
 //! - [`AmpShape`] and [`AmpView`] mirror the prelude's structs field for field (`#[repr(C)]`).

@@ -41,7 +41,7 @@ mod backend;
 mod device;
 mod gemm;
 pub mod kernels;
-mod launch;
+pub mod launch;
 pub mod nvrtc;
 mod profile;
 mod storage;

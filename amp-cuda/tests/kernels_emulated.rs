@@ -26,11 +26,51 @@ mod emulated;
 use amp_core::backend::{ScaleRule, clip_coefficient, total_norm};
 use std::fmt::Write as _;
 
+/// Queries of the runner's launch rules (`tests/emulated/launch.hpp`) and what
+/// `amp_cuda::launch` answers, one line each, in the runner's answer format.
+fn launch_queries() -> Vec<(String, String)> {
+    use amp_cuda::launch;
+    let cfg =
+        |c: cudarc::driver::LaunchConfig| format!("launch {} {} {}", c.grid_dim.0, c.block_dim.0, c.shared_mem_bytes);
+    let lengths = [1usize, 7, 8, 16, 31, 32, 33, 64, 100, 255, 256, 257, 511, 512, 513, 1000, 1024, 1025, 4096, 6016];
+    let lengths = lengths.into_iter().chain([6017, 12032, 12033, 100_000]);
+    let rows = [1usize, 3, 4, 5, 255, 256, 257, 65_535, 65_536, 65_537, 1 << 20, 1 << 30];
+    let mut q = Vec::new();
+    for r in rows {
+        q.push((format!("grid {r}"), cfg(launch::grid(r))));
+        q.push((format!("warp_rows_grid {r}"), cfg(launch::warp_rows_grid(r))));
+    }
+    for d in lengths {
+        q.push((format!("rows_grid 3 {d} 4096"), cfg(launch::rows_grid(3, d, 4096))));
+        for elem in [2usize, 4, 8] {
+            let (smem, cached) = launch::row_cache(d * elem);
+            q.push((format!("row_cache {}", d * elem), format!("launch {smem} {cached}")));
+            for (aligned, ptr) in [(1, 4096u64), (0, 4096 + elem as u64)] {
+                let nv = launch::warp_vectors(d, elem, &[ptr]).unwrap_or(0);
+                q.push((format!("warp_vectors {d} {elem} {aligned}"), format!("launch {nv}")));
+            }
+        }
+    }
+    q
+}
+
 #[test]
 fn the_row_kernels_match_f64_references_when_emulated_on_the_host() {
     let args = [amp_cuda::kernels::ROW_SMEM.to_string()];
-    let Some(run) = emulated::run("rows.cpp", &args, "") else { return };
-    println!("{}", run.stdout);
+    let queries = launch_queries();
+    let input: String = queries.iter().map(|(q, _)| format!("{q}\n")).collect();
+    let Some(run) = emulated::run("rows.cpp", &args, &input) else { return };
+    // The runners launch by the backend's rules: launch.hpp mirrors src/launch.rs.
+    let answers: Vec<&str> = run.stdout.lines().filter(|l| l.starts_with("launch ")).collect();
+    assert_eq!(answers.len(), queries.len(), "the runner answered {} of the launch queries", answers.len());
+    let drift: Vec<String> = queries
+        .iter()
+        .zip(&answers)
+        .filter(|((_, want), got)| want != *got)
+        .map(|((q, want), got)| format!("{q}: launch.rs says `{want}`, launch.hpp `{got}`"))
+        .collect();
+    assert!(drift.is_empty(), "tests/emulated/launch.hpp no longer follows src/launch.rs:\n{}", drift.join("\n"));
+    println!("{}", run.stdout.lines().filter(|l| !l.starts_with("launch ")).collect::<Vec<_>>().join("\n"));
     assert!(
         run.success && run.stdout.contains("\n0 of "),
         "the emulated row kernels disagree with their references (FAIL lines above):\n{}",

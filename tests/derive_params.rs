@@ -277,3 +277,33 @@ fn an_array_of_modules_is_a_module_list() {
     assert_eq!(m.named_params_mut().len(), 3);
     m.eval();
 }
+
+/// A framework that re-exports amp (`pub use amp;`), as a crate between amp and its users
+/// would: a user of the framework names that path with `crate = ..`, since amp is not among
+/// its own dependencies for the macros to find.
+mod framework {
+    pub use ::amp;
+}
+
+#[derive(Params)]
+#[param(crate = self::framework::amp)]
+struct ThroughReexport {
+    w: Param,
+    inner: Linear,
+}
+
+#[amp::autocast(bf16, crate = self::framework::amp)]
+fn forward_through_reexport(m: &ThroughReexport, x: &Tensor<f32>) -> Tensor<f32> {
+    x.matmul(&m.w).relu()
+}
+
+#[test]
+fn crate_names_amp_reached_through_a_reexport() {
+    let mut rng = Rng::seed(3);
+    let m = ThroughReexport { w: param(&[4, 3], &mut rng), inner: Linear::new(3, 2, true, &mut rng) };
+    let names: Vec<String> = m.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["w", "inner.weight", "inner.bias"]);
+    let x = Tensor::<f32>::randn(&[2, 4], &mut rng);
+    let want = x.cast::<bf16>().matmul(&m.w.cast::<bf16>()).relu().cast::<f32>();
+    assert_eq!(forward_through_reexport(&m, &x).to_vec(), want.to_vec(), "the matmul ran in bf16");
+}

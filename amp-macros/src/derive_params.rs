@@ -226,21 +226,42 @@ impl Elem {
     }
 }
 
-/// Parses `#[param(precision = T)]` on the struct; other keys are field options, misplaced.
-fn struct_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> Option<Type> {
-    let mut precision: Option<Type> = None;
+/// What `#[param(...)]` on the struct says.
+#[derive(Default)]
+struct StructOpts {
+    /// `precision = T`: the parameters' element type.
+    precision: Option<Type>,
+    /// `crate = path`: the path to the `amp` facade (a re-export of it).
+    krate: Option<syn::Path>,
+}
+
+/// Parses `#[param(precision = T)]` and `#[param(crate = path)]` on the struct; other keys are
+/// field options, misplaced.
+fn struct_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> StructOpts {
+    let mut opts = StructOpts::default();
     for attr in attrs.iter().filter(|a| a.path().is_ident("param")) {
         let res = attr.parse_nested_meta(|meta| {
             if meta.path.is_ident("precision") {
-                if precision.is_some() {
+                if opts.precision.is_some() {
                     return Err(meta.error("duplicate `precision`"));
                 }
-                precision = Some(meta.value()?.parse()?);
+                opts.precision = Some(meta.value()?.parse()?);
+                Ok(())
+            } else if meta.path.is_ident("crate") {
+                if opts.krate.is_some() {
+                    return Err(meta.error("duplicate `crate`"));
+                }
+                opts.krate = Some(meta.value()?.parse().map_err(|e| {
+                    syn::Error::new(
+                        e.span(),
+                        "expected the path to amp, as this crate reaches it: `crate = my_framework::amp`",
+                    )
+                })?);
                 Ok(())
             } else {
                 Err(meta.error(
-                    "on the struct, `#[param(...)]` takes only `precision = <type>` (the parameters' element type); \
-                     `skip` and `rename = \"...\"` belong on fields",
+                    "on the struct, `#[param(...)]` takes only `precision = <type>` (the parameters' element type) and \
+                     `crate = <path to amp>`; `skip` and `rename = \"...\"` belong on fields",
                 ))
             }
         });
@@ -248,7 +269,7 @@ fn struct_opts(attrs: &[syn::Attribute], errors: &mut Vec<syn::Error>) -> Option
             errors.push(e);
         }
     }
-    precision
+    opts
 }
 
 /// The type parameters bounded by `Precision` (`W: Precision`, `W: amp::Precision`, or in the
@@ -277,7 +298,6 @@ fn bounded_params(generics: &syn::Generics, bound: &str) -> Vec<syn::Ident> {
 }
 
 fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
-    let krate = core_path();
     let fields = match &input.data {
         Data::Struct(s) => s.fields.clone(),
         Data::Enum(e) => {
@@ -291,7 +311,9 @@ fn try_expand(input: DeriveInput) -> syn::Result<TokenStream> {
         }
     };
     let mut errors = Vec::new();
-    let attr_precision = struct_opts(&input.attrs, &mut errors);
+    let StructOpts { precision: attr_precision, krate } = struct_opts(&input.attrs, &mut errors);
+    // `crate = path` names the facade as the user reaches it; amp-core is re-exported there.
+    let krate = krate.map_or_else(core_path, |k| quote!(#k::amp_core));
 
     // (member, name, type) of every visited field.
     let mut visited = Vec::new();

@@ -1083,6 +1083,16 @@ mod tests {
     }
 
     #[test]
+    fn crate_names_where_amp_is() {
+        let got = expanded(
+            quote!(crate = ::my_framework::amp),
+            quote! { fn f(x: &Tensor<f32>, w: &Param) -> Tensor<f32> { x.matmul(w) } },
+        );
+        assert!(got.contains("::my_framework::amp::__private::Region::enter"), "{got}");
+        assert!(!got.contains("amp_core"), "{got}");
+    }
+
+    #[test]
     fn a_small_forward() {
         // `x.matmul(w1)`: both sides to f16; `.add(b1)`: the f16 product and the f32 bias meet
         // in f32 (promote); `relu` as its input; `softmax` in f32; the tail cast to the

@@ -51,6 +51,10 @@ use quote::quote;
 /// names it (`Param<bf16>`, `Linear<bf16>`), else generic when every field is generic
 /// (`struct Wrap<M> { inner: M }`), else f32; `#[param(precision = T)]` on the struct says it
 /// outright. f16 parameters are refused (no optimizer updates them).
+///
+/// `#[param(crate = my_framework::amp)]` on the struct says where amp is when your crate
+/// reaches it only through another crate's `pub use amp` (otherwise the derive looks for `amp`
+/// or `amp-core`, renamed or not, among your dependencies).
 #[proc_macro_derive(Params, attributes(param))]
 pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
     derive_params::expand(syn::parse_macro_input!(input as syn::DeriveInput)).into()
@@ -116,7 +120,9 @@ pub fn derive_params(input: proc_macro::TokenStream) -> proc_macro::TokenStream 
 ///   copies on write), so a training loop inside one region keeps the cache bounded.
 /// - Options: `lower = [my_proj]`, `fp32 = [my_norm, Self::rescale]` put functions or methods
 ///   of your own in a category (their tensor arguments are cast); `passthrough = [softmax]`
-///   turns a table op off in this function.
+///   turns a table op off in this function; `crate = my_framework::amp` says where amp is when
+///   your crate reaches it only through another crate's `pub use amp` (the macro otherwise
+///   looks for `amp` or `amp-core`, renamed or not, among your dependencies).
 /// - `autocast_off! { .. }` (statements or one expression) or `#[autocast(off)]` on a statement
 ///   runs that code as written.
 /// - Code that is not a tensor op but shares a name (`iter.sum()`, `f32::max`, `x.exp()` on a
@@ -177,7 +183,11 @@ fn autocast_impl(attr: TokenStream2, item: TokenStream2, private: TokenStream2) 
         (Err(e), _) => Err(e),
     };
     match (opts, func) {
-        (Ok(opts), Ok(func)) => expand::expand(&opts, func, &private),
+        (Ok(opts), Ok(func)) => {
+            // `crate = path`: amp as the caller reaches it (a re-export), not as a dependency.
+            let private = opts.krate.as_ref().map_or(private, |krate| quote!(#krate::__private));
+            expand::expand(&opts, func, &private)
+        }
         (opts, func) => {
             let errors = [opts.err(), func.err()].into_iter().flatten().map(|e| e.to_compile_error());
             let original = expand::strip_off_attrs(item);

@@ -6,7 +6,8 @@
 //!   checked against the function's generics once the item is parsed ([`resolve_low`]);
 //! - a category list, `lower = [..]`, `fp32 = [..]`, `promote = [..]` (a user's own functions
 //!   or methods, by name or path) or `passthrough = [..]` (table ops left alone here);
-//! - `cache = true | false` (the weight cast cache; on by default).
+//! - `cache = true | false` (the weight cast cache; on by default);
+//! - `crate = path::to::amp` (where amp is, when the caller reaches it through a re-export).
 //!
 //! Every problem is reported on its own token, all of them at once, with a suggestion when a
 //! word is close to a known one.
@@ -47,11 +48,13 @@ pub(crate) struct Options {
     pub(crate) chosen: bool,
     pub(crate) lists: Vec<CategoryList>,
     pub(crate) cache: bool,
+    /// `crate = path`: the path to the `amp` facade (a re-export of it), if given.
+    pub(crate) krate: Option<Path>,
 }
 
 /// Known precisions that can be the low type.
 const PRECISIONS: &[&str] = &["f16", "bf16", "f32"];
-const KEYS: &[&str] = &["lower", "fp32", "promote", "passthrough", "cache"];
+const KEYS: &[&str] = &["lower", "fp32", "promote", "passthrough", "cache", "crate"];
 
 fn key_category(key: &str) -> Option<Category> {
     match key {
@@ -110,6 +113,8 @@ enum Entry {
     Flag(Ident),
     List(Ident, Vec<Path>, Span),
     Bool(Ident, LitBool),
+    /// `crate = path`.
+    Crate(Ident, Path),
     /// `key = <something else>`: kept to report it on its own span.
     BadValue(Ident, Span, &'static str),
 }
@@ -132,10 +137,16 @@ impl Parse for Entry {
         }
         // Consume one expression so the rest of the list still parses, then report it.
         let value: syn::Expr = input.parse()?;
+        if let (true, syn::Expr::Path(p)) = (key == "crate", &value)
+            && p.qself.is_none()
+        {
+            return Ok(Entry::Crate(key, p.path.clone()));
+        }
         let hint = if matches!(value, syn::Expr::Path(_)) {
             "expected a list in brackets, e.g. `fp32 = [my_norm]`"
         } else {
-            "expected a list in brackets (`fp32 = [my_norm]`) or `true`/`false` (`cache = false`)"
+            "expected a list in brackets (`fp32 = [my_norm]`), `true`/`false` (`cache = false`) or a path \
+             (`crate = my_framework::amp`)"
         };
         Ok(Entry::BadValue(key, value.span(), hint))
     }
@@ -147,6 +158,7 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
     let mut errors: Vec<syn::Error> = Vec::new();
     let mut low: Option<(LowType, Ident)> = None;
     let mut cache: Option<(bool, Ident)> = None;
+    let mut krate: Option<Path> = None;
     let mut lists: Vec<CategoryList> = Vec::new();
     for entry in entries {
         match entry {
@@ -165,7 +177,11 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
                         continue;
                     }
                     _ if KEYS.contains(&word.as_str()) => {
-                        let example = if word == "cache" { "cache = false" } else { "fp32 = [my_norm]" };
+                        let example = match word.as_str() {
+                            "cache" => "cache = false",
+                            "crate" => "crate = my_framework::amp",
+                            _ => "fp32 = [my_norm]",
+                        };
                         errors.push(syn::Error::new(id.span(), format!("`{word}` needs a value: `{example}`")));
                         continue;
                     }
@@ -183,7 +199,7 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
             Entry::List(key, names, span) => {
                 let word = key.to_string();
                 let Some(category) = key_category(&word) else {
-                    errors.push(unknown_key(&key));
+                    errors.push(if word == "crate" { crate_needs_path(span) } else { unknown_key(&key) });
                     continue;
                 };
                 if names.is_empty() {
@@ -202,7 +218,9 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
             }
             Entry::Bool(key, value) => {
                 if key != "cache" {
-                    let msg = if key_category(&key.to_string()).is_some() {
+                    let msg = if key == "crate" {
+                        crate_needs_path(value.span())
+                    } else if key_category(&key.to_string()).is_some() {
                         syn::Error::new(value.span(), format!("`{key}` takes a list of names, e.g. `{key} = [my_fn]`"))
                     } else {
                         unknown_key(&key)
@@ -216,9 +234,20 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
                     cache = Some((value.value, key));
                 }
             }
+            Entry::Crate(key, path) => {
+                if krate.is_some() {
+                    errors.push(syn::Error::new(key.span(), "duplicate `crate`: keep one"));
+                } else {
+                    krate = Some(path);
+                }
+            }
             Entry::BadValue(key, span, hint) => {
                 if KEYS.contains(&key.to_string().as_str()) {
-                    let hint = if key == "cache" { "expected `true` or `false`: `cache = false`" } else { hint };
+                    let hint = match key.to_string().as_str() {
+                        "cache" => "expected `true` or `false`: `cache = false`",
+                        "crate" => CRATE_HINT,
+                        _ => hint,
+                    };
                     errors.push(syn::Error::new(span, hint));
                 } else {
                     errors.push(unknown_key(&key));
@@ -233,7 +262,14 @@ pub(crate) fn options(args: proc_macro2::TokenStream) -> Result<Options, syn::Er
         return Err(e);
     }
     let chosen = low.is_some();
-    Ok(Options { low: low.map_or(LowType::F16, |(t, _)| t), chosen, lists, cache: cache.is_none_or(|(c, _)| c) })
+    let cache = cache.is_none_or(|(c, _)| c);
+    Ok(Options { low: low.map_or(LowType::F16, |(t, _)| t), chosen, lists, cache, krate })
+}
+
+const CRATE_HINT: &str = "expected the path to amp, as this crate reaches it: `crate = my_framework::amp`";
+
+fn crate_needs_path(span: Span) -> syn::Error {
+    syn::Error::new(span, CRATE_HINT)
 }
 
 /// Settles a precision word that is not a known type: a type parameter of `func`, or an error
@@ -268,7 +304,8 @@ pub(crate) fn unresolved_error(opts: &Options) -> Option<syn::Error> {
 
 fn unknown_key(key: &Ident) -> syn::Error {
     let word = key.to_string();
-    let msg = format!("unknown option `{word}`: expected one of `lower`, `fp32`, `promote`, `passthrough`, `cache`");
+    let msg =
+        format!("unknown option `{word}`: expected one of `lower`, `fp32`, `promote`, `passthrough`, `cache`, `crate`");
     syn::Error::new(key.span(), with_suggestion(msg, &word, KEYS))
 }
 
@@ -295,6 +332,20 @@ mod tests {
         assert_eq!(o.lists.len(), 2);
         assert_eq!(o.lists[0].category, Category::Fp32);
         assert_eq!(o.lists[0].names.len(), 2);
+    }
+
+    #[test]
+    fn crate_takes_a_path_once() {
+        let o = options(quote!(bf16, crate = ::my_framework::amp)).unwrap();
+        let krate = o.krate.expect("the path");
+        assert_eq!(quote!(#krate).to_string(), ":: my_framework :: amp");
+        assert!(options(quote!()).unwrap().krate.is_none());
+        let expect = "expected the path to amp, as this crate reaches it: `crate = my_framework::amp`";
+        for bad in [quote!(crate = "amp"), quote!(crate = true), quote!(crate = [amp]), quote!(crate = 1 + 1)] {
+            assert_eq!(err(bad), expect);
+        }
+        assert_eq!(err(quote!(crate)), "`crate` needs a value: `crate = my_framework::amp`");
+        assert_eq!(err(quote!(crate = a::amp, crate = b::amp)), "duplicate `crate`: keep one");
     }
 
     /// Options resolved against `func` (the item `#[autocast]` is on).

@@ -11,4 +11,11 @@ struct Linear {
     scale: Param,
 }
 
+// On the struct, `crate` takes the path to amp (`crate = my_framework::amp`), not a string.
+#[derive(Params)]
+#[param(crate = "amp")]
+struct Wrapped {
+    weight: Param,
+}
+
 fn main() {}

@@ -3,10 +3,11 @@
 //! plus safetensors files of data (f32 tensors and integer [`Indices`]).
 //!
 //! ```no_run
-//! use amp_core::checkpoint::{TrainingState, load_checkpoint, save_checkpoint};
-//! # fn demo(model: &mut impl amp_core::Params) -> amp_core::Result<()> {
+//! # extern crate amp_core as amp;
+//! use amp::checkpoint::{TrainingState, load_checkpoint, save_checkpoint};
+//! # fn demo(model: &mut impl amp::Params) -> amp::Result<()> {
 //! let mut state = TrainingState::new(500);
-//! state.rng = Some(amp_core::Rng::seed(0));
+//! state.rng = Some(amp::Rng::seed(0));
 //! save_checkpoint("runs/demo/checkpoint", model, &state)?;
 //! let resumed: TrainingState = load_checkpoint("runs/demo/checkpoint", model)?;
 //! assert_eq!(resumed.step, 500);
@@ -17,11 +18,12 @@
 //! (`serde_json::Value` when not):
 //!
 //! ```no_run
-//! use amp_core::checkpoint::{TrainingState, load_checkpoint, save_checkpoint};
-//! use amp_core::optim::{AdamState, AdamW, Optim, OptimizerState};
-//! use amp_core::scaler::{GradScaler, GradScalerState};
-//! # fn demo(model: &mut impl amp_core::Params, opt: &mut Optim<AdamW>, scaler: &mut GradScaler)
-//! # -> amp_core::Result<()> {
+//! # extern crate amp_core as amp;
+//! use amp::checkpoint::{TrainingState, load_checkpoint, save_checkpoint};
+//! use amp::optim::{AdamState, AdamW, Optim, OptimizerState};
+//! use amp::scaler::{GradScaler, GradScalerState};
+//! # fn demo(model: &mut impl amp::Params, opt: &mut Optim<AdamW>, scaler: &mut GradScaler)
+//! # -> amp::Result<()> {
 //! let state = TrainingState::with_parts(500, opt.state_dict(), scaler.state_dict(), ());
 //! save_checkpoint("runs/demo/checkpoint", model, &state)?;
 //! let resumed: TrainingState<OptimizerState<AdamState>, GradScalerState, ()> =
@@ -35,8 +37,9 @@
 //! reports what did not match, as `model.load_state_dict(sd, strict=False)` does:
 //!
 //! ```no_run
-//! use amp_core::checkpoint::{LoadOptions, load_weights_with};
-//! # fn demo(model: &mut impl amp_core::Params) -> amp_core::Result<()> {
+//! # extern crate amp_core as amp;
+//! use amp::checkpoint::{LoadOptions, load_weights_with};
+//! # fn demo(model: &mut impl amp::Params) -> amp::Result<()> {
 //! let opts = LoadOptions::new().strict(false).strip_prefix("module.").rename("fc1", "mlp.fc");
 //! let report = load_weights_with("pytorch_export.safetensors", model, &opts)?;
 //! println!("{report}"); // loaded 10 tensors; missing 0; unexpected 1 (`module.lm_head.bias`); ...
@@ -712,8 +715,9 @@ impl From<&Indices> for StoredTensor {
 /// build one with [`TensorFile::insert`] and write it with [`save_tensors`].
 ///
 /// ```
-/// use amp_core::checkpoint::{TensorFile, read_tensors, save_tensors};
-/// use amp_core::{Indices, Tensor};
+/// # extern crate amp_core as amp;
+/// use amp::checkpoint::{TensorFile, read_tensors, save_tensors};
+/// use amp::{Indices, Tensor};
 /// let mut data = TensorFile::new();
 /// data.insert("x", &Tensor::<f32>::from_vec(vec![0.5, 1.5, -2.0, 4.0], &[2, 2]));
 /// data.insert("y", Indices::from_vec(vec![3, -100], &[2]));
@@ -724,7 +728,7 @@ impl From<&Indices> for StoredTensor {
 /// assert_eq!(back.tensor("x")?.to_vec(), vec![0.5, 1.5, -2.0, 4.0]);
 /// assert!(back.indices("x").unwrap_err().to_string().contains("holds F32 values"));
 /// # std::fs::remove_file(&path).unwrap();
-/// # Ok::<(), amp_core::Error>(())
+/// # Ok::<(), amp::Error>(())
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct TensorFile {
@@ -945,7 +949,8 @@ impl KeyStep {
 /// drops the tensor (it is listed in [`LoadReport::dropped`], and is not unexpected).
 ///
 /// ```
-/// use amp_core::checkpoint::LoadOptions;
+/// # extern crate amp_core as amp;
+/// use amp::checkpoint::LoadOptions;
 /// let opts = LoadOptions::new()
 ///     .strict(false)
 ///     .strip_prefix("module.") // saved from a DataParallel model

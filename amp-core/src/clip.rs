@@ -31,7 +31,8 @@ pub use crate::cpu::amp::{clamp_in_place, scale_in_place, sum_of_squares};
 /// per-gradient norms, in f32.
 ///
 /// ```
-/// let n = amp_core::clip::global_norm(&[&[3.0f32][..], &[4.0f32][..]]);
+/// # extern crate amp_core as amp;
+/// let n = amp::clip::global_norm(&[&[3.0f32][..], &[4.0f32][..]]);
 /// assert_eq!(n, 5.0);
 /// ```
 pub fn global_norm(slices: &[&[f32]]) -> f32 {

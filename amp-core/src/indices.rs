@@ -86,7 +86,8 @@ impl Mask {
     /// A mask from values (row-major) and a shape; panics if the count does not fill the shape.
     ///
     /// ```
-    /// # use amp_core::Mask;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Mask;
     /// let m = Mask::from_vec(vec![true, false, false, true], &[2, 2]);
     /// assert_eq!(m.shape(), &[2, 2]);
     /// ```
@@ -102,7 +103,8 @@ impl Mask {
     /// attention must hide (`scores.masked_fill(&Mask::causal(t), f64::NEG_INFINITY)`).
     ///
     /// ```
-    /// # use amp_core::Mask;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Mask;
     /// assert_eq!(Mask::causal(2).to_vec(), vec![false, true, false, false]);
     /// ```
     pub fn causal(t: usize) -> Self {

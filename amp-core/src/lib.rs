@@ -6,8 +6,9 @@
 //! and rounds once.
 //!
 //! ```
-//! use amp_core::{Param, Tensor, Rng};
-//! use half::f16;
+//! # extern crate amp_core as amp;
+//! use amp::{Param, Tensor, Rng};
+//! use amp::f16;
 //!
 //! let mut rng = Rng::seed(0);
 //! let w = Param::new(Tensor::<f32>::randn(&[4, 3], &mut rng)); // f32 master weight

@@ -343,7 +343,8 @@ impl<E: Precision, D: Device, T: Params<E, D> + ?Sized> Params<E, D> for Box<T> 
 /// names that parameter are moved, the others (rates, configs) are cloned.
 ///
 /// ```
-/// use amp_core::{Cpu, Param, Tensor, param::ToDevice};
+/// # extern crate amp_core as amp;
+/// use amp::{Cpu, Param, Tensor, param::ToDevice};
 /// let w = Param::new(Tensor::<f32>::ones(&[2, 2]));
 /// let moved: Param<f32, Cpu> = w.to_device(&Cpu);
 /// assert_ne!(moved.id(), w.id());

@@ -126,9 +126,10 @@ impl fmt::Display for PolicyTable {
 /// Prints the op policy table (markdown) to standard output.
 ///
 /// ```
-/// amp_core::policy::print_policy();
-/// let row = amp_core::policy::lookup("matmul").unwrap();
-/// assert_eq!(row.category, amp_core::policy::Category::LowerPrecision);
+/// # extern crate amp_core as amp;
+/// amp::policy::print_policy();
+/// let row = amp::policy::lookup("matmul").unwrap();
+/// assert_eq!(row.category, amp::policy::Category::LowerPrecision);
 /// ```
 pub fn print_policy() {
     print!("{PolicyTable}");
@@ -138,7 +139,8 @@ pub fn print_policy() {
 /// them (tensors keep the precision they arrive with). Outside `#[autocast]` it is a plain block.
 ///
 /// ```
-/// use amp_core::{DType, Tensor, autocast, autocast_off, f16};
+/// # extern crate amp_core as amp;
+/// use amp::{DType, Tensor, autocast, autocast_off, f16};
 /// #[autocast]
 /// fn f(x: &Tensor<f32>) -> Tensor<f16> {
 ///     let h = x.matmul(x); // f16

@@ -2,7 +2,8 @@
 //! `torch.profiler`'s `key_averages()` gives, for every device.
 //!
 //! ```
-//! use amp_core::{Tensor, profile};
+//! # extern crate amp_core as amp;
+//! use amp::{Tensor, profile};
 //! let a = Tensor::<f32>::ones(&[64, 64]);
 //! profile::start();
 //! let b = a.matmul(&a).gelu().sum(1, false);

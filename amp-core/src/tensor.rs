@@ -131,7 +131,8 @@ impl<E: Precision> Tensor<E> {
     /// A tensor holding `data` in row-major order. Panics if the length does not fill `shape`.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let t = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
     /// assert_eq!(t.shape(), &[2, 3]);
     /// ```
@@ -385,7 +386,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Gradients of this scalar with respect to every leaf it depends on.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2]).requires_grad_();
     /// let y = x.mul(&x).sum_all(); // x0^2 + x1^2
     /// let g = y.backward();
@@ -473,7 +475,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Merges dims `start..=end` into one; panics with [`Tensor::try_flatten_dims`]'s error.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::zeros(&[2, 3, 4, 5]);
     /// assert_eq!(x.flatten_dims(1, 3).shape(), &[2, 60]);
     /// ```
@@ -623,8 +626,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Values beyond `E2`'s range become ±inf, never clamped; NaN stays NaN.
     ///
     /// ```
-    /// # use amp_core::Tensor;
-    /// use half::f16;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
+    /// use amp::f16;
     /// let x = Tensor::<f32>::from_vec(vec![1.0, 70000.0], &[2]);
     /// let h = x.cast::<f16>();
     /// assert!(h.to_vec()[1].is_infinite());

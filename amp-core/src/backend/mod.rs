@@ -377,7 +377,7 @@ pub struct AdamArgs {
 }
 
 /// How [`Device::write_bf16`] rounds an optimizer's f32 results into bf16 parameters
-/// (pure-bf16 training; see `amp_core::optim::Bf16Rounding`).
+/// (pure-bf16 training; see `amp::optim::Bf16Rounding`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Write {
     /// Round to nearest even.

@@ -125,7 +125,8 @@ impl ScaleRule {
 /// scale.
 ///
 /// ```
-/// assert_eq!(amp_core::scaler::inv_scale(65536.0), 1.0 / 65536.0);
+/// # extern crate amp_core as amp;
+/// assert_eq!(amp::scaler::inv_scale(65536.0), 1.0 / 65536.0);
 /// ```
 pub fn inv_scale(scale: f32) -> f32 {
     (1.0f64 / scale as f64) as f32
@@ -143,7 +144,8 @@ pub fn total_norm(norms: &[f32]) -> f32 {
 /// divided by a tensor), all in f32; so does this. NaN propagates.
 ///
 /// ```
-/// assert_eq!(amp_core::clip::clip_coefficient(0.5, 1.0), 1.0);
+/// # extern crate amp_core as amp;
+/// assert_eq!(amp::clip::clip_coefficient(0.5, 1.0), 1.0);
 /// ```
 pub fn clip_coefficient(total_norm: f32, max_norm: f32) -> f32 {
     let coef = (1.0 / (total_norm + 1e-6f32)) * max_norm;

@@ -24,11 +24,12 @@
 //! still reads as `None`:
 //!
 //! ```
+//! # extern crate amp_core as amp;
 //! #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
 //! struct Metrics {
-//!     #[serde(with = "amp_core::checkpoint::floats")]
+//!     #[serde(with = "amp::checkpoint::floats")]
 //!     losses: Vec<f64>,
-//!     #[serde(with = "amp_core::checkpoint::floats", default)]
+//!     #[serde(with = "amp::checkpoint::floats", default)]
 //!     best: Option<f32>,
 //! }
 //! let m = Metrics { losses: vec![2.5, f64::INFINITY, f64::NAN], best: Some(f32::NEG_INFINITY) };
@@ -56,12 +57,12 @@ pub trait Floats: Sized {
     fn deserialize_floats<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error>;
 }
 
-/// `#[serde(with = "amp_core::checkpoint::floats")]`: serialises `value` (see the module).
+/// `#[serde(with = "amp::checkpoint::floats")]`: serialises `value` (see the module).
 pub fn serialize<T: Floats, S: Serializer>(value: &T, serializer: S) -> Result<S::Ok, S::Error> {
     value.serialize_floats(serializer)
 }
 
-/// `#[serde(with = "amp_core::checkpoint::floats")]`: deserialises a value (see the module).
+/// `#[serde(with = "amp::checkpoint::floats")]`: deserialises a value (see the module).
 pub fn deserialize<'de, T: Floats, D: Deserializer<'de>>(deserializer: D) -> Result<T, D::Error> {
     T::deserialize_floats(deserializer)
 }

@@ -28,8 +28,9 @@ const EXP_MASK: u32 = 0x7f80_0000;
 /// multiply) was inf or NaN. Parallel for large slices.
 ///
 /// ```
+/// # extern crate amp_core as amp;
 /// let mut g = vec![2.0f32, f32::INFINITY, 4.0];
-/// assert!(amp_core::scaler::unscale_in_place(&mut g, 0.5));
+/// assert!(amp::scaler::unscale_in_place(&mut g, 0.5));
 /// assert_eq!(g[0], 1.0);
 /// ```
 pub fn unscale_in_place(data: &mut [f32], inv: f32) -> bool {

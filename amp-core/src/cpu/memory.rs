@@ -11,7 +11,8 @@
 //! [`cache_limit`] bytes ([`DEFAULT_CACHE_LIMIT`] unless [`set_cache_limit`] says otherwise).
 //!
 //! ```
-//! use amp_core::{Tensor, cpu_memory};
+//! # extern crate amp_core as amp;
+//! use amp::{Tensor, cpu_memory};
 //!
 //! let before = cpu_memory::memory_allocated();
 //! let t = Tensor::<f32>::zeros(&[1024, 1024]); // 4 MiB

@@ -11,10 +11,11 @@
 //! share from it. The same step then made about 350 context switches and took 0.096 s.
 //!
 //! ```
+//! # extern crate amp_core as amp;
 //! // First thing in `main`, on the thread that will run the training loop.
-//! let threads = amp_core::cpu_threads::init(0)?; // 0: one per logical CPU
+//! let threads = amp::cpu_threads::init(0)?; // 0: one per logical CPU
 //! assert!(threads >= 1);
-//! # Ok::<(), amp_core::Error>(())
+//! # Ok::<(), amp::Error>(())
 //! ```
 //!
 //! Design notes:

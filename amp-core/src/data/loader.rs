@@ -217,8 +217,9 @@ impl<D: BatchDataset> DataLoader<D> {
     /// ([`EpochBatches::position`]) resumes after the last batch served.
     ///
     /// ```
-    /// use amp_core::data::{DataLoader, TensorDataset};
-    /// use amp_core::{Indices, Tensor};
+    /// # extern crate amp_core as amp;
+    /// use amp::data::{DataLoader, TensorDataset};
+    /// use amp::{Indices, Tensor};
     ///
     /// let data = TensorDataset::new(Tensor::<f32>::zeros(&[10, 2]), Indices::from_vec(vec![0; 10], &[10])).unwrap();
     /// let mut loader = DataLoader::new(data, 4, 0).unwrap().drop_last(true).unwrap();

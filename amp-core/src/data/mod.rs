@@ -7,8 +7,9 @@
 //! `DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)`:
 //!
 //! ```
-//! use amp_core::data::{DataLoader, TensorDataset};
-//! use amp_core::{Indices, Rng, Tensor};
+//! # extern crate amp_core as amp;
+//! use amp::data::{DataLoader, TensorDataset};
+//! use amp::{Indices, Rng, Tensor};
 //!
 //! let mut rng = Rng::seed(0);
 //! let x = Tensor::<f32>::randn(&[100, 8], &mut rng); // 100 samples of 8 features
@@ -27,7 +28,8 @@
 //! Token tasks stack their samples into a [`TokenBatch`]:
 //!
 //! ```
-//! use amp_core::data::{AdditionConfig, AdditionTask, DataLoader, Dataset};
+//! # extern crate amp_core as amp;
+//! use amp::data::{AdditionConfig, AdditionTask, DataLoader, Dataset};
 //!
 //! let task = AdditionTask::new(AdditionConfig { digits: 2, ..AdditionConfig::default() }).unwrap();
 //! let mut loader = DataLoader::new(task.train_set(), 32, 0).unwrap();

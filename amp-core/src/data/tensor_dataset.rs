@@ -81,8 +81,9 @@ impl Rows for Indices {
 /// [`super::DataLoader::epoch_batches`] hand out.
 ///
 /// ```
-/// use amp_core::data::{DataLoader, TensorDataset};
-/// use amp_core::{Indices, Tensor};
+/// # extern crate amp_core as amp;
+/// use amp::data::{DataLoader, TensorDataset};
+/// use amp::{Indices, Tensor};
 ///
 /// // 10 samples of 3 features; the label of row i is i % 2.
 /// let x = Tensor::<f32>::from_vec((0..30).map(|v| v as f32).collect(), &[10, 3]);

@@ -60,7 +60,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Causal attention; panics on mismatched shapes (see [`Tensor::try_causal_attention`]).
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let q = Tensor::<f32>::from_vec(vec![1.0, 0.0, 0.0, 1.0], &[1, 2, 2]); // [heads, t, d]
     /// let v = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[1, 2, 2]);
     /// let y = q.causal_attention(&q, &v).to_vec();

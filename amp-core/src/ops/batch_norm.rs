@@ -141,7 +141,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Batch norm; panics with [`Tensor::try_batch_norm`]'s error.
     ///
     /// ```
-    /// # use amp_core::{BatchNormOptions, Tensor};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{BatchNormOptions, Tensor};
     /// let x = Tensor::<f64>::from_vec(vec![1.0, 2.0, 5.0, 10.0], &[2, 2]); // 2 samples, 2 channels
     /// let (mut mean, mut var) = (Tensor::<f32>::zeros(&[2]), Tensor::<f32>::ones(&[2]));
     /// let opts = BatchNormOptions { training: true, momentum: 0.5, eps: 0.0 };

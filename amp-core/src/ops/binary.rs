@@ -137,8 +137,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// incompatible shapes.
     ///
     /// ```
-    /// # use amp_core::Tensor;
-    /// use half::bf16;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
+    /// use amp::bf16;
     /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2]);
     /// let branch = Tensor::<f32>::from_vec(vec![0.1, 0.2], &[2]).cast::<bf16>();
     /// assert_eq!(x.add_cast(&branch).to_vec(), x.add(&branch.cast::<f32>()).to_vec());

@@ -123,7 +123,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// 2-D convolution; panics with [`Tensor::try_conv2d`]'s error on bad shapes or options.
     ///
     /// ```
-    /// # use amp_core::{Conv2dOptions, Tensor};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Conv2dOptions, Tensor};
     /// let x = Tensor::<f32>::from_vec((0..9).map(|v| v as f32).collect(), &[1, 1, 3, 3]);
     /// let w = Tensor::<f32>::ones(&[1, 1, 2, 2]);
     /// let y = x.conv2d(&w, None, Conv2dOptions::default());

@@ -36,7 +36,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Dropout; panics if `p` is outside `[0, 1)`.
     ///
     /// ```
-    /// # use amp_core::{Rng, Tensor};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Rng, Tensor};
     /// let x = Tensor::<f32>::ones(&[1000]);
     /// let y = x.dropout(0.5, true, &mut Rng::seed(0)).to_vec();
     /// assert!(y.iter().all(|&v| v == 0.0 || v == 2.0));

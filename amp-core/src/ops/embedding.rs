@@ -37,7 +37,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Embedding lookup; panics if the weight is not 2-D or an id is out of range.
     ///
     /// ```
-    /// # use amp_core::{Indices, Tensor};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Indices, Tensor};
     /// let w = Tensor::<f32>::from_vec(vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0], &[3, 2]);
     /// let ids = Indices::from_vec(vec![2, 0], &[1, 2]);
     /// let y = w.embedding(&ids);

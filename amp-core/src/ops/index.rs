@@ -43,7 +43,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// `mask ? a : b` elementwise with broadcasting; panics if the shapes do not broadcast.
     ///
     /// ```
-    /// # use amp_core::{Mask, Tensor};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Mask, Tensor};
     /// let m = Mask::from_vec(vec![true, false], &[2]);
     /// let a = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]);
     /// let b = Tensor::<f32>::zeros(&[1]);
@@ -74,7 +75,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// `value` where `mask` is true, `self` elsewhere; panics if the shapes do not broadcast.
     ///
     /// ```
-    /// # use amp_core::{Mask, Tensor};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Mask, Tensor};
     /// let scores = Tensor::<f32>::zeros(&[2, 2]);
     /// let masked = scores.masked_fill(&Mask::causal(2), f64::NEG_INFINITY);
     /// assert_eq!(masked.to_vec(), vec![0.0, f32::NEG_INFINITY, 0.0, 0.0]);
@@ -130,7 +132,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Concatenates `tensors` along `dim`; panics on an empty list or mismatched shapes.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let a = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[1, 2]);
     /// let b = Tensor::<f32>::from_vec(vec![3.0, 4.0, 5.0, 6.0], &[2, 2]);
     /// let c = Tensor::cat(&[&a, &b], 0);
@@ -173,7 +176,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// shapes.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let a = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2]);
     /// let b = Tensor::<f32>::from_vec(vec![3.0, 4.0], &[2]);
     /// assert_eq!(Tensor::stack(&[&a, &b], 1).to_vec(), vec![1.0, 3.0, 2.0, 4.0]);

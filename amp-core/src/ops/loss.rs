@@ -52,7 +52,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Cross-entropy with PyTorch's defaults; panics on bad shapes or out-of-range targets.
     ///
     /// ```
-    /// # use amp_core::{Indices, Tensor};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Indices, Tensor};
     /// let logits = Tensor::<f64>::from_vec(vec![0.0, 0.0, 5.0, 5.0], &[2, 2]);
     /// let loss = logits.cross_entropy(&Indices::from_vec(vec![0, 1], &[2]));
     /// assert!((loss.item() - 2f64.ln()).abs() < 1e-12);
@@ -113,7 +114,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// smoothing outside `[0, 1]`.
     ///
     /// ```
-    /// # use amp_core::{Indices, Tensor, ops::loss::CrossEntropyOptions};
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Indices, Tensor, ops::loss::CrossEntropyOptions};
     /// let logits = Tensor::<f64>::zeros(&[2, 4]);
     /// let t = Indices::from_vec(vec![1, -100], &[2]); // the second row is ignored
     /// let opts = CrossEntropyOptions { label_smoothing: 0.1, ..Default::default() };
@@ -153,7 +155,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Mean squared error; panics if the shapes differ.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[2]);
     /// let t = Tensor::<f32>::from_vec(vec![0.0, 4.0], &[2]);
     /// assert_eq!(x.mse_loss(&t).item(), 2.5);

@@ -150,7 +150,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// `self @ rhs`; panics on incompatible shapes.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let a = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]);
     /// let b = Tensor::<f32>::from_vec(vec![5.0, 6.0, 7.0, 8.0], &[2, 2]);
     /// assert_eq!(a.matmul(&b).to_vec(), vec![19.0, 22.0, 43.0, 50.0]);
@@ -214,7 +215,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// `x Wᵀ + b`; panics on incompatible shapes.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0], &[1, 2]);
     /// let w = Tensor::<f32>::from_vec(vec![1.0, 0.0, 0.0, 1.0, 1.0, 1.0], &[3, 2]);
     /// let b = Tensor::<f32>::from_vec(vec![0.5, 0.5, 0.5], &[3]);

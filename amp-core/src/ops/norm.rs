@@ -140,7 +140,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Layer norm over the last dim; panics on a weight/bias shape mismatch or a bad `eps`.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f64>::from_vec(vec![1.0, 3.0], &[1, 2]);
     /// let y = x.layer_norm(None, None, 0.0).to_vec();
     /// assert_eq!(y, vec![-1.0, 1.0]);
@@ -187,8 +188,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// [`Tensor::try_layer_norm_to`]; panics on a weight/bias shape mismatch or a bad `eps`.
     ///
     /// ```
-    /// # use amp_core::Tensor;
-    /// use half::bf16;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
+    /// use amp::bf16;
     /// let x = Tensor::<f32>::from_vec(vec![1.0, 2.0, 4.0], &[1, 3]);
     /// let y: Tensor<bf16> = x.layer_norm_to(None, None, 1e-5);
     /// assert_eq!(y.to_vec(), x.layer_norm(None, None, 1e-5).cast::<bf16>().to_vec());
@@ -216,7 +218,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// RMS norm over the last dim; panics on a weight shape mismatch or a bad `eps`.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f64>::from_vec(vec![3.0, -3.0], &[2]);
     /// assert_eq!(x.rms_norm(None, 0.0).to_vec(), vec![1.0, -1.0]);
     /// ```

@@ -111,7 +111,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// 2-D max pooling; panics with [`Tensor::try_max_pool2d`]'s error.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::from_vec((0..16).map(|v| v as f32).collect(), &[1, 1, 4, 4]);
     /// assert_eq!(x.max_pool2d((2, 2), (2, 2), (0, 0)).to_vec(), vec![5.0, 7.0, 13.0, 15.0]);
     /// ```
@@ -147,7 +148,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// 2-D average pooling; panics with [`Tensor::try_avg_pool2d`]'s error.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::from_vec((0..16).map(|v| v as f32).collect(), &[1, 1, 4, 4]);
     /// assert_eq!(x.avg_pool2d((2, 2), (2, 2), (0, 0)).to_vec(), vec![2.5, 4.5, 10.5, 12.5]);
     /// ```
@@ -165,7 +167,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// 2-D adaptive average pooling; panics with [`Tensor::try_adaptive_avg_pool2d`]'s error.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::from_vec((0..6).map(|v| v as f32).collect(), &[1, 1, 2, 3]);
     /// // Columns [0, 2) and [1, 3) of each row, then both rows.
     /// assert_eq!(x.adaptive_avg_pool2d((1, 2)).to_vec(), vec![2.0, 3.0]);

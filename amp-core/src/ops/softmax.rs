@@ -83,7 +83,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Softmax over `dim`; panics if `dim` is out of range.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f32>::from_vec(vec![1.0, 1.0, 1000.0, 1000.0], &[2, 2]);
     /// assert_eq!(x.softmax(1).to_vec(), vec![0.5, 0.5, 0.5, 0.5]); // no overflow
     /// ```
@@ -100,7 +101,8 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// Log-softmax over `dim`; panics if `dim` is out of range.
     ///
     /// ```
-    /// # use amp_core::Tensor;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
     /// let x = Tensor::<f64>::from_vec(vec![0.0, 0.0], &[2]);
     /// let y = x.log_softmax(0).to_vec();
     /// assert!((y[0] + 2f64.ln()).abs() < 1e-15);
@@ -122,8 +124,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// [`Tensor::try_softmax_f32`]; panics if `dim` is out of range.
     ///
     /// ```
-    /// # use amp_core::Tensor;
-    /// use half::bf16;
+    /// # extern crate amp_core as amp;
+    /// # use amp::Tensor;
+    /// use amp::bf16;
     /// let x = Tensor::<f32>::from_vec(vec![0.0, 1.0, 2.0], &[3]).cast::<bf16>();
     /// let p: Tensor<f32> = x.softmax_f32(0);
     /// assert_eq!(p.to_vec(), x.cast::<f32>().softmax(0).to_vec());
@@ -191,8 +194,9 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     /// [`Tensor::try_scaled_masked_softmax`]; panics if the mask does not broadcast to `self`.
     ///
     /// ```
-    /// # use amp_core::{Mask, Tensor};
-    /// use half::bf16;
+    /// # extern crate amp_core as amp;
+    /// # use amp::{Mask, Tensor};
+    /// use amp::bf16;
     /// let scores = Tensor::<f32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2]).cast::<bf16>();
     /// let causal = Mask::causal(2);
     /// let p = scores.scaled_masked_softmax(0.5, &causal);

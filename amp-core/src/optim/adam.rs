@@ -12,7 +12,8 @@ use crate::error::Result;
 /// `bc2 = 1 − β2^step` (f64), `denom = sqrt(v) / sqrt(bc2) + eps`; `p += (−lr/bc1)·m / denom`.
 ///
 /// ```
-/// use amp_core::optim::Adam;
+/// # extern crate amp_core as amp;
+/// use amp::optim::Adam;
 /// let opt = Adam::new(1e-3).betas(0.9, 0.95).build().unwrap();
 /// # let _ = opt;
 /// ```

@@ -65,8 +65,9 @@ impl<R: Rule> Optim<R> {
     /// compensation.
     ///
     /// ```
-    /// use amp_core::optim::{AdamW, Bf16Rounding, Optimizer};
-    /// use amp_core::{Param, Tensor, bf16};
+    /// # extern crate amp_core as amp;
+    /// use amp::optim::{AdamW, Bf16Rounding, Optimizer};
+    /// use amp::{Param, Tensor, bf16};
     ///
     /// let mut w = Param::new(Tensor::<f32>::from_f32s(&[1.0, -2.0], &[2])).to_precision::<bf16>();
     /// let mut opt = AdamW::new(1e-3).build().unwrap().for_bf16(Bf16Rounding::Kahan);

@@ -374,7 +374,8 @@ fn state_on<'a, R: Rule, D: Device>(
 /// matches, the others to the default group (the rule's own `lr` and `weight_decay`).
 ///
 /// ```
-/// use amp_core::optim::ParamGroup;
+/// # extern crate amp_core as amp;
+/// use amp::optim::ParamGroup;
 /// let no_decay = ParamGroup::new("no_decay", |name| name.ends_with("bias") || name.contains("ln"))
 ///     .weight_decay(0.0);
 /// assert!(no_decay.matches("head.bias"));
@@ -441,7 +442,8 @@ pub struct OptimizerState<S> {
 /// [`Optim::new`]) or pure-bf16 weights ([`Optim::for_bf16`], see the module notes).
 ///
 /// ```
-/// use amp_core::optim::{AdamW, Optim, ParamGroup, WarmupCosine};
+/// # extern crate amp_core as amp;
+/// use amp::optim::{AdamW, Optim, ParamGroup, WarmupCosine};
 /// let opt = Optim::new(AdamW::new(3e-4).weight_decay(0.1))
 ///     .unwrap()
 ///     .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias")).weight_decay(0.0))

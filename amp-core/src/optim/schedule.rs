@@ -35,7 +35,8 @@ impl LrSchedule for Constant {
 /// `min_factor` from `total_steps` on.
 ///
 /// ```
-/// use amp_core::optim::{LrSchedule, WarmupCosine};
+/// # extern crate amp_core as amp;
+/// use amp::optim::{LrSchedule, WarmupCosine};
 /// let s = WarmupCosine::new(10, 110).unwrap();
 /// assert_eq!(s.factor(0), 0.1);
 /// assert_eq!(s.factor(9), 1.0);

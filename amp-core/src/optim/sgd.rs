@@ -11,7 +11,8 @@ use crate::error::Result;
 /// `g = g + momentum·buf` (Nesterov) or `g = buf`; `p −= lr·g`.
 ///
 /// ```
-/// use amp_core::optim::Sgd;
+/// # extern crate amp_core as amp;
+/// use amp::optim::Sgd;
 /// let opt = Sgd::new(0.1).momentum(0.9).nesterov(true).weight_decay(1e-4).build().unwrap();
 /// # let _ = opt;
 /// ```

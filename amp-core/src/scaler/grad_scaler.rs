@@ -92,7 +92,8 @@ pub trait LossScaler: sealed::Sealed {
 /// options come from Apex, DeepSpeed and Megatron and are off by default.
 ///
 /// ```
-/// use amp_core::scaler::{GradScaler, GradScalerOptions};
+/// # extern crate amp_core as amp;
+/// use amp::scaler::{GradScaler, GradScalerOptions};
 /// let scaler = GradScaler::with_options(GradScalerOptions {
 ///     growth_interval: 1000,
 ///     min_scale: Some(1.0),
@@ -255,7 +256,8 @@ pub const COLLAPSE_CHECK_EVERY: u32 = 32;
 /// [`GradScaler::state_dict`] read them back, which on a GPU waits for the queued work.
 ///
 /// ```
-/// use amp_core::scaler::GradScaler;
+/// # extern crate amp_core as amp;
+/// use amp::scaler::GradScaler;
 /// let scaler = GradScaler::new();
 /// assert_eq!(scaler.get_scale(), 65536.0);
 /// ```
@@ -614,8 +616,9 @@ impl SelectScaler for B0 {
 /// width: [`GradScaler`] for f16, [`NoScale`] for bf16 and f32.
 ///
 /// ```
-/// use amp_core::scaler::{GradScaler, NoScale, ScalerFor};
-/// use amp_core::{bf16, f16};
+/// # extern crate amp_core as amp;
+/// use amp::scaler::{GradScaler, NoScale, ScalerFor};
+/// use amp::{bf16, f16};
 /// let a: GradScaler = ScalerFor::<f16>::default();
 /// let b: NoScale = ScalerFor::<bf16>::default();
 /// assert_eq!((a.get_scale(), b.get_scale()), (65536.0, 1.0));

@@ -1,9 +1,10 @@
 //! Loss scaling as a typestate: the training step of mixed-precision training.
 //!
 //! ```
-//! use amp_core::optim::{Optimizer, Sgd};
-//! use amp_core::scaler::GradScaler;
-//! use amp_core::{Param, Rng, Tensor, f16};
+//! # extern crate amp_core as amp;
+//! use amp::optim::{Optimizer, Sgd};
+//! use amp::scaler::GradScaler;
+//! use amp::{Param, Rng, Tensor, f16};
 //!
 //! let mut rng = Rng::seed(0);
 //! let mut w = Param::new(Tensor::<f32>::randn(&[4, 2], &mut rng)); // f32 master weights

@@ -226,3 +226,33 @@ fn batch_norm_2d_takes_its_f32_parameters_unrounded_for_a_bf16_input() {
         );
     }
 }
+
+#[test]
+fn a_pure_bf16_cnn_trains_batch_norm_with_one_bf16_optimizer() {
+    // `model.to(torch.bfloat16)` with batch norm inside: the weight and bias in bf16 beside the
+    // convolution's, one optimizer over all of them; the running statistics stay f32.
+    use amp_core::bf16;
+    use amp_core::optim::{Bf16Rounding, Optim};
+
+    #[derive(Params)]
+    struct Bf16Net {
+        conv: Conv2d<bf16>,
+        bn: BatchNorm2d<bf16>,
+    }
+    let f32_net = net();
+    let mut m = Bf16Net { conv: f32_net.conv.to_precision::<bf16>(), bn: f32_net.bn.to_precision::<bf16>() };
+    let names: Vec<String> = m.named_params().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["conv.weight", "conv.bias", "bn.weight", "bn.bias"]);
+    let mut opt: Optim<AdamW, bf16> = AdamW::new(0.1).build().unwrap().for_bf16(Bf16Rounding::Nearest);
+    let before = (m.bn.weight.to_f64_vec(), m.bn.running_mean.to_vec());
+    let x = input(2).cast::<bf16>();
+    let y = m.bn.forward(&m.conv.forward::<bf16, bf16>(&x));
+    assert_eq!(y.dtype(), amp_core::DType::BF16);
+    let grads = y.cast::<f32>().square().mean_all().backward();
+    let gw = grads.get(&m.bn.weight).expect("bn.weight has a gradient");
+    assert_eq!(gw.dtype(), amp_core::DType::BF16, "in its parameter's precision");
+    opt.step(&mut m, &grads).unwrap();
+    assert_ne!(m.bn.weight.to_f64_vec(), before.0, "the optimizer moved the bf16 weight");
+    assert_ne!(m.bn.running_mean.to_vec(), before.1, "the forward moved the f32 running mean");
+    assert_eq!(m.bn.running_mean.dtype(), amp_core::DType::F32);
+}

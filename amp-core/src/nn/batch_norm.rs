@@ -6,19 +6,21 @@ use crate::{Cpu, Device, Param, Precision, Tensor};
 /// Batch norm over the channels of `[N, C, H, W]`, PyTorch's `nn.BatchNorm2d`: learnable
 /// `weight` (ones) and `bias` (zeros), and the buffers `running_mean` (zeros), `running_var`
 /// (ones) and `num_batches_tracked`, saved under PyTorch's names, moved with the module and
-/// never trained. Statistics, parameters and buffers are f32 whatever the input precision (an
-/// f16/bf16 input takes the f32 weight and bias as they are, as PyTorch's mixed batch norm
-/// does); the output has the input's precision.
+/// never trained. f32 master weights by default (`to_precision::<bf16>()` for a pure-bf16
+/// model); statistics and buffers are f32 whatever the input precision, and the weight and bias
+/// reach the kernel in the input's accumulation precision (an f16/bf16 input takes f32
+/// parameters as they are, as PyTorch's mixed batch norm does); the output has the input's
+/// precision.
 ///
 /// In training mode (`train()`, the default) each forward normalises with the batch's
 /// statistics and moves the running ones by `momentum`; in evaluation mode (`eval()`) it
 /// normalises with the running statistics and changes nothing, so evaluation is repeatable.
 #[derive(Params, Debug, Clone)]
-pub struct BatchNorm2d<D: Device = Cpu> {
+pub struct BatchNorm2d<W: Precision = f32, D: Device = Cpu> {
     /// Scale, `[C]`.
-    pub weight: Param<f32, D>,
+    pub weight: Param<W, D>,
     /// Shift, `[C]`.
-    pub bias: Param<f32, D>,
+    pub bias: Param<W, D>,
     /// Running mean of each channel, `[C]`.
     #[param(buffer)]
     pub running_mean: Tensor<f32, D>,
@@ -85,7 +87,7 @@ impl BatchNorm2d {
     }
 }
 
-impl<D: Device> BatchNorm2d<D> {
+impl<W: Precision, D: Device> BatchNorm2d<W, D> {
     /// Whether forwards use (and update) batch statistics.
     pub fn is_training(&self) -> bool {
         self.mode.is_training()
@@ -100,12 +102,27 @@ impl<D: Device> BatchNorm2d<D> {
         // takes images only, so a flattened or 5-D input is a mistake caught here.
         assert!(x.rank() == 4, "BatchNorm2d: expected a 4-D input [N, C, H, W], got shape {:?}", x.shape());
         let opts = BatchNormOptions { training: self.mode.is_training(), momentum: self.momentum, eps: self.eps };
-        // f32 parameters as they are (an f64 input's batch norm computes in f64).
+        // In the input's accumulation precision: f32 parameters as they are for an f16, bf16 or
+        // f32 input (bf16 ones widened exactly), f64 for an f64 input.
         let (w, b) = (self.weight.cast::<X::Acc>(), self.bias.cast::<X::Acc>());
         let y = x.batch_norm(Some(&mut self.running_mean), Some(&mut self.running_var), Some(&w), Some(&b), opts);
         if self.mode.is_training() {
             self.num_batches_tracked = self.num_batches_tracked.add_scalar(1.0);
         }
         y
+    }
+    /// A copy with its weight and bias rounded to precision `P` (new parameters: their own
+    /// ids); the running statistics stay f32, as they are.
+    pub fn to_precision<P: Precision>(&self) -> BatchNorm2d<P, D> {
+        BatchNorm2d {
+            weight: self.weight.to_precision(),
+            bias: self.bias.to_precision(),
+            running_mean: self.running_mean.clone(),
+            running_var: self.running_var.clone(),
+            num_batches_tracked: self.num_batches_tracked.clone(),
+            momentum: self.momentum,
+            eps: self.eps,
+            mode: self.mode,
+        }
     }
 }

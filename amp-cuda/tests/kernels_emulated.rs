@@ -1,4 +1,4 @@
-//! The row, AMP-step and optimizer kernels run on this machine, GPU or not, under the host
+//! The row, AMP-step, optimizer and batch norm kernels run on this machine, GPU or not, under the host
 //! emulation of CUDA (`tests/emulated/cuda_emu.hpp`, with the real prelude), launched as the
 //! backend launches them (variant, threads, grid, dynamic shared memory; the runners name the
 //! backend function each case follows):
@@ -12,6 +12,11 @@
 //!   arithmetic, and a step with found-inf set changes nothing), the bf16 writes; and, from
 //!   cases this test writes to its standard input, `update_scale` and `clip_coefficient`
 //!   compared bit for bit with the CPU's [`ScaleRule::apply`] and [`clip_coefficient`].
+//! - `tests/emulated/batch_norm.cpp`: batch norm's statistics (two-pass, in `Acc<T>`), the
+//!   running update (f64 rounded once into f32, bit for bit as the CPU), eval statistics from
+//!   strided running buffers, the forward with and without weight and bias (in `Acc<T>`), the
+//!   backward's sums (the parameters' gradients) and input gradient in training and eval, at
+//!   f32, f16, bf16 and f64, over shapes from two values a channel to 1200, and 257 channels.
 //!
 //! What it cannot check: the hardware (real shared-memory and register limits are `tests/ptx.rs`'s,
 //! real f16 conversions and transcendental functions, timing), and races that the emulation's
@@ -255,4 +260,21 @@ fn the_amp_step_and_optimizer_kernels_match_the_cpu_when_emulated_on_the_host() 
         "the emulated AMP-step kernels disagree with their references (FAIL lines above):\n{}",
         run.stderr
     );
+}
+
+/// Runs a runner that checks kernels against references on its own (no input, one line per
+/// check, `N of M check(s) failed` last) and fails on any failed check.
+fn run_checked(source: &str, family: &str) {
+    let Some(run) = emulated::run(source, &[], "") else { return };
+    println!("{}", run.stdout);
+    assert!(
+        run.success && run.stdout.contains("\n0 of "),
+        "the emulated {family} kernels disagree with their references (FAIL lines above):\n{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn the_batch_norm_kernels_match_f64_references_when_emulated_on_the_host() {
+    run_checked("batch_norm.cpp", "batch norm");
 }

@@ -7,6 +7,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <type_traits>
 
 // ---- src/launch.rs ------------------------------------------------------------------------------
 
@@ -121,3 +122,27 @@ struct Report {
         return failures == 0 ? 0 : 1;
     }
 };
+
+// ---- rounding-aware errors ------------------------------------------------------------------------
+
+// Half a unit in the last place of T at `v` (subnormals: the smallest step), for checks of values
+// computed in Acc<T> and rounded once into T: such a value may be off by half an ulp of T from
+// the reference, plus Acc<T>'s own rounding noise.
+template <typename T> double half_ulp(double v) {
+    int mant, emin;
+    if constexpr (std::is_same_v<T, double>) mant = 52, emin = -1022;
+    else if constexpr (std::is_same_v<T, float>) mant = 23, emin = -126;
+    else if constexpr (std::is_same_v<T, f16_t>) mant = 10, emin = -14;
+    else mant = 7, emin = -126;
+    const int e = v == 0 || !std::isfinite(v) ? emin : std::max(std::ilogb(v), emin);
+    return std::ldexp(1.0, e - mant - 1);
+}
+// Acc<T>'s rounding noise, relative to the size of the terms a value is computed from: a few
+// hundred ulps of f32 (sums of a few thousand terms), a few hundred of f64.
+template <typename T> double acc_noise() { return std::is_same_v<T, double> ? 1e-13 : 2e-6; }
+
+// Adds `got` against `ref` in units of what a correct kernel may be off by: half an ulp of T at
+// the reference plus Acc<T>'s noise at `scale` (the size of the terms). Checked with tolerance 1.
+template <typename T> void add_rounded(Err& e, double got, double ref, double scale) {
+    e.add(got, ref, half_ulp<T>(ref) + acc_noise<T>() * scale);
+}

@@ -1,4 +1,5 @@
-//! The row, AMP-step, optimizer and batch norm kernels run on this machine, GPU or not, under the host
+//! The row, AMP-step, optimizer, batch norm, pooling and convolution kernels run on this machine,
+//! GPU or not, under the host
 //! emulation of CUDA (`tests/emulated/cuda_emu.hpp`, with the real prelude), launched as the
 //! backend launches them (variant, threads, grid, dynamic shared memory; the runners name the
 //! backend function each case follows):
@@ -17,6 +18,11 @@
 //!   strided running buffers, the forward with and without weight and bias (in `Acc<T>`), the
 //!   backward's sums (the parameters' gradients) and input gradient in training and eval, at
 //!   f32, f16, bf16 and f64, over shapes from two values a channel to 1200, and 257 channels.
+//! - `tests/emulated/pool_conv.cpp`: max and average pooling forward and backward over fixed
+//!   windows (stride, padding up to half the kernel, gaps between windows) and adaptive ones, max
+//!   pooling's ties and NaNs bit for bit as the CPU's argmax; the convolution's im2col (bit for
+//!   bit), col2im, bias fill and bias gradient with groups, stride, padding and dilation, for a
+//!   chunk of samples after the first; at f32, f16, bf16 and f64.
 //!
 //! What it cannot check: the hardware (real shared-memory and register limits are `tests/ptx.rs`'s,
 //! real f16 conversions and transcendental functions, timing), and races that the emulation's
@@ -277,4 +283,9 @@ fn run_checked(source: &str, family: &str) {
 #[test]
 fn the_batch_norm_kernels_match_f64_references_when_emulated_on_the_host() {
     run_checked("batch_norm.cpp", "batch norm");
+}
+
+#[test]
+fn the_pooling_and_convolution_kernels_match_references_when_emulated_on_the_host() {
+    run_checked("pool_conv.cpp", "pooling and convolution");
 }

@@ -125,7 +125,7 @@ struct Report {
 
 // ---- rounding-aware errors ------------------------------------------------------------------------
 
-// Half a unit in the last place of T at `v` (subnormals: the smallest step), for checks of values
+// Half a unit in the last place of T at `v` (near 0: the smallest subnormal), for checks of values
 // computed in Acc<T> and rounded once into T: such a value may be off by half an ulp of T from
 // the reference, plus Acc<T>'s own rounding noise.
 template <typename T> double half_ulp(double v) {
@@ -135,7 +135,7 @@ template <typename T> double half_ulp(double v) {
     else if constexpr (std::is_same_v<T, f16_t>) mant = 10, emin = -14;
     else mant = 7, emin = -126;
     const int e = v == 0 || !std::isfinite(v) ? emin : std::max(std::ilogb(v), emin);
-    return std::ldexp(1.0, e - mant - 1);
+    return std::ldexp(1.0, std::max(e - mant - 1, emin - mant));  // at least the smallest subnormal
 }
 // Acc<T>'s rounding noise, relative to the size of the terms a value is computed from: a few
 // hundred ulps of f32 (sums of a few thousand terms), a few hundred of f64.

@@ -1,5 +1,5 @@
-//! The row, AMP-step, optimizer, batch norm, pooling and convolution kernels run on this machine,
-//! GPU or not, under the host
+//! The row, AMP-step, optimizer, batch norm, pooling, convolution, reduction, gathering and
+//! attention-helper kernels run on this machine, GPU or not, under the host
 //! emulation of CUDA (`tests/emulated/cuda_emu.hpp`, with the real prelude), launched as the
 //! backend launches them (variant, threads, grid, dynamic shared memory; the runners name the
 //! backend function each case follows):
@@ -23,6 +23,13 @@
 //!   pooling's ties and NaNs bit for bit as the CPU's argmax; the convolution's im2col (bit for
 //!   bit), col2im, bias fill and bias gradient with groups, stride, padding and dilation, for a
 //!   chunk of samples after the first; at f32, f16, bf16 and f64.
+//! - `tests/emulated/reduce_index.cpp`: sum and max over the last dim, a middle dim and a long
+//!   middle dim split into parts (the backend's `reduce_parts`, copied there and checked against
+//!   its source here), NaN and -inf; arg max / arg min with NaNs and ties and the selection's
+//!   scatter, bit for bit; the embedding gather, `cat` and the scatter-add (bit for bit in the
+//!   CPU's order); the cuBLAS path's attention helpers (probabilities under the causal mask and
+//!   log-sum-exps, g·out, score gradients) for blocks of query rows after the first; at f32,
+//!   f16, bf16 and f64.
 //!
 //! What it cannot check: the hardware (real shared-memory and register limits are `tests/ptx.rs`'s,
 //! real f16 conversions and transcendental functions, timing), and races that the emulation's
@@ -288,4 +295,24 @@ fn the_batch_norm_kernels_match_f64_references_when_emulated_on_the_host() {
 #[test]
 fn the_pooling_and_convolution_kernels_match_references_when_emulated_on_the_host() {
     run_checked("pool_conv.cpp", "pooling and convolution");
+}
+
+#[test]
+fn the_reduction_gathering_and_attention_helper_kernels_match_references_when_emulated_on_the_host() {
+    // reduce_index.cpp copies the backend's private `reduce_parts` (when a reduction splits its
+    // dim): the copy is only right while the backend's reads the same.
+    let backend = include_str!("../src/backend.rs");
+    for line in [
+        "fn reduce_parts(m: usize, dim: usize, inner: usize) -> Option<(usize, usize)> {",
+        "    if inner == 1 || m >= 1 << 17 || dim < 64 {",
+        "    let parts = (1usize << 18).div_ceil(m).clamp(2, dim / 16);",
+        "    let per = dim.div_ceil(parts);",
+        "    Some((per, dim.div_ceil(per)))",
+    ] {
+        assert!(
+            backend.contains(line),
+            "src/backend.rs's reduce_parts changed (`{line}`): update reduce_index.cpp's copy"
+        );
+    }
+    run_checked("reduce_index.cpp", "reduction, gathering and attention helper");
 }

@@ -1,6 +1,7 @@
 // A host emulation of the CUDA features amp-cuda's kernels use, so that kernel sources
 // (src/kernels/*.cu, included as they are) run on a machine with no GPU and are checked against
-// references (flash_attention.cpp, rows.cpp, amp_step.cpp).
+// references (flash_attention.cpp, rows.cpp, amp_step.cpp, batch_norm.cpp, pool_conv.cpp,
+// reduce_index.cpp).
 //
 // Design notes:
 // - This header is the CUDA runtime and builtins, then the real prelude (src/kernels/
@@ -90,6 +91,14 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+
+// CUDA's integer min and max (reduce.cu's chunk ends).
+inline int min(int a, int b) { return a < b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
 
 [[noreturn]] inline void __trap() {
     std::fprintf(stderr, "emulated kernel: __trap() in block %u thread %u\n", blockIdx.x, threadIdx.x);

@@ -111,8 +111,10 @@ struct Report {
         if (!ok) ++failures;
         std::printf("%s %-28s %-52s error %.2e (tolerance %.0e)\n", ok ? "ok  " : "FAIL", family.c_str(), what.c_str(),
                     err, tol);
-        auto& w = worst[family];
-        if (w.second == 0 || err / tol > w.first / w.second) w = {err, tol};
+        // By the ratio to the tolerance (with tolerance 0: any error is infinitely over it).
+        auto ratio = [](double e, double t) { return t > 0 ? e / t : (e > 0 ? INFINITY : 0); };
+        auto [w, first] = worst.try_emplace(family, err, tol);
+        if (!first && ratio(err, tol) > ratio(w->second.first, w->second.second)) w->second = {err, tol};
         return ok;
     }
     int finish() {

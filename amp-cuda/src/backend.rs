@@ -29,7 +29,8 @@ use crate::device::{Cuda, ModuleKey, State};
 use crate::gemm::{self, Mat, as_operand, rm_gemm};
 use crate::kernels::{self, Family};
 use crate::launch::{
-    broadcast_strides, grid, launch, row_cache, rows_grid, vector_rows, view1, views, warp_rows_grid, warp_vectors,
+    broadcast_strides, grid, launch, reduce_parts, row_cache, rows_grid, vector_rows, view1, views, warp_rows_grid,
+    warp_vectors,
 };
 use crate::profile::Span;
 use crate::storage::{CudaRowStats, CudaStateVec, CudaStorage, RawVec, StatsKind};
@@ -1839,20 +1840,6 @@ impl Cuda {
     }
 }
 
-/// How to split a reduction over `dim` into parts, for `m` outputs `inner` apart: `(rows per
-/// part, parts)` when one thread per output would leave the GPU mostly idle (fewer than 2^17
-/// outputs) walking a long dim (at least 64), so that about 2^18 threads share the work with
-/// at least 16 rows each; `None` for reductions over the last dim (one block per row) and
-/// the rest.
-fn reduce_parts(m: usize, dim: usize, inner: usize) -> Option<(usize, usize)> {
-    if inner == 1 || m >= 1 << 17 || dim < 64 {
-        return None;
-    }
-    let parts = (1usize << 18).div_ceil(m).clamp(2, dim / 16);
-    let per = dim.div_ceil(parts);
-    Some((per, dim.div_ceil(per)))
-}
-
 /// Rows (queries, or keys in dK/dV) per block of the fused attention kernels, and their
 /// threads (`AMP_FLASH_ROWS` and `AMP_FLASH_THREADS` in `attention_flash.cu`; a test checks).
 const FLASH_ROWS: usize = 64;
@@ -1921,22 +1908,6 @@ mod tests {
         assert!(needs_copy(&v(&[2, 4, 128, 64], &[128 * 768, 64, 768, 1]), 128, 64, &[2, 4]));
         // A [B, 1] broadcast against [B, H]: not uniform, and no copy would make it so.
         assert!(!needs_copy(&v(&[2, 1, 8, 16], &[128, 128, 16, 1]), 8, 16, &[2, 3]));
-    }
-
-    #[test]
-    fn long_column_sums_are_split_into_parts_that_cover_the_dim() {
-        use super::reduce_parts;
-        // A bias gradient of GPT-2's MLP: 3072 sums over 16384 rows -> 86 parts of 191 rows.
-        assert_eq!(reduce_parts(3072, 16384, 3072), Some((191, 86)));
-        for (m, dim) in [(768, 16384), (50304, 16384), (5, 64), (96, 4096), (7, 1000)] {
-            let (per, parts) = reduce_parts(m, dim, m).unwrap();
-            assert!(per * parts >= dim && per * (parts - 1) < dim, "{m} x {dim}: {per} x {parts}");
-            assert!(per >= 16);
-        }
-        // Rows (inner 1), many outputs, short dims: one thread (or block) per output.
-        assert_eq!(reduce_parts(10, 5000, 1), None);
-        assert_eq!(reduce_parts(1 << 17, 5000, 64), None);
-        assert_eq!(reduce_parts(100, 63, 100), None);
     }
 
     #[test]

@@ -171,6 +171,20 @@ pub fn row_cache(per_row: usize) -> (u32, i32) {
     if per_row <= ROW_SMEM { (per_row as u32, 1) } else { (0, 0) }
 }
 
+/// How to split a reduction over `dim` into parts, for `m` outputs `inner` apart: `(rows per
+/// part, parts)` when one thread per output would leave the GPU mostly idle (fewer than 2^17
+/// outputs) walking a long dim (at least 64), so that about 2^18 threads share the work with
+/// at least 16 rows each; `None` for reductions over the last dim (one block per row) and
+/// the rest.
+pub fn reduce_parts(m: usize, dim: usize, inner: usize) -> Option<(usize, usize)> {
+    if inner == 1 || m >= 1 << 17 || dim < 64 {
+        return None;
+    }
+    let parts = (1usize << 18).div_ceil(m).clamp(2, dim / 16);
+    let per = dim.div_ceil(parts);
+    Some((per, dim.div_ceil(per)))
+}
+
 /// Launches `func` on the state's stream with the given arguments (each bound to a local so it
 /// outlives the launch), panicking with the kernel's name on a launch error.
 macro_rules! launch {
@@ -198,6 +212,21 @@ pub(crate) use launch;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_column_sums_are_split_into_parts_that_cover_the_dim() {
+        // A bias gradient of GPT-2's MLP: 3072 sums over 16384 rows -> 86 parts of 191 rows.
+        assert_eq!(reduce_parts(3072, 16384, 3072), Some((191, 86)));
+        for (m, dim) in [(768, 16384), (50304, 16384), (5, 64), (96, 4096), (7, 1000)] {
+            let (per, parts) = reduce_parts(m, dim, m).unwrap();
+            assert!(per * parts >= dim && per * (parts - 1) < dim, "{m} x {dim}: {per} x {parts}");
+            assert!(per >= 16);
+        }
+        // Rows (inner 1), many outputs, short dims: one thread (or block) per output.
+        assert_eq!(reduce_parts(10, 5000, 1), None);
+        assert_eq!(reduce_parts(1 << 17, 5000, 64), None);
+        assert_eq!(reduce_parts(100, 63, 100), None);
+    }
 
     #[test]
     fn the_warp_rows_match_the_kernels_constant() {

@@ -24,8 +24,8 @@
 //!   bit), col2im, bias fill and bias gradient with groups, stride, padding and dilation, for a
 //!   chunk of samples after the first; at f32, f16, bf16 and f64.
 //! - `tests/emulated/reduce_index.cpp`: sum and max over the last dim, a middle dim and a long
-//!   middle dim split into parts (the backend's `reduce_parts`, copied there and checked against
-//!   its source here), NaN and -inf; arg max / arg min with NaNs and ties and the selection's
+//!   middle dim split into parts (`launch::reduce_parts`, mirrored in `launch.hpp` and checked
+//!   against it here with the other launch rules), NaN and -inf; arg max / arg min with NaNs and ties and the selection's
 //!   scatter, bit for bit; the embedding gather, `cat` and the scatter-add (bit for bit in the
 //!   CPU's order); the cuBLAS path's attention helpers (probabilities under the causal mask and
 //!   log-sum-exps, g·out, score gradients) for blocks of query rows after the first; at f32,
@@ -57,6 +57,14 @@ fn launch_queries() -> Vec<(String, String)> {
     for r in rows {
         q.push((format!("grid {r}"), cfg(launch::grid(r))));
         q.push((format!("warp_rows_grid {r}"), cfg(launch::warp_rows_grid(r))));
+    }
+    for (m, dim, inner) in [(3072, 16384, 3072), (768, 16384, 768), (5, 64, 5), (7, 1000, 7), (96, 4096, 96)]
+        .into_iter()
+        .chain([(10, 5000, 1), (1 << 17, 5000, 64), ((1 << 17) - 1, 5000, 64), (100, 63, 100), (100, 64, 100)])
+    {
+        let want = launch::reduce_parts(m, dim, inner)
+            .map_or("launch none".into(), |(per, parts)| format!("launch {per} {parts}"));
+        q.push((format!("reduce_parts {m} {dim} {inner}"), want));
     }
     for d in lengths {
         q.push((format!("rows_grid 3 {d} 4096"), cfg(launch::rows_grid(3, d, 4096))));
@@ -299,20 +307,5 @@ fn the_pooling_and_convolution_kernels_match_references_when_emulated_on_the_hos
 
 #[test]
 fn the_reduction_gathering_and_attention_helper_kernels_match_references_when_emulated_on_the_host() {
-    // reduce_index.cpp copies the backend's private `reduce_parts` (when a reduction splits its
-    // dim): the copy is only right while the backend's reads the same.
-    let backend = include_str!("../src/backend.rs");
-    for line in [
-        "fn reduce_parts(m: usize, dim: usize, inner: usize) -> Option<(usize, usize)> {",
-        "    if inner == 1 || m >= 1 << 17 || dim < 64 {",
-        "    let parts = (1usize << 18).div_ceil(m).clamp(2, dim / 16);",
-        "    let per = dim.div_ceil(parts);",
-        "    Some((per, dim.div_ceil(per)))",
-    ] {
-        assert!(
-            backend.contains(line),
-            "src/backend.rs's reduce_parts changed (`{line}`): update reduce_index.cpp's copy"
-        );
-    }
     run_checked("reduce_index.cpp", "reduction, gathering and attention helper");
 }

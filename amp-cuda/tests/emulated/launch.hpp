@@ -60,6 +60,52 @@ inline std::pair<size_t, int> row_cache(size_t per_row) {
     return per_row <= amp_row_smem ? std::make_pair(per_row, 1) : std::make_pair((size_t)0, 0);
 }
 
+// launch::reduce_parts: (rows per part, parts) when a reduction over a middle dim has few
+// outputs (m) and a long dim; false for the rest.
+inline bool reduce_parts(size_t m, size_t dim, size_t inner, size_t& per, size_t& parts) {
+    if (inner == 1 || m >= (size_t)1 << 17 || dim < 64) return false;
+    parts = std::clamp<size_t>(((size_t)1 << 18) / m + (((size_t)1 << 18) % m != 0), 2, dim / 16);
+    per = (dim + parts - 1) / parts;
+    parts = (dim + per - 1) / per;
+    return true;
+}
+
+// The launch rules of launch.hpp, asked for by the Rust test (one query a line on standard
+// input) and compared there with src/launch.rs, so the two cannot drift apart: each answer is
+// `launch <grid x> <threads> <shared bytes>`, `launch <vectors a lane>`, `launch <bytes> <cached>` or `launch <rows a part> <parts>`
+// (`launch none`).
+inline void answer_launch_queries() {
+    char name[32];
+    while (std::scanf("%31s", name) == 1) {
+        unsigned long long a = 0, b = 0, c = 0;
+        const std::string q = name;
+        Cfg cfg;
+        if (q == "grid" && std::scanf("%llu", &a) == 1) {
+            cfg = grid_cfg(a);
+        } else if (q == "rows_grid" && std::scanf("%llu %llu %llu", &a, &b, &c) == 3) {
+            cfg = rows_grid(a, b, c);
+        } else if (q == "warp_rows_grid" && std::scanf("%llu", &a) == 1) {
+            cfg = warp_rows_grid(a);
+        } else if (q == "warp_vectors" && std::scanf("%llu %llu %llu", &a, &b, &c) == 3) {
+            std::printf("launch %d\n", warp_vectors(a, b, c != 0));
+            continue;
+        } else if (q == "reduce_parts" && std::scanf("%llu %llu %llu", &a, &b, &c) == 3) {
+            size_t per = 0, parts = 0;
+            if (reduce_parts(a, b, c, per, parts)) std::printf("launch %zu %zu\n", per, parts);
+            else std::printf("launch none\n");
+            continue;
+        } else if (q == "row_cache" && std::scanf("%llu", &a) == 1) {
+            const auto [smem, cached] = row_cache(a);
+            std::printf("launch %zu %d\n", smem, cached);
+            continue;
+        } else {
+            std::printf("launch ? %s\n", name);
+            continue;
+        }
+        std::printf("launch %u %u %zu\n", cfg.grid.x, cfg.threads, cfg.smem);
+    }
+}
+
 // ---- buffers -------------------------------------------------------------------------------------
 
 // n values of T at element `off` of a 16-byte-aligned allocation (off 1: misaligned for 128-bit

@@ -4,7 +4,7 @@
 // the backend function it follows), and are checked against references:
 // - sum_fwd / max_fwd over the last dim (a block a row) and over a middle dim (a thread an
 //   output), and reduce_partial_fwd + reduce_parts_fwd where Cuda::reduce splits a long dim
-//   (reduce_parts below, a copy of the backend's, which the Rust test checks against its source);
+//   (launch.hpp's reduce_parts, a mirror of src/launch.rs's);
 //   max with NaN (NaN wins) and -inf; arg_reduce_fwd (arg max / arg min with the first NaN and the
 //   first of ties winning, the CPU's loop) and scatter_dim_bwd, bit for bit.
 // - gather_rows_fwd and cat_fwd bit for bit; scatter_add_rows_bwd bit for bit against the CPU's
@@ -60,16 +60,6 @@ template <typename T> u64 bits_of(T v) {
     u64 b = 0;
     std::memcpy(&b, &v, sizeof v);
     return b;
-}
-
-// src/backend.rs's reduce_parts, line for line (the Rust test checks its source still reads so):
-// (rows per part, parts) when a reduction over a middle dim has few outputs and a long dim.
-static bool reduce_parts(size_t m, size_t dim, size_t inner, size_t& per, size_t& parts) {
-    if (inner == 1 || m >= (size_t)1 << 17 || dim < 64) return false;
-    parts = std::clamp<size_t>(((size_t)1 << 18) / m + (((size_t)1 << 18) % m != 0), 2, dim / 16);
-    per = (dim + parts - 1) / parts;
-    parts = (dim + per - 1) / per;
-    return true;
 }
 
 // ---- reductions: Cuda::reduce, Cuda::arg_reduce, Cuda::scatter_dim ---------------------------------

@@ -379,36 +379,6 @@ template <typename T> void cache_edge(unsigned seed) {
     for (i64 d : {bwd, bwd + 1}) norm_case<T>(d, false, true, true, seed++);
 }
 
-// The launch rules of launch.hpp, asked for by the Rust test (one query a line on standard
-// input) and compared there with src/launch.rs, so the two cannot drift apart: each answer is
-// `launch <grid x> <threads> <shared bytes>`, `launch <vectors a lane>` or `launch <bytes> <cached>`.
-static void answer_launch_queries() {
-    char name[32];
-    while (std::scanf("%31s", name) == 1) {
-        unsigned long long a = 0, b = 0, c = 0;
-        const std::string q = name;
-        Cfg cfg;
-        if (q == "grid" && std::scanf("%llu", &a) == 1) {
-            cfg = grid_cfg(a);
-        } else if (q == "rows_grid" && std::scanf("%llu %llu %llu", &a, &b, &c) == 3) {
-            cfg = rows_grid(a, b, c);
-        } else if (q == "warp_rows_grid" && std::scanf("%llu", &a) == 1) {
-            cfg = warp_rows_grid(a);
-        } else if (q == "warp_vectors" && std::scanf("%llu %llu %llu", &a, &b, &c) == 3) {
-            std::printf("launch %d\n", warp_vectors(a, b, c != 0));
-            continue;
-        } else if (q == "row_cache" && std::scanf("%llu", &a) == 1) {
-            const auto [smem, cached] = row_cache(a);
-            std::printf("launch %zu %d\n", smem, cached);
-            continue;
-        } else {
-            std::printf("launch ? %s\n", name);
-            continue;
-        }
-        std::printf("launch %u %u %zu\n", cfg.grid.x, cfg.threads, cfg.smem);
-    }
-}
-
 int main(int argc, char** argv) {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines before an abort (a failed guard, a trap) reach the test
     if (argc > 1) amp_row_smem = (size_t)std::atoll(argv[1]);

@@ -406,15 +406,9 @@ impl Cuda {
         p
     }
 
-    /// `mode` of the map kernels: 2 when all views are dense and 16-byte aligned, 1 when dense.
+    /// `mode` of the map kernels ([`crate::launch::map_mode`]).
     fn map_mode<E: Precision>(dense_all: bool, ptrs: &[u64]) -> i32 {
-        if !dense_all {
-            0
-        } else if ptrs.iter().all(|p| p % 16 == 0) && E::DTYPE.size_in_bytes() <= 16 {
-            2
-        } else {
-            1
-        }
+        crate::launch::map_mode(E::DTYPE.size_in_bytes(), dense_all, ptrs)
     }
 
     /// `n` elements at `ptr` of precision `src` rounded into `T` (a new storage).

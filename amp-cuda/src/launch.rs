@@ -33,6 +33,24 @@ pub struct AmpView {
     strides: [i64; MAX_RANK],
 }
 
+impl AmpShape {
+    /// The dims (`rank` of them).
+    pub fn dims(&self) -> &[i64] {
+        &self.dims[..self.rank as usize]
+    }
+}
+
+impl AmpView {
+    /// The offset of the view's first element, in elements.
+    pub fn offset(&self) -> i64 {
+        self.offset
+    }
+    /// The strides of the first `rank` dims, in elements.
+    pub fn strides(&self, rank: usize) -> &[i64] {
+        &self.strides[..rank]
+    }
+}
+
 // SAFETY: both are `#[repr(C)]` structs of plain integers with the field order, types and
 // padding of the prelude's structs, passed by value as kernel parameters.
 unsafe impl DeviceRepr for AmpShape {}
@@ -109,6 +127,19 @@ pub fn views(op: &str, shape: &[usize], operands: &[(usize, Vec<usize>)]) -> (Am
 pub fn view1(op: &str, l: &Layout) -> (AmpShape, AmpView) {
     let (s, v) = views(op, l.shape(), &[(l.offset(), l.strides().to_vec())]);
     (s, v[0])
+}
+
+/// `mode` of the elementwise map kernels (`map.cu`) for values of `elem_bytes` bytes: 2 when
+/// every view is dense (`dense_all`) and every address in `ptrs` (the views' first elements
+/// and the output) is 16-byte aligned (128-bit loads and stores), 1 when dense, 0 for strided.
+pub fn map_mode(elem_bytes: usize, dense_all: bool, ptrs: &[u64]) -> i32 {
+    if !dense_all {
+        0
+    } else if ptrs.iter().all(|p| p.is_multiple_of(16)) && elem_bytes <= 16 {
+        2
+    } else {
+        1
+    }
 }
 
 /// Threads per block of the elementwise kernels.

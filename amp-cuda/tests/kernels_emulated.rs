@@ -66,6 +66,14 @@ fn launch_queries() -> Vec<(String, String)> {
             .map_or("launch none".into(), |(per, parts)| format!("launch {per} {parts}"));
         q.push((format!("reduce_parts {m} {dim} {inner}"), want));
     }
+    for elem in [2usize, 4, 8] {
+        for dense in [false, true] {
+            for ptr in [4096u64, 4096 + 2, 4096 + 8] {
+                let want = launch::map_mode(elem, dense, &[ptr]);
+                q.push((format!("map_mode {elem} {} {ptr}", dense as i32), format!("launch {want}")));
+            }
+        }
+    }
     for d in lengths {
         q.push((format!("rows_grid 3 {d} 4096"), cfg(launch::rows_grid(3, d, 4096))));
         for elem in [2usize, 4, 8] {

@@ -4,6 +4,7 @@
 
 #include "cuda_emu.hpp"
 
+#include <initializer_list>
 #include <map>
 #include <random>
 #include <string>
@@ -60,6 +61,15 @@ inline std::pair<size_t, int> row_cache(size_t per_row) {
     return per_row <= amp_row_smem ? std::make_pair(per_row, 1) : std::make_pair((size_t)0, 0);
 }
 
+// launch::map_mode: the map kernels' mode, 2 (dense, every address 16-byte aligned), 1 (dense)
+// or 0 (strided).
+inline int map_mode(size_t elem_bytes, bool dense_all, std::initializer_list<u64> ptrs) {
+    if (!dense_all) return 0;
+    for (u64 p : ptrs)
+        if (p % 16 != 0) return 1;
+    return elem_bytes <= 16 ? 2 : 1;
+}
+
 // launch::reduce_parts: (rows per part, parts) when a reduction over a middle dim has few
 // outputs (m) and a long dim; false for the rest.
 inline bool reduce_parts(size_t m, size_t dim, size_t inner, size_t& per, size_t& parts) {
@@ -72,7 +82,7 @@ inline bool reduce_parts(size_t m, size_t dim, size_t inner, size_t& per, size_t
 
 // The launch rules of launch.hpp, asked for by the Rust test (one query a line on standard
 // input) and compared there with src/launch.rs, so the two cannot drift apart: each answer is
-// `launch <grid x> <threads> <shared bytes>`, `launch <vectors a lane>`, `launch <bytes> <cached>` or `launch <rows a part> <parts>`
+// `launch <grid x> <threads> <shared bytes>`, `launch <vectors a lane>`, `launch <bytes> <cached>`, `launch <mode>` or `launch <rows a part> <parts>`
 // (`launch none`).
 inline void answer_launch_queries() {
     char name[32];
@@ -93,6 +103,9 @@ inline void answer_launch_queries() {
             size_t per = 0, parts = 0;
             if (reduce_parts(a, b, c, per, parts)) std::printf("launch %zu %zu\n", per, parts);
             else std::printf("launch none\n");
+            continue;
+        } else if (q == "map_mode" && std::scanf("%llu %llu %llu", &a, &b, &c) == 3) {
+            std::printf("launch %d\n", map_mode(a, b != 0, {c}));
             continue;
         } else if (q == "row_cache" && std::scanf("%llu", &a) == 1) {
             const auto [smem, cached] = row_cache(a);

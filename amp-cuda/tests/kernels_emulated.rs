@@ -1,5 +1,5 @@
 //! The row, AMP-step, optimizer, batch norm, pooling, convolution, reduction, gathering and
-//! attention-helper kernels run on this machine, GPU or not, under the host
+//! attention-helper kernels, and the generated elementwise maps, run on this machine, GPU or not, under the host
 //! emulation of CUDA (`tests/emulated/cuda_emu.hpp`, with the real prelude), launched as the
 //! backend launches them (variant, threads, grid, dynamic shared memory; the runners name the
 //! backend function each case follows):
@@ -31,6 +31,24 @@
 //!   log-sum-exps, g·out, score gradients) for blocks of query rows after the first; at f32,
 //!   f16, bf16 and f64.
 //!
+//! - `tests/emulated/maps.cpp` with `maps_generated.inc`, which this test generates from
+//!   `amp_cuda::kernels::catalog()` (each map program's source minus the prelude, in a namespace
+//!   of its own, and a table from kernel name to launcher): every unary op value forward and
+//!   backward (powf at three exponents), every binary op, the twelve casts, copy, fill,
+//!   write_into and where, at f32, f16, bf16 and f64, against amp-core's CPU backend (its
+//!   `Device` methods on the same storages and layouts). Views: contiguous at offset 0 with a
+//!   scalar tail (mode 2), at offset 1 (mode 1), transposed (mode 0), a backward with `g`
+//!   laid out unlike `x` and `y`, binary and `where` operands broadcast as rows and columns
+//!   beside transposes, a transposed destination of write_into (copy and add, from a broadcast
+//!   source); the kernel arguments are `launch::views`' and the mode `launch::map_mode`'s, from
+//!   the buffers' addresses. Inputs: zeros of both signs, ±1, the extremes, infinities, NaN and
+//!   values from 2^-14 to 2^8 (log, sqrt and powf mostly positive); the casts also take random
+//!   bit patterns. Bit for bit (NaN for NaN) except where the two sides compute transcendental
+//!   functions with different implementations (the CPU's vectorised exp/tanh/erf/ln, the C
+//!   library's here): gelu, gelu_tanh, tanh, sigmoid, silu, exp, log and powf forward, gelu,
+//!   gelu_tanh, silu and powf backward, within 4 ulps of f32 or f64 and 1 ulp of f16 or bf16 at
+//!   the size of the terms the formula cancels (`map_scale`: 1 + erf, 1 - tanh², 1 - σ).
+//!
 //! What it cannot check: the hardware (real shared-memory and register limits are `tests/ptx.rs`'s,
 //! real f16 conversions and transcendental functions, timing), and races that the emulation's
 //! barriers and its one-block-at-a-time schedule hide (see the design notes of
@@ -41,7 +59,11 @@
 
 mod emulated;
 
-use amp_core::backend::{ScaleRule, clip_coefficient, total_norm};
+use amp_core::backend::{BinaryOp, ScaleRule, UnaryOp, clip_coefficient, total_norm};
+use amp_core::layout::Layout;
+use amp_core::{Cpu, DType, Device, Tensor, bf16, f16};
+use amp_cuda::kernels::{self, Program};
+use amp_cuda::launch;
 use std::fmt::Write as _;
 
 /// Queries of the runner's launch rules (`tests/emulated/launch.hpp`) and what
@@ -316,4 +338,610 @@ fn the_pooling_and_convolution_kernels_match_references_when_emulated_on_the_hos
 #[test]
 fn the_reduction_gathering_and_attention_helper_kernels_match_references_when_emulated_on_the_host() {
     run_checked("reduce_index.cpp", "reduction, gathering and attention helper");
+}
+
+// ---- the generated elementwise maps, against the CPU backend ----------------------------------
+
+/// How a kernel's output is checked against the CPU's.
+#[derive(Clone, Copy, Debug)]
+enum Tol {
+    /// Bit for bit (NaN where the CPU has NaN, any payload; the sign of zero checked).
+    Exact,
+    /// Within this many units in the last place of the output's precision, at the larger of
+    /// the CPU's value and the size of the terms the op's formula cancels (see `map_scale`).
+    Ulps(f64),
+}
+
+/// One launch of a map kernel and what the CPU says it must write.
+struct MapCase {
+    kernel: String,
+    /// What the case is, for messages: the view and the op's parameter.
+    what: String,
+    /// The runner's input line.
+    line: String,
+    out: DType,
+    want: Vec<f64>,
+    /// Per element: the size of the terms the formula cancels (0: the value's own size).
+    scale: Vec<f64>,
+    /// Per element, for messages: the op's input (`x`, and `g` for a backward), where known.
+    inputs: Vec<String>,
+    tol: Tol,
+}
+
+/// The bits of a value of `E`, as the runner reads them.
+fn bits_of<E: amp_core::Precision>(v: E) -> u64 {
+    let f = v.to_f64();
+    match E::DTYPE {
+        DType::F32 => (f as f32).to_bits() as u64,
+        DType::F16 => half::f16::from_f64(f).to_bits() as u64,
+        DType::BF16 => half::bf16::from_f64(f).to_bits() as u64,
+        DType::F64 => f.to_bits(),
+    }
+}
+
+fn value_of(d: DType, bits: u64) -> f64 {
+    match d {
+        DType::F32 => f32::from_bits(bits as u32) as f64,
+        DType::F16 => half::f16::from_bits(bits as u16).to_f64(),
+        DType::BF16 => half::bf16::from_bits(bits as u16).to_f64(),
+        DType::F64 => f64::from_bits(bits),
+    }
+}
+
+/// A unit in the last place of `d` at `v` (the smallest subnormal's near 0).
+fn ulp(d: DType, v: f64) -> f64 {
+    let (mant, emin) = match d {
+        DType::F64 => (52, -1022),
+        DType::F32 => (23, -126),
+        DType::F16 => (10, -14),
+        DType::BF16 => (7, -126),
+    };
+    let e = if v == 0.0 || !v.is_finite() { emin } else { (v.abs().log2().floor() as i32).max(emin) };
+    2f64.powi(e - mant)
+}
+
+/// The runner's text for a case: kernel, flag, n, p bits, the shape, views and buffers.
+fn case_line(kernel: &str, flag: i32, n: usize, p: u64, shape: &launch_views::Shape, bufs: &[Vec<u64>]) -> String {
+    let mut s = format!("case {kernel} {flag:x} {n:x} {p:x} {:x}", shape.dims.len());
+    for d in &shape.dims {
+        write!(s, " {d:x}").unwrap();
+    }
+    write!(s, " {:x}", shape.views.len()).unwrap();
+    for (off, strides) in &shape.views {
+        write!(s, " {off:x}").unwrap();
+        for st in strides {
+            write!(s, " {st:x}").unwrap();
+        }
+    }
+    write!(s, " {:x}", bufs.len()).unwrap();
+    for b in bufs {
+        write!(s, " {:x}", b.len()).unwrap();
+        for v in b {
+            write!(s, " {v:x}").unwrap();
+        }
+    }
+    s
+}
+
+/// The kernel arguments `amp_cuda::launch::views` builds, read back for the runner.
+mod launch_views {
+    pub struct Shape {
+        pub dims: Vec<i64>,
+        pub views: Vec<(i64, Vec<i64>)>,
+    }
+    pub fn of(op: &str, shape: &[usize], operands: &[(usize, Vec<usize>)]) -> Shape {
+        let (s, vs) = amp_cuda::launch::views(op, shape, operands);
+        let dims = s.dims().to_vec();
+        let views = vs.iter().map(|v| (v.offset(), v.strides(dims.len()).to_vec())).collect();
+        Shape { dims, views }
+    }
+}
+
+/// Values for an op's inputs: the special values (zeros, ±1, the extremes of `d`, infinities,
+/// NaN) and random ones of every size from 2^-14 to 2^8, both signs; `positive` keeps most of
+/// them positive (log, sqrt, powf).
+fn map_values(g: &mut Gen, d: DType, n: usize, positive: bool) -> Vec<f64> {
+    let max = match d {
+        DType::F16 => 65504.0,
+        DType::BF16 => 3.3895313892515355e38,
+        DType::F32 => f32::MAX as f64,
+        DType::F64 => f64::MAX,
+    };
+    let tiny = ulp(d, 0.0);
+    let special = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, 1e-3, -1e-3, tiny, -tiny, max, -max];
+    let special = special.into_iter().chain([f64::INFINITY, f64::NEG_INFINITY, f64::NAN, 10.0, -10.0, -0.75, 0.75]);
+    let mut out: Vec<f64> = special.collect();
+    while out.len() < n {
+        let mag = 2f64.powf(-14.0 + 22.0 * (g.next() >> 11) as f64 / (1u64 << 53) as f64);
+        let neg = if positive { g.below(8) == 0 } else { g.below(2) == 0 };
+        out.push(if neg { -mag } else { mag });
+    }
+    // Shuffled, so the special values land in vector, tail and strided positions alike.
+    for i in (1..out.len()).rev() {
+        let j = g.below(i as u64 + 1) as usize;
+        out.swap(i, j);
+    }
+    out.truncate(n);
+    out
+}
+
+fn store_of<E: amp_core::Precision>(v: &[f64]) -> Vec<E> {
+    v.iter().map(|&x| E::from_f64(x)).collect()
+}
+
+fn bits_all<E: amp_core::Precision>(v: &[E]) -> Vec<u64> {
+    v.iter().map(|&x| bits_of(x)).collect()
+}
+
+fn f64s<E: amp_core::Precision>(v: &[E]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// A view made by tensor ops on a `base`-shaped tensor (its layout: shape, strides, offset).
+fn view_of(base: &[usize], f: impl Fn(Tensor<f32>) -> Tensor<f32>) -> Layout {
+    f(Tensor::zeros(base)).layout().clone()
+}
+
+/// The views a unary op runs on: (name, storage length, layout). A contiguous run at offset 0
+/// whose length is not a whole number of vectors (mode 2 and its scalar tail), the same at
+/// offset 1 (mode 1: contiguous, misaligned), and a transpose (mode 0: strided).
+fn unary_views() -> Vec<(&'static str, usize, Layout)> {
+    vec![
+        ("contiguous [301]", 301, Layout::contiguous(&[301])),
+        ("offset 1 [301]", 302, view_of(&[302], |t| t.narrow(0, 1, 301))),
+        ("transposed [18, 17]", 306, view_of(&[17, 18], |t| t.transpose(0, 1))),
+    ]
+}
+
+/// The size of the terms that cancel in an op's formula at `x` (with incoming gradient `g` for
+/// a backward), in f64: rounding errors of a few ulps in those terms are what two correct
+/// implementations may differ by. 0 where nothing cancels (the value's own size is used).
+fn map_scale(op: &str, bwd: bool, x: f64, g: f64) -> f64 {
+    let s = 1.0 / (1.0 + (-x).exp());
+    let scale = match (op, bwd) {
+        // 0.5 x (1 + erf(x / √2)): 1 + erf cancels for negative x.
+        ("gelu" | "gelu_tanh", false) => x.abs(),
+        // Φ(x) + x φ(x): the two cancel near x = -0.75.
+        ("gelu", true) => (x * (-0.5 * x * x).exp() * 0.398_942_280_401_432_7).abs().max(1.0),
+        // (1 + t) / 2 + x (1 - t²) √(2/π) (1 + 0.134145 x²) / 2 with t = tanh(...): 1 + t and
+        // 1 - t² cancel where t nears ±1 (|x| of 2 to 5), leaving the tanh's own error (an
+        // ulp of 1) times the factor of 1 - t².
+        ("gelu_tanh", true) => (0.5 * x * 0.797_884_560_802_865_4 * (1.0 + 0.134145 * x * x)).abs().max(1.0),
+        // σ(x) (1 + x (1 - σ(x))): 1 - σ cancels for large x, and the sum near x = -1.28.
+        ("silu", true) => s * x.abs().max(1.0),
+        _ => 0.0,
+    };
+    if scale.is_finite() { scale * if bwd { g.abs() } else { 1.0 } } else { 0.0 }
+}
+
+/// The tolerance of a unary op at `d`, and why.
+fn unary_tol(op: &str, bwd: bool, d: DType) -> Tol {
+    // Exact: the same IEEE operations in the same order on both sides (the derivatives that
+    // read `y` are given the same `y`), or correctly rounded functions (sqrt).
+    let transcendental = matches!(
+        (op, bwd),
+        ("gelu" | "gelu_tanh" | "tanh" | "sigmoid" | "silu" | "exp" | "log" | "powf", false)
+            | ("gelu" | "gelu_tanh" | "silu" | "powf", true)
+    );
+    if !transcendental {
+        return Tol::Exact;
+    }
+    match d {
+        // The CPU's vectorised exp/tanh/erf/ln are within 1-2 ulps of f32, the C library's
+        // within 1: a few ulps apart at the size of the formula's terms.
+        DType::F32 => Tol::Ulps(4.0),
+        // Computed in f32 a few f32 ulps apart, rounded once: one ulp apart at most.
+        DType::F16 | DType::BF16 => Tol::Ulps(1.0),
+        DType::F64 => Tol::Ulps(4.0),
+    }
+}
+
+fn unary_cases<E: amp_core::Precision, O: UnaryOp>(op: O, g: &mut Gen, cases: &mut Vec<MapCase>) {
+    let d = E::DTYPE;
+    let positive = matches!(O::NAME, "log" | "sqrt" | "powf");
+    let cpu = Cpu;
+    for (vname, len, l) in unary_views() {
+        let n = l.numel();
+        let what = format!("{vname} p={}", op.param());
+        let full = Layout::contiguous(&[len]);
+        let xv = store_of::<E>(&map_values(g, d, len, positive));
+        let xs = cpu.from_host(xv.clone());
+        // Forward.
+        let want: Vec<E> = cpu.to_host(&cpu.unary(op, &xs, &l), &Layout::contiguous(&[n]));
+        let sh = launch_views::of(O::NAME, l.shape(), &[(l.offset(), l.strides().to_vec())]);
+        let kernel = kernels::kernel_name(&format!("{}_fwd", O::NAME), d);
+        let line = case_line(&kernel, l.is_contiguous() as i32, n, op.param().to_bits(), &sh, &[bits_all(&xv)]);
+        let xin: Vec<E> = cpu.to_host(&xs, &l);
+        let scale = xin.iter().map(|x| map_scale(O::NAME, false, x.to_f64(), 1.0)).collect();
+        let tol = unary_tol(O::NAME, false, d);
+        let inputs = xin.iter().map(|x| format!("x {:e}", x.to_f64())).collect();
+        cases.push(MapCase { kernel, what: what.clone(), line, out: d, want: f64s(&want), scale, inputs, tol });
+        // Backward: y = the CPU's forward over the whole storage (so y[i] = f(x[i]) in every
+        // view), g random; and once with g contiguous beside strided x and y.
+        let ys = cpu.unary(op, &xs, &full);
+        let yv: Vec<E> = cpu.to_host(&ys, &full);
+        let gvals: Vec<f64> = (0..len).map(|_| (g.next() >> 11) as f64 / (1u64 << 52) as f64 - 1.0).collect();
+        let gv = store_of::<E>(&gvals);
+        let gs = cpu.from_host(gv.clone());
+        let mut layouts = vec![(what.clone(), l.clone())];
+        if !l.is_contiguous() {
+            layouts.push((format!("{what}, g contiguous"), Layout::contiguous(l.shape())));
+        }
+        for (what, lg) in layouts {
+            let want: Vec<E> =
+                cpu.to_host(&cpu.unary_backward(op, (&xs, &l), (&ys, &l), (&gs, &lg)), &Layout::contiguous(&[n]));
+            let shape = l.shape();
+            let op_of = |l: &Layout| (l.offset(), launch::broadcast_strides(l, shape));
+            let sh = launch_views::of(O::NAME, shape, &[op_of(&l), op_of(&l), op_of(&lg)]);
+            let dense = [&l, &l, &lg].iter().all(|v| v.shape() == shape && v.is_contiguous());
+            let kernel = kernels::kernel_name(&format!("{}_bwd", O::NAME), d);
+            let bufs = [bits_all(&xv), bits_all(&yv), bits_all(&gv)];
+            let line = case_line(&kernel, dense as i32, n, op.param().to_bits(), &sh, &bufs);
+            let gin: Vec<E> = cpu.to_host(&gs, &lg);
+            let scale = xin.iter().zip(&gin).map(|(x, gg)| map_scale(O::NAME, true, x.to_f64(), gg.to_f64())).collect();
+            let tol = unary_tol(O::NAME, true, d);
+            let inputs = xin.iter().zip(&gin).map(|(x, g)| format!("x {:e}, g {:e}", x.to_f64(), g.to_f64())).collect();
+            cases.push(MapCase { kernel, what, line, out: d, want: f64s(&want), scale, inputs, tol });
+        }
+    }
+}
+
+fn binary_cases<E: amp_core::Precision, O: BinaryOp>(op: O, g: &mut Gen, cases: &mut Vec<MapCase>) {
+    let d = E::DTYPE;
+    let cpu = Cpu;
+    let t = view_of(&[17, 18], |t| t.transpose(0, 1));
+    // (what, (a's storage length, layout), (b's), the output's shape).
+    let views = [
+        ("both contiguous [301]", (301, Layout::contiguous(&[301])), (301, Layout::contiguous(&[301])), vec![301]),
+        (
+            "both at offset 1 [301]",
+            (302, view_of(&[302], |t| t.narrow(0, 1, 301))),
+            (302, view_of(&[302], |t| t.narrow(0, 1, 301))),
+            vec![301],
+        ),
+        ("transposed [18, 17] + row [17]", (306, t.clone()), (17, Layout::contiguous(&[17])), vec![18, 17]),
+        ("column [18, 1] + transposed [18, 17]", (18, Layout::contiguous(&[18, 1])), (306, t), vec![18, 17]),
+    ];
+    for (what, (la_len, la), (lb_len, lb), shape) in views {
+        let n: usize = shape.iter().product();
+        let av = store_of::<E>(&map_values(g, d, la_len, false));
+        let bv = store_of::<E>(&map_values(g, d, lb_len, false));
+        let (a, b) = (cpu.from_host(av.clone()), cpu.from_host(bv.clone()));
+        let want: Vec<E> = cpu.to_host(&cpu.binary(op, (&a, &la), (&b, &lb), &shape), &Layout::contiguous(&[n]));
+        let (sa, sb) = (launch::broadcast_strides(&la, &shape), launch::broadcast_strides(&lb, &shape));
+        let dense = [&la, &lb].iter().all(|l| l.shape() == shape && l.is_contiguous());
+        let sh = launch_views::of(O::NAME, &shape, &[(la.offset(), sa), (lb.offset(), sb)]);
+        let kernel = kernels::kernel_name(&format!("{}_fwd", O::NAME), d);
+        let line = case_line(&kernel, dense as i32, n, op.param().to_bits(), &sh, &[bits_all(&av), bits_all(&bv)]);
+        // Exact: add, sub, mul, div and (a - b) * c are the same IEEE operations on both sides.
+        let what = format!("{what} p={}", op.param());
+        let (scale, inputs) = (vec![0.0; n], vec![]);
+        cases.push(MapCase { kernel, what, line, out: d, want: f64s(&want), scale, inputs, tol: Tol::Exact });
+    }
+}
+
+/// Values for a cast from `d`: random bit patterns (every NaN, infinity, subnormal and rounding
+/// tie of a 16-bit type shows up), and for f32 and f64 values of every size around the f16 and
+/// bf16 ranges, with random low bits (ties and overflow when narrowing).
+fn cast_values(g: &mut Gen, d: DType, n: usize) -> Vec<f64> {
+    let mut out = map_values(g, d, n / 4, false);
+    while out.len() < n {
+        let v = match d {
+            DType::F16 => half::f16::from_bits(g.next() as u16).to_f64(),
+            DType::BF16 => half::bf16::from_bits(g.next() as u16).to_f64(),
+            _ => {
+                let e = g.below(90) as i32 - 45;
+                let m = 1.0 + (g.next() >> 11) as f64 / (1u64 << 53) as f64;
+                let v = m * 2f64.powi(e) * if g.below(2) == 0 { -1.0 } else { 1.0 };
+                if d == DType::F32 { v as f32 as f64 } else { v }
+            }
+        };
+        out.push(v);
+    }
+    out
+}
+
+fn cast_cases<S: amp_core::Precision, D: amp_core::Precision>(g: &mut Gen, cases: &mut Vec<MapCase>) {
+    let cpu = Cpu;
+    for (vname, len, l) in unary_views() {
+        let n = l.numel();
+        let xv = store_of::<S>(&cast_values(g, S::DTYPE, len));
+        let want: Vec<D> = cpu.to_host(&cpu.cast::<S, D>(&cpu.from_host(xv.clone()), &l), &Layout::contiguous(&[n]));
+        let sh = launch_views::of("cast", l.shape(), &[(l.offset(), l.strides().to_vec())]);
+        let kernel = kernels::cast_kernel(S::DTYPE, D::DTYPE);
+        let line = case_line(&kernel, l.is_contiguous() as i32, n, 0, &sh, &[bits_all(&xv)]);
+        // Exact: one correct rounding on both sides.
+        let (what, scale) = (vname.to_string(), vec![0.0; n]);
+        let inputs =
+            cpu.to_host(&cpu.from_host(xv.clone()), &l).iter().map(|x| format!("x {:e}", x.to_f64())).collect();
+        cases.push(MapCase { kernel, what, line, out: D::DTYPE, want: f64s(&want), scale, inputs, tol: Tol::Exact });
+    }
+}
+
+/// copy (strided views only: the backend copies dense ones with a memcpy), fill, write_into
+/// (copy and add, into a transposed view, from a contiguous and a broadcast source) and where
+/// (the mask, a and b broadcast in turn).
+fn copy_cases<E: amp_core::Precision>(g: &mut Gen, cases: &mut Vec<MapCase>) {
+    let d = E::DTYPE;
+    let cpu = Cpu;
+    let exact = |kernel: String, what: &str, line: String, want: Vec<E>| MapCase {
+        kernel,
+        what: what.to_string(),
+        line,
+        out: d,
+        scale: vec![0.0; want.len()],
+        inputs: vec![],
+        want: f64s(&want),
+        tol: Tol::Exact,
+    };
+    let t = view_of(&[17, 18], |t| t.transpose(0, 1));
+    let copies = [
+        ("transposed [18, 17]", 306, t.clone()),
+        ("broadcast row [17] to [18, 17]", 17, view_of(&[17], |t| t.broadcast_to(&[18, 17]))),
+        ("narrowed transpose [9, 17]", 306, view_of(&[17, 18], |t| t.transpose(0, 1).narrow(0, 5, 9))),
+    ];
+    for (what, len, l) in copies {
+        let xv = store_of::<E>(&map_values(g, d, len, false));
+        let n = l.numel();
+        let want: Vec<E> = cpu.to_host(&cpu.contiguous(&cpu.from_host(xv.clone()), &l), &Layout::contiguous(&[n]));
+        let sh = launch_views::of("contiguous", l.shape(), &[(l.offset(), l.strides().to_vec())]);
+        let kernel = kernels::kernel_name("copy_fwd", d);
+        cases.push(exact(kernel.clone(), what, case_line(&kernel, 0, n, 0, &sh, &[bits_all(&xv)]), want));
+    }
+    for v in [1.5, -0.0, f64::NAN, f64::NEG_INFINITY, std::f64::consts::PI, 1e-40, 7e4] {
+        let n = 300;
+        let value = E::from_f64(v);
+        let want: Vec<E> = cpu.to_host(&cpu.full(n, value), &Layout::contiguous(&[n]));
+        let sh = launch_views::Shape { dims: vec![], views: vec![] };
+        let kernel = kernels::kernel_name("fill_fwd", d);
+        cases.push(exact(kernel.clone(), &format!("{v}"), case_line(&kernel, 0, n, bits_of(value), &sh, &[]), want));
+    }
+    let sources = [
+        ("contiguous source", 306, Layout::contiguous(&[18, 17])),
+        ("broadcast source", 17, view_of(&[17], |t| t.broadcast_to(&[18, 17]))),
+    ];
+    for add in [false, true] {
+        for (sname, slen, sl) in &sources {
+            let dv = store_of::<E>(&map_values(g, d, 306, false));
+            let sv = store_of::<E>(&map_values(g, d, *slen, false));
+            let mut dst = cpu.from_host(dv.clone());
+            cpu.write_into(&mut dst, &t, &cpu.from_host(sv.clone()), sl, add);
+            let want: Vec<E> = cpu.to_host(&dst, &Layout::contiguous(&[306]));
+            let sh = launch_views::of(
+                "write_into",
+                t.shape(),
+                &[(t.offset(), t.strides().to_vec()), (sl.offset(), sl.strides().to_vec())],
+            );
+            let kernel = kernels::kernel_name("write_into_fwd", d);
+            let line = case_line(&kernel, add as i32, t.numel(), 0, &sh, &[bits_all(&dv), bits_all(&sv)]);
+            let what = format!("into a transpose, {sname}, add {add}");
+            cases.push(exact(kernel, &what, line, want));
+        }
+    }
+    let shape = [18usize, 17];
+    let wheres = [
+        ("mask [18, 17], a transposed, b row [17]", vec![18, 17], (306, t.clone()), (17, Layout::contiguous(&[17]))),
+        (
+            "mask row [17], a [18, 17], b column [18, 1]",
+            vec![17],
+            (306, Layout::contiguous(&[18, 17])),
+            (18, Layout::contiguous(&[18, 1])),
+        ),
+    ];
+    for (what, mshape, (alen, la), (blen, lb)) in wheres {
+        let mlen: usize = mshape.iter().product();
+        let mask: Vec<bool> = (0..mlen).map(|_| g.below(2) == 0).collect();
+        let av = store_of::<E>(&map_values(g, d, alen, false));
+        let bv = store_of::<E>(&map_values(g, d, blen, false));
+        let out =
+            cpu.select((&mask, &mshape), (&cpu.from_host(av.clone()), &la), (&cpu.from_host(bv.clone()), &lb), &shape);
+        let want: Vec<E> = cpu.to_host(&out, &Layout::contiguous(&[306]));
+        let lm = Layout::contiguous(&mshape);
+        let sh = launch_views::of(
+            "where",
+            &shape,
+            &[
+                (0, launch::broadcast_strides(&lm, &shape)),
+                (la.offset(), launch::broadcast_strides(&la, &shape)),
+                (lb.offset(), launch::broadcast_strides(&lb, &shape)),
+            ],
+        );
+        let kernel = kernels::kernel_name("where_fwd", d);
+        let bufs = [mask.iter().map(|&m| m as u64).collect(), bits_all(&av), bits_all(&bv)];
+        cases.push(exact(kernel.clone(), what, case_line(&kernel, 0, 306, 0, &sh, &bufs), want));
+    }
+}
+
+/// Every program the backend builds for the maps (as `kernels::catalog` lists them), with the
+/// runner's launcher for each kernel.
+fn map_programs() -> Vec<(Program, Vec<&'static str>)> {
+    let mut out = Vec::new();
+    for p in kernels::catalog() {
+        let launchers: Vec<&'static str> = p
+            .kernels
+            .iter()
+            .map(|k| {
+                let stem = k.rsplit_once('_').unwrap().0;
+                if stem.starts_with("cast_to_") {
+                    "cast"
+                } else if kernels::unary_ops().iter().any(|o| stem == format!("{}_fwd", o.name)) {
+                    "unary_fwd"
+                } else if kernels::unary_ops().iter().any(|o| stem == format!("{}_bwd", o.name)) {
+                    "unary_bwd"
+                } else if kernels::binary_ops().iter().any(|o| stem == format!("{}_fwd", o.0)) {
+                    "binary"
+                } else {
+                    match stem {
+                        "copy_fwd" => "copy",
+                        "fill_fwd" => "fill",
+                        "write_into_fwd" => "write_into",
+                        "where_fwd" => "where",
+                        _ => "",
+                    }
+                }
+            })
+            .collect();
+        if launchers.iter().all(|l| !l.is_empty()) {
+            out.push((p, launchers));
+        }
+    }
+    out
+}
+
+/// The runner's generated part: each program minus the prelude in a namespace of its own, and
+/// the table of launchers.
+fn maps_generated(programs: &[(Program, Vec<&'static str>)]) -> String {
+    let mut src = String::from("// Generated by tests/kernels_emulated.rs from amp_cuda::kernels: do not edit.\n");
+    let mut table =
+        String::from("inline std::vector<std::pair<std::string, Launcher>> amp_map_kernels() {\n    return {\n");
+    for (p, launchers) in programs {
+        let body =
+            p.source.strip_prefix(kernels::PRELUDE).unwrap_or_else(|| panic!("{} starts with the prelude", p.name));
+        writeln!(src, "namespace amp_prog_{} {{\n{body}\n}}  // namespace amp_prog_{}", p.name, p.name).unwrap();
+        for (k, l) in p.kernels.iter().zip(launchers) {
+            writeln!(table, "        {{\"{k}\", {l}(&amp_prog_{}::{k})}},", p.name).unwrap();
+        }
+    }
+    table.push_str("    };\n}\n");
+    src + &table
+}
+
+#[test]
+fn the_elementwise_maps_match_the_cpu_backend_when_emulated_on_the_host() {
+    use amp_core::ops::{binary as b, loss, unary as u};
+    let programs = map_programs();
+    let mut g = Gen(2024);
+    let mut cases = Vec::new();
+    macro_rules! each_dtype {
+        ($f:ident($op:expr)) => {
+            $f::<f32, _>($op, &mut g, &mut cases);
+            $f::<f16, _>($op, &mut g, &mut cases);
+            $f::<bf16, _>($op, &mut g, &mut cases);
+            $f::<f64, _>($op, &mut g, &mut cases);
+        };
+    }
+    each_dtype!(unary_cases(u::Neg));
+    each_dtype!(unary_cases(u::Relu));
+    each_dtype!(unary_cases(u::Gelu));
+    each_dtype!(unary_cases(u::GeluTanh));
+    each_dtype!(unary_cases(u::Square));
+    each_dtype!(unary_cases(u::Tanh));
+    each_dtype!(unary_cases(u::Sigmoid));
+    each_dtype!(unary_cases(u::Silu));
+    each_dtype!(unary_cases(u::Exp));
+    each_dtype!(unary_cases(u::Log));
+    each_dtype!(unary_cases(u::Sqrt));
+    for p in [3.0, 0.5, -1.5] {
+        each_dtype!(unary_cases(u::Powf(p)));
+    }
+    each_dtype!(unary_cases(u::AddScalar(0.1)));
+    each_dtype!(unary_cases(u::MulScalar(-3.7)));
+    each_dtype!(unary_cases(u::DivScalar(3.0)));
+    each_dtype!(unary_cases(u::ScalarDiv(2.5)));
+    each_dtype!(binary_cases(b::Add));
+    each_dtype!(binary_cases(b::Sub));
+    each_dtype!(binary_cases(b::Mul));
+    each_dtype!(binary_cases(b::Div));
+    each_dtype!(binary_cases(loss::ScaledDiff(0.37)));
+    macro_rules! casts_from {
+        ($s:ty) => {
+            cast_cases::<$s, f32>(&mut g, &mut cases);
+            cast_cases::<$s, f16>(&mut g, &mut cases);
+            cast_cases::<$s, bf16>(&mut g, &mut cases);
+            cast_cases::<$s, f64>(&mut g, &mut cases);
+        };
+    }
+    let before = cases.len();
+    casts_from!(f32);
+    casts_from!(f16);
+    casts_from!(bf16);
+    casts_from!(f64);
+    // Casts to the same precision are copies: the backend never launches a kernel for them.
+    let all_kernels: Vec<&String> = programs.iter().flat_map(|p| &p.0.kernels).collect();
+    let mut i = before;
+    while i < cases.len() {
+        if all_kernels.contains(&&cases[i].kernel) {
+            i += 1
+        } else {
+            cases.remove(i);
+        }
+    }
+    copy_cases::<f32>(&mut g, &mut cases);
+    copy_cases::<f16>(&mut g, &mut cases);
+    copy_cases::<bf16>(&mut g, &mut cases);
+    copy_cases::<f64>(&mut g, &mut cases);
+    // Every kernel of every map program gets a case.
+    let untested: Vec<&&String> = all_kernels.iter().filter(|k| !cases.iter().any(|c| &c.kernel == **k)).collect();
+    assert!(untested.is_empty(), "map kernels without a case: {untested:?}");
+
+    let input: String = cases.iter().map(|c| format!("{}\n", c.line)).collect();
+    let generated = [("maps_generated.inc", maps_generated(&programs))];
+    let Some(run) = emulated::run_generated("maps.cpp", &generated, &[], &input) else { return };
+    println!("compiled in {:.1} s, ran {} case(s) in {:.1} s", run.compile_s, cases.len(), run.run_s);
+    assert!(run.success, "the maps runner failed:\n{}", run.stderr);
+    let outs: Vec<&str> = run.stdout.lines().filter(|l| l.starts_with("out ") || l.starts_with("unknown ")).collect();
+    assert_eq!(outs.len(), cases.len(), "the runner answered {} of {} cases:\n{}", outs.len(), cases.len(), run.stderr);
+    // kernel -> (worst error, its tolerance, cases)
+    let mut worst: std::collections::BTreeMap<String, (f64, Tol, usize)> = Default::default();
+    let mut wrong = Vec::new();
+    for (c, line) in cases.iter().zip(outs) {
+        let mut words = line.split_whitespace();
+        let tag = words.next().unwrap();
+        assert_eq!((tag, words.next()), ("out", Some(c.kernel.as_str())), "the runner has no kernel {}", c.kernel);
+        let got: Vec<f64> = words.skip(1).map(|w| value_of(c.out, u64::from_str_radix(w, 16).unwrap())).collect();
+        assert_eq!(
+            got.len(),
+            c.want.len(),
+            "{} ({}): {} values, the CPU {}",
+            c.kernel,
+            c.what,
+            got.len(),
+            c.want.len()
+        );
+        let mut bad = Vec::new();
+        let mut case_worst = 0.0f64;
+        for (i, ((&x, &w), &s)) in got.iter().zip(&c.want).zip(&c.scale).enumerate() {
+            let err = if w.is_nan() || x.is_nan() {
+                if w.is_nan() && x.is_nan() { 0.0 } else { f64::INFINITY }
+            } else if matches!(c.tol, Tol::Exact) || !w.is_finite() || !x.is_finite() {
+                if x.to_bits() == w.to_bits() { 0.0 } else { f64::INFINITY }
+            } else {
+                (x - w).abs() / ulp(c.out, w.abs().max(s))
+            };
+            let tol = match c.tol {
+                Tol::Exact => 0.0,
+                Tol::Ulps(u) => u,
+            };
+            case_worst = case_worst.max(err);
+            if err > tol {
+                let at = c.inputs.get(i).map(|s| format!(" at {s}")).unwrap_or_default();
+                bad.push(format!("[{i}]{at}: kernel {x:e}, cpu {w:e} ({err:.1} ulps)"));
+            }
+        }
+        let e = worst.entry(c.kernel.clone()).or_insert((0.0, c.tol, 0));
+        e.0 = e.0.max(case_worst);
+        e.2 += 1;
+        if !bad.is_empty() {
+            wrong.push(format!(
+                "{} ({}, tolerance {:?}): {} of {} values differ from the CPU: {}",
+                c.kernel,
+                c.what,
+                c.tol,
+                bad.len(),
+                got.len(),
+                bad.iter().take(4).cloned().collect::<Vec<_>>().join("; ")
+            ));
+        }
+    }
+    for (k, (w, tol, n)) in &worst {
+        println!("{k:<28} {n} case(s), worst {w:.2} ulps (tolerance {tol:?})");
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} map case(s) disagree with the CPU backend:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+    println!("{} map kernel(s), {} case(s): as the CPU backend", worst.len(), cases.len());
 }

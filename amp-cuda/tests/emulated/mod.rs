@@ -13,6 +13,11 @@ use std::process::{Command, Stdio};
 
 /// What a runner printed, and whether it exited with 0.
 pub struct Run {
+    /// Seconds the compiler took, and the runner.
+    #[allow(dead_code)]
+    pub compile_s: f64,
+    #[allow(dead_code)]
+    pub run_s: f64,
     pub success: bool,
     pub stdout: String,
     pub stderr: String,
@@ -21,6 +26,12 @@ pub struct Run {
 /// Builds `tests/emulated/<source>` (with `src/kernels` on the include path) and runs it with
 /// `args`, writing `stdin` to it; `None` when skipped (see the module docs).
 pub fn run(source: &str, args: &[String], stdin: &str) -> Option<Run> {
+    run_generated(source, &[], args, stdin)
+}
+
+/// [`run`], with files the test generated (`(name, text)`) written to a directory of their own
+/// in the build directory, which goes on the include path first (the runner `#include`s them).
+pub fn run_generated(source: &str, generated: &[(&str, String)], args: &[String], stdin: &str) -> Option<Run> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let required = std::env::var("AMP_CUDA_REQUIRE_CXX").as_deref() == Ok("1");
     let src = dir.join("tests/emulated").join(source);
@@ -33,9 +44,17 @@ pub fn run(source: &str, args: &[String], stdin: &str) -> Option<Run> {
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{}_emulated", source.trim_end_matches(".cpp")));
     // -ffp-contract=off: the kernels' `__*_rn` intrinsics are plain operations here, and the
     // references' arithmetic is as written; neither may be fused into FMAs.
+    let gen_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{}_generated", source.trim_end_matches(".cpp")));
+    std::fs::create_dir_all(&gen_dir).expect("a directory for the generated sources");
+    for (name, text) in generated {
+        std::fs::write(gen_dir.join(name), text).expect("the generated source is written");
+    }
+    let started = std::time::Instant::now();
     let compiled = Command::new(&cxx)
         .args(["-std=c++20", "-O2", "-pthread", "-fno-strict-aliasing", "-ffp-contract=off"])
         .args(["-Wall", "-Wno-unknown-pragmas", "-Werror"])
+        .arg("-I")
+        .arg(&gen_dir)
         .arg("-I")
         .arg(dir.join("tests/emulated"))
         .arg("-I")
@@ -60,6 +79,8 @@ pub fn run(source: &str, args: &[String], stdin: &str) -> Option<Run> {
         println!("SKIPPED: {cxx} could not build {source} (AMP_CUDA_REQUIRE_CXX=1 makes this fail):\n{stderr}");
         return None;
     }
+    let compile_s = started.elapsed().as_secs_f64();
+    let started = std::time::Instant::now();
     let mut child = Command::new(&exe)
         .args(args)
         .stdin(Stdio::piped())
@@ -74,6 +95,8 @@ pub fn run(source: &str, args: &[String], stdin: &str) -> Option<Run> {
     let out = child.wait_with_output().expect("the emulation runs");
     writer.join().expect("the writer thread").expect("the runner reads its cases");
     Some(Run {
+        compile_s,
+        run_s: started.elapsed().as_secs_f64(),
         success: out.status.success(),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),

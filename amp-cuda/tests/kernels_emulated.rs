@@ -1,8 +1,8 @@
 //! The row, AMP-step, optimizer, batch norm, pooling, convolution, reduction, gathering and
-//! attention-helper kernels, and the generated elementwise maps, run on this machine, GPU or not, under the host
-//! emulation of CUDA (`tests/emulated/cuda_emu.hpp`, with the real prelude), launched as the
-//! backend launches them (variant, threads, grid, dynamic shared memory; the runners name the
-//! backend function each case follows):
+//! attention-helper kernels, and the generated elementwise maps, run on this machine, GPU or
+//! not, under the host emulation of CUDA (`tests/emulated/cuda_emu.hpp`, with the real
+//! prelude), launched as the backend launches them (variant, threads, grid, dynamic shared
+//! memory; the runners name the backend function each case follows):
 //! - `tests/emulated/rows.cpp`: softmax and log-softmax, layer norm and RMS norm (with the weight
 //!   and bias gradients), cross-entropy, forward and backward, block-per-row and warp-per-row,
 //!   vectorised and scalar, the row cached in dynamic shared memory or not (at the cache's edge:
@@ -48,6 +48,9 @@
 //!   library's here): gelu, gelu_tanh, tanh, sigmoid, silu, exp, log and powf forward, gelu,
 //!   gelu_tanh, silu and powf backward, within 4 ulps of f32 or f64 and 1 ulp of f16 or bf16 at
 //!   the size of the terms the formula cancels (`map_scale`: 1 + erf, 1 - tanh², 1 - σ).
+//!   Changing the 1/√(2π) of GELU's CUDA derivative in its fourth digit fails gelu_bwd_f32
+//!   (up to 974 ulps) and gelu_bwd_f64, naming them; at f16 and bf16 so small a change
+//!   stays within the one ulp of rounding.
 //!
 //! What it cannot check: the hardware (real shared-memory and register limits are `tests/ptx.rs`'s,
 //! real f16 conversions and transcendental functions, timing), and races that the emulation's

@@ -48,11 +48,6 @@ AMP_EMU_AMP_ENTRIES(bf16)
 
 static Report report;
 
-template <typename T> u64 bits_of(T v) {
-    u64 b = 0;
-    std::memcpy(&b, &v, sizeof v);
-    return b;
-}
 template <typename T> bool same_bits(const Buf<T>& a, const std::vector<T>& b) {
     for (size_t i = 0; i < b.size(); ++i)
         if (bits_of(a[i]) != bits_of(b[i])) return false;

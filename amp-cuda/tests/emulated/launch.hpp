@@ -135,6 +135,13 @@ template <typename T> struct Buf {
     const T& operator[](size_t i) const { return p[i]; }
 };
 
+// The bits of a value (of at most 8 bytes), for bit-for-bit comparisons and hex output.
+template <typename T> u64 bits_of(const T& v) {
+    static_assert(sizeof(T) <= 8);
+    u64 b = 0;
+    std::memcpy(&b, &v, sizeof v);
+    return b;
+}
 template <typename T> double val(T v) { return (double)load(v); }
 template <typename T> T from(double v) { return narrow<T>(v); }
 

@@ -43,11 +43,6 @@ template <typename T> Buf<T> buf_of(const std::vector<u64>& bits) {
     for (size_t i = 0; i < bits.size(); ++i) std::memcpy((void*)&b[i], &bits[i], sizeof(T));
     return b;
 }
-template <typename T> u64 bits_of(const T& v) {
-    u64 r = 0;
-    std::memcpy(&r, &v, sizeof(T));
-    return r;
-}
 template <typename T> void print_out(const Case& c, const T* p, size_t n) {
     std::string line = "out " + c.kernel + " " + std::to_string(n);
     char h[24];

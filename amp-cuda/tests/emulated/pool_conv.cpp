@@ -49,11 +49,6 @@ AMP_EMU_PC_ENTRIES(bf16)
 
 static Report report;
 
-template <typename T> u64 bits_of(T v) {
-    u64 b = 0;
-    std::memcpy(&b, &v, sizeof v);
-    return b;
-}
 
 // ---- pooling: Cuda::pool_fwd (max_pool2d, avg_pool2d), max_pool2d_backward, avg_pool2d_backward --
 

@@ -56,11 +56,6 @@ AMP_EMU_RI_ENTRIES(bf16)
 
 static Report report;
 
-template <typename T> u64 bits_of(T v) {
-    u64 b = 0;
-    std::memcpy(&b, &v, sizeof v);
-    return b;
-}
 
 // ---- reductions: Cuda::reduce, Cuda::arg_reduce, Cuda::scatter_dim ---------------------------------
 

@@ -6,7 +6,8 @@
 #
 # Usage: tests/cuda/bundle.sh [OUT]      (default OUT: target/gpu-bundle, git-ignored)
 # Then, on the GPU machine:  OUT/run.sh LOGDIR [BUDGET_SECONDS]
-# Contents: the amp-cuda test binaries (device tests and the CPU/GPU parity suite), the main
+# Contents: the amp-cuda test binaries (device tests and the CPU/GPU parity suite; not the
+# host emulation's, which need the sources and a C++ compiler), the main
 # command and the benchmarks, stripped; size printed at the end (the device tool carries 64 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,6 +30,8 @@ for line in sys.stdin:
     exe = m.get("executable")
     if m.get("reason") == "compiler-artifact" and exe and m["profile"]["test"]:
         name = m["target"]["name"] + ("-lib" if "lib" in m["target"]["kind"] else "")
+        if name.endswith("_emulated"):
+            continue  # host-only: kernel sources under a C++ emulation; the GPU runs the kernels
         shutil.copy(exe, os.path.join(out, "bin", "test-" + name))
         print("test binary:", name)
 ' "$out"

@@ -29,8 +29,8 @@ use crate::device::{Cuda, ModuleKey, State};
 use crate::gemm::{self, Mat, as_operand, rm_gemm};
 use crate::kernels::{self, Family};
 use crate::launch::{
-    broadcast_strides, grid, launch, reduce_parts, row_cache, rows_grid, vector_rows, view1, views, warp_rows_grid,
-    warp_vectors,
+    broadcast_strides, dropout_launch, grid, launch, reduce_parts, row_cache, rows_grid, vector_rows, view1, views,
+    warp_rows_grid, warp_vectors,
 };
 use crate::profile::Span;
 use crate::storage::{CudaRowStats, CudaStateVec, CudaStorage, RawVec, StatsKind};
@@ -1612,15 +1612,8 @@ impl Device for Cuda {
         if n == 0 {
             return out;
         }
-        let thr = (p * 4_294_967_296.0).round().min(u32::MAX as f64) as u32;
-        let scale = 1.0 / (1.0 - p);
+        let (cfg, thr, scale) = dropout_launch(n, p);
         let (sh, v) = view1("dropout", l);
-        let chunks = n.div_ceil(16384);
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (chunks.min(1 << 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let f = st.family_fn(Family::Amp, E::DTYPE, "dropout_fwd");
         launch!(st, f, cfg; out.ptr(), x.ptr(), sh, v, n as i64, thr, scale, seed);
         out

@@ -202,6 +202,17 @@ pub fn row_cache(per_row: usize) -> (u32, i32) {
     if per_row <= ROW_SMEM { (per_row as u32, 1) } else { (0, 0) }
 }
 
+/// Dropout's launch over `n` values with drop probability `p`: one 256-thread block per chunk of
+/// 16,384 values (`AMP_DROPOUT_CHUNK` in `amp.cu`, the CPU's chunk; grid-stride past 2^16
+/// chunks), the keep threshold on a draw's 32 bits (`p · 2^32`, rounded) and the scale of a kept
+/// value, `1 / (1 - p)`.
+pub fn dropout_launch(n: usize, p: f64) -> (LaunchConfig, u32, f64) {
+    let chunks = n.div_ceil(16384).clamp(1, 1 << 16) as u32;
+    let cfg = LaunchConfig { grid_dim: (chunks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let thr = (p * 4_294_967_296.0).round().min(u32::MAX as f64) as u32;
+    (cfg, thr, 1.0 / (1.0 - p))
+}
+
 /// How to split a reduction over `dim` into parts, for `m` outputs `inner` apart: `(rows per
 /// part, parts)` when one thread per output would leave the GPU mostly idle (fewer than 2^17
 /// outputs) walking a long dim (at least 64), so that about 2^18 threads share the work with

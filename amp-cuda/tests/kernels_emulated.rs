@@ -4,7 +4,8 @@
 //! prelude), launched as the backend launches them (variant, threads, grid, dynamic shared
 //! memory; the runners name the backend function each case follows):
 //! - `tests/emulated/rows.cpp`: softmax and log-softmax, layer norm and RMS norm (with the weight
-//!   and bias gradients), cross-entropy, forward and backward, block-per-row and warp-per-row,
+//!   and bias gradients), cross-entropy and the squared-error loss (a broadcast target too),
+//!   forward and backward, block-per-row and warp-per-row,
 //!   vectorised and scalar, the row cached in dynamic shared memory or not (at the cache's edge:
 //!   a row of exactly `ROW_SMEM` bytes and one value more), at f32, f16, bf16 and f64, against f64
 //!   references with per-precision tolerances.
@@ -12,7 +13,9 @@
 //!   norm, scale and clamp, SGD and Adam/AdamW (bit for bit against the CPU optimizer's
 //!   arithmetic, and a step with found-inf set changes nothing), the bf16 writes; and, from
 //!   cases this test writes to its standard input, `update_scale` and `clip_coefficient`
-//!   compared bit for bit with the CPU's [`ScaleRule::apply`] and [`clip_coefficient`].
+//!   compared bit for bit with the CPU's [`ScaleRule::apply`] and [`clip_coefficient`], and
+//!   dropout's mask bit for bit with the CPU's `Tensor::dropout` (three chunks of its generator,
+//!   a transposed view, NaN and infinities; the launch from `launch::dropout_launch`).
 //! - `tests/emulated/batch_norm.cpp`: batch norm's statistics (two-pass, in `Acc<T>`), the
 //!   running update (f64 rounded once into f32, bit for bit as the CPU), eval statistics from
 //!   strided running buffers, the forward with and without weight and bias (in `Acc<T>`), the
@@ -25,12 +28,11 @@
 //!   chunk of samples after the first; at f32, f16, bf16 and f64.
 //! - `tests/emulated/reduce_index.cpp`: sum and max over the last dim, a middle dim and a long
 //!   middle dim split into parts (`launch::reduce_parts`, mirrored in `launch.hpp` and checked
-//!   against it here with the other launch rules), NaN and -inf; arg max / arg min with NaNs and ties and the selection's
-//!   scatter, bit for bit; the embedding gather, `cat` and the scatter-add (bit for bit in the
+//!   against it here with the other launch rules), NaN and -inf; arg max / arg min with NaNs
+//!   and ties and the selection's scatter, bit for bit; the embedding gather, `cat` and the scatter-add (bit for bit in the
 //!   CPU's order); the cuBLAS path's attention helpers (probabilities under the causal mask and
 //!   log-sum-exps, g·out, score gradients) for blocks of query rows after the first; at f32,
 //!   f16, bf16 and f64.
-//!
 //! - `tests/emulated/maps.cpp` with `maps_generated.inc`, which this test generates from
 //!   `amp_cuda::kernels::catalog()` (each map program's source minus the prelude, in a namespace
 //!   of its own, and a table from kernel name to launcher): every unary op value forward and
@@ -51,6 +53,10 @@
 //!   Changing the 1/√(2π) of GELU's CUDA derivative in its fourth digit fails gelu_bwd_f32
 //!   (up to 974 ulps) and gelu_bwd_f64, naming them; at f16 and bf16 so small a change
 //!   stays within the one ulp of rounding.
+//!
+//! Every kernel entry point of `src/kernels/*.cu` (69, besides the generated maps, which the maps
+//! test takes from the catalog) is launched by one of these runners: a test reads the sources
+//! and fails on a kernel without a case.
 //!
 //! What it cannot check: the hardware (real shared-memory and register limits are `tests/ptx.rs`'s,
 //! real f16 conversions and transcendental functions, timing), and races that the emulation's
@@ -214,6 +220,54 @@ fn clip_cases() -> Vec<(f32, Vec<f32>)> {
     cases
 }
 
+/// One dropout case: its input line, what the CPU backend's dropout gives (the expected bits in
+/// logical order) and a label.
+struct DropoutCase {
+    line: String,
+    want: Vec<u64>,
+    label: String,
+}
+
+/// Dropout at `E` as the CPU computes it (`Tensor::dropout` with a seeded `Rng`: the seed is the
+/// generator's first draw) and as the kernel is launched (`launch::dropout_launch`): three
+/// chunks of 16,384 values contiguous, and a transposed view; NaN and infinities among the
+/// values (a multiply: NaN stays NaN when dropped).
+fn dropout_cases<E: amp_core::Precision>(g: &mut Gen, cases: &mut Vec<DropoutCase>) {
+    for (n, rows, transposed, p, seed) in
+        [(40_000usize, 0usize, false, 0.1f64, 7u64), (2_000, 0, false, 0.5, 8), (1_000, 25, true, 0.9, 9)]
+    {
+        let cols = if transposed { n / rows } else { 0 };
+        let mut xs: Vec<E> =
+            (0..n).map(|_| E::from_f64(((g.next() >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 8.0)).collect();
+        xs[3] = E::from_f64(f64::NAN);
+        xs[5] = E::from_f64(f64::INFINITY);
+        xs[n - 1] = E::from_f64(-0.0);
+        // The storage is [cols, rows] for the transposed view [rows, cols].
+        let x = if transposed {
+            Tensor::<E>::from_vec(xs.clone(), &[cols, rows]).t()
+        } else {
+            Tensor::from_vec(xs.clone(), &[n])
+        };
+        let y = x.dropout(p, true, &mut amp_core::Rng::seed(seed));
+        let want = y.to_vec().into_iter().map(bits_of).collect();
+        let (cfg, thr, scale) = launch::dropout_launch(n, p);
+        let kernel_seed = amp_core::Rng::seed(seed).next_u64();
+        let mut line = format!(
+            "dropout {} {n:x} {rows:x} {cols:x} {:x} {:x} {:x} {thr:x} {:016x} {kernel_seed:x}",
+            E::DTYPE,
+            transposed as i32,
+            cfg.grid_dim.0,
+            cfg.block_dim.0,
+            scale.to_bits()
+        );
+        for v in &xs {
+            write!(line, " {:x}", bits_of(*v)).unwrap();
+        }
+        let view = if transposed { format!("transposed [{rows}, {cols}]") } else { format!("[{n}]") };
+        cases.push(DropoutCase { line, want, label: format!("dropout_fwd_{} {view} p {p}", E::DTYPE) });
+    }
+}
+
 #[test]
 fn the_amp_step_and_optimizer_kernels_match_the_cpu_when_emulated_on_the_host() {
     let scale = scale_cases();
@@ -251,6 +305,16 @@ fn the_amp_step_and_optimizer_kernels_match_the_cpu_when_emulated_on_the_host() 
         }
         input.push('\n');
     }
+    let mut dropout = Vec::new();
+    let mut g = Gen(11);
+    dropout_cases::<f32>(&mut g, &mut dropout);
+    dropout_cases::<f16>(&mut g, &mut dropout);
+    dropout_cases::<bf16>(&mut g, &mut dropout);
+    dropout_cases::<f64>(&mut g, &mut dropout);
+    for c in &dropout {
+        input.push_str(&c.line);
+        input.push('\n');
+    }
     let Some(run) = emulated::run("amp_step.cpp", &[], &input) else { return };
     let mut answers = run.stdout.lines().filter(|l| l.starts_with("scale ") || l.starts_with("clip "));
     let mut wrong = Vec::new();
@@ -286,11 +350,34 @@ fn the_amp_step_and_optimizer_kernels_match_the_cpu_when_emulated_on_the_host() 
             ));
         }
     }
+    // Dropout: the kernel's mask is the CPU's, bit for bit (backward regenerates it from the
+    // seed on either device).
+    let dropout_answers: Vec<&str> = run.stdout.lines().filter(|l| l.starts_with("dropout ")).collect();
+    for (c, line) in dropout.iter().zip(&dropout_answers) {
+        let got: Vec<u64> = line.split_whitespace().skip(1).map(hex).collect();
+        let differ = got.iter().zip(&c.want).filter(|(a, b)| a != b).count();
+        if got.len() != c.want.len() || differ > 0 {
+            let at = got.iter().zip(&c.want).position(|(a, b)| a != b).unwrap_or(0);
+            wrong.push(format!(
+                "{}: {differ} of {} values differ from the CPU's (first at {at}: kernel {:x}, cpu {:x})",
+                c.label,
+                c.want.len(),
+                got.get(at).copied().unwrap_or(0),
+                c.want.get(at).copied().unwrap_or(0)
+            ));
+        }
+    }
+    assert_eq!(
+        dropout_answers.len(),
+        dropout.len(),
+        "the runner answered {} of the dropout cases",
+        dropout_answers.len()
+    );
     println!(
         "{}",
         run.stdout
             .lines()
-            .filter(|l| !l.starts_with("scale ") && !l.starts_with("clip "))
+            .filter(|l| !l.starts_with("scale ") && !l.starts_with("clip ") && !l.starts_with("dropout "))
             .collect::<Vec<_>>()
             .join("\n")
     );
@@ -303,17 +390,89 @@ fn the_amp_step_and_optimizer_kernels_match_the_cpu_when_emulated_on_the_host() 
     );
     assert!(
         wrong.is_empty(),
-        "{} of {} scaler case(s) differ from the CPU bit for bit:\n{}",
+        "{} of {} scaler and dropout case(s) differ from the CPU bit for bit:\n{}",
         wrong.len(),
-        answered,
+        answered + dropout.len(),
         wrong.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
     );
-    println!("update_scale and clip_coefficient: {answered} case(s), bit for bit as the CPU");
+    println!(
+        "update_scale and clip_coefficient: {answered} case(s), dropout: {} case(s), bit for bit as the CPU",
+        dropout.len()
+    );
     assert!(
         run.success && run.stdout.contains("\n0 of "),
         "the emulated AMP-step kernels disagree with their references (FAIL lines above):\n{}",
         run.stderr
     );
+}
+
+/// Every kernel entry point of `src/kernels/*.cu` is launched by some runner here (named in a
+/// runner's source), so a kernel added without an emulated case fails this test; the generated
+/// elementwise maps (`NAME##_fwd`, `cast_to_##DST..`) are checked by the maps test against the
+/// catalog instead. Reads sources only: no C++ compiler needed.
+#[test]
+fn every_kernel_entry_point_has_an_emulated_case() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read_dir = |sub: &str, ext: &str| -> Vec<(String, String)> {
+        let Ok(entries) = std::fs::read_dir(dir.join(sub)) else { return Vec::new() };
+        let mut files: Vec<_> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == ext))
+            .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read_to_string(&p).unwrap()))
+            .collect();
+        files.sort();
+        files
+    };
+    let kernels = read_dir("src/kernels", "cu");
+    if kernels.is_empty() {
+        println!("SKIPPED: the kernel sources are not at {}", dir.display());
+        return;
+    }
+    let runners: String = read_dir("tests/emulated", "cpp").into_iter().map(|(_, text)| text).collect();
+    // The maps test (this file) generates the cases of map.cu's kernels, the copy family's too.
+    let maps_test = include_str!("kernels_emulated.rs");
+    let mut missing = Vec::new();
+    let mut entries = 0;
+    for (file, text) in &kernels {
+        for decl in text.split("__global__ void ").skip(1) {
+            let decl = decl.trim_start();
+            // `__launch_bounds__(N) name(..)`: the name after the bound.
+            let decl = match decl.strip_prefix("__launch_bounds__(") {
+                Some(rest) => rest.split_once(')').map_or("", |(_, r)| r).trim_start(),
+                None => decl,
+            };
+            let name = decl.split('(').next().unwrap_or("").trim();
+            let stem = name.strip_suffix("_##SUF").unwrap_or(name);
+            if file == "map.cu" && stem.contains("##") {
+                continue; // generated per op value or cast pair: the maps test checks the catalog's
+            }
+            // A name built from more macro parameters (`attention_flash_d##D##_fwd`): the runner
+            // calls the template the entry point calls (`amp_flash_fwd<T, D>`) instead.
+            let body = decl.split_once('{').map_or("", |(_, b)| b);
+            let callee = body.split(|c: char| !(c.is_alphanumeric() || c == '_')).find(|w| w.starts_with("amp_"));
+            let named = if stem.contains("##") {
+                callee.is_some_and(|c| runners.contains(c))
+            } else {
+                // Launched through a kernel table (`= softmax_fwd_##SUF;`) or called by a full
+                // name (`update_scale_fwd_f32(..)`), not merely mentioned in a comment.
+                let launched = if name.ends_with("_##SUF") {
+                    runners.contains(&format!("{stem}_##SUF"))
+                        || ["f32", "f16", "bf16", "f64"].iter().any(|d| runners.contains(&format!("{stem}_{d}(")))
+                } else {
+                    runners.contains(&format!("{name}("))
+                };
+                launched || (file == "map.cu" && maps_test.contains(stem))
+            };
+            entries += 1;
+            if !named {
+                missing.push(format!("{file}: {stem}"));
+            }
+        }
+    }
+    assert!(entries > 40, "found only {entries} kernel entry points: is the parsing still right?");
+    assert!(missing.is_empty(), "kernels with no emulated case (tests/emulated/*.cpp):\n{}", missing.join("\n"));
+    println!("{entries} kernel entry points, each launched by an emulated case");
 }
 
 /// Runs a runner that checks kernels against references on its own (no input, one line per

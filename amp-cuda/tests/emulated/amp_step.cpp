@@ -8,15 +8,18 @@
 //   operations in the same order, written out here from amp-core's cpu optimizer) and within
 //   tolerance of an f64 update; a step whose found-inf flag is set leaves parameters, moments and
 //   buffers bit-identical; the bf16 writes (nearest, Kahan, stochastic) bit for bit.
-// - update_scale and clip_coefficient: one case per line of standard input (protocol below),
-//   answered on standard output in hex; the Rust test (tests/kernels_emulated.rs) holds the CPU
-//   implementation (ScaleRule::apply, clip_coefficient) as the oracle and compares bit for bit.
+// - update_scale, clip_coefficient and dropout: one case per line of standard input (protocol
+//   below), answered on standard output in hex; the Rust test (tests/kernels_emulated.rs) holds
+//   the CPU implementation (ScaleRule::apply, clip_coefficient, the CPU's dropout) as the oracle
+//   and compares bit for bit.
 //
 // Protocol, one case per line, floats as the hex of their bits (f32: 8 digits, f64: 16):
 //   scale GROWTH BACKOFF INTERVAL HAS_MIN MIN HAS_MAX MAX HYSTERESIS HAS_SET SET N F1..FN S0..S4
 //     -> "scale S0 S1 S2 S3 S4" (the state vector after update_scale_fwd_f32)
 //   clip MAX_NORM N NORM1..NORMN
 //     -> "clip TOTAL COEF" (out[0], out[1] of clip_coefficient_fwd_f32)
+//   dropout DTYPE N ROWS COLS TRANSPOSED GRID THREADS THR SCALE SEED X1..XN
+//     -> "dropout Y1..YN" (dropout_fwd_DTYPE's output; values as the hex of their bits)
 
 #include "launch.hpp"
 
@@ -40,6 +43,7 @@ template <typename T> struct K;
         static constexpr auto norm_finish = norm_finish_fwd_##SUF;    \
         static constexpr auto scale = scale_fwd_##SUF;                \
         static constexpr auto clamp = clamp_fwd_##SUF;                \
+        static constexpr auto dropout = dropout_fwd_##SUF;            \
     };
 AMP_EMU_AMP_ENTRIES(f32)
 AMP_EMU_AMP_ENTRIES(f64)
@@ -361,6 +365,40 @@ static u64 hex(std::istream& in) {
 static float hf(std::istream& in) { return __uint_as_float((u32)hex(in)); }
 static double hd(std::istream& in) { return __longlong_as_double((long long)hex(in)); }
 
+// Cuda::dropout: x (N values of T, hex bits) seen as [N] or, transposed, as [ROWS, COLS] over
+// storage [COLS, ROWS]; the launch (grid, threads), threshold and scale as launch::dropout_launch
+// gives them (the Rust test sends them); prints the contiguous output's bits.
+template <typename T>
+static void dropout_case(std::istream& in, i64 n, i64 rows, i64 cols, bool transposed, unsigned grid, unsigned threads,
+                         u32 thr, double scale, u64 seed) {
+    Buf<T> x(n), out(n);
+    for (i64 i = 0; i < n; ++i) {
+        const u64 b = hex(in);
+        std::memcpy((void*)&x[i], &b, sizeof(T));
+    }
+    AmpShape sh{};
+    AmpView vx{};
+    if (transposed) {
+        sh.rank = 2;
+        sh.dims[0] = rows;
+        sh.dims[1] = cols;
+        vx.strides[0] = 1;
+        vx.strides[1] = rows;
+    } else {
+        sh.rank = 1;
+        sh.dims[0] = n;
+        vx.strides[0] = 1;
+    }
+    launch(Cfg{dim3{grid, 1, 1}, threads, 0}, [&] { K<T>::dropout(out.p, x.p, sh, vx, n, thr, scale, seed); });
+    std::string line = "dropout";
+    char h[24];
+    for (i64 i = 0; i < n; ++i) {
+        std::snprintf(h, sizeof h, " %llx", (unsigned long long)bits_of(out[i]));
+        line += h;
+    }
+    std::puts(line.c_str());
+}
+
 static int oracle_cases() {
     std::string line;
     int answered = 0;
@@ -399,6 +437,23 @@ static int oracle_cases() {
             for (i64 i = 0; i < n; ++i) norms[i] = hf(in);
             launch(Cfg{dim3{1, 1, 1}, 32, 0}, [&] { clip_coefficient_fwd_f32(out.p, norms.p, n, max_norm); });
             std::printf("clip %08x %08x\n", __float_as_uint(out[0]), __float_as_uint(out[1]));
+        } else if (op == "dropout") {
+            std::string dtype;
+            in >> dtype;
+            const i64 n = (i64)hex(in), rows = (i64)hex(in), cols = (i64)hex(in);
+            const bool transposed = hex(in) != 0;
+            const unsigned grid = (unsigned)hex(in), threads = (unsigned)hex(in);
+            const u32 thr = (u32)hex(in);
+            const double scale = hd(in);
+            const u64 seed = hex(in);
+            if (dtype == "f32") dropout_case<float>(in, n, rows, cols, transposed, grid, threads, thr, scale, seed);
+            else if (dtype == "f64") dropout_case<double>(in, n, rows, cols, transposed, grid, threads, thr, scale, seed);
+            else if (dtype == "f16") dropout_case<f16_t>(in, n, rows, cols, transposed, grid, threads, thr, scale, seed);
+            else if (dtype == "bf16") dropout_case<bf16_t>(in, n, rows, cols, transposed, grid, threads, thr, scale, seed);
+            else {
+                std::fprintf(stderr, "unknown dtype: %s\n", line.c_str());
+                return -1;
+            }
         } else if (!op.empty()) {
             std::fprintf(stderr, "unknown case: %s\n", line.c_str());
             return -1;

@@ -4,7 +4,8 @@
 // follows), and are checked against f64 references computed from the same rounded inputs:
 // softmax and log-softmax forward and backward, layer norm and RMS norm forward (output, mean,
 // rstd) and backward (dx, and the weight and bias gradients of norm_params_partial_bwd /
-// norm_params_bwd), cross-entropy forward (log-sum-exp, per-row loss, the f64 mean) and backward.
+// norm_params_bwd), cross-entropy forward (log-sum-exp, per-row loss, the f64 mean) and backward,
+// the squared-error loss (mse_fwd + mean_f64_fwd) and its backward.
 //
 // Usage: rows [ROW_SMEM]. Prints one line per check and exits non-zero if any is over its
 // tolerance. Errors are relative to the size of each row's reference (or of the terms that
@@ -55,6 +56,8 @@ template <typename T> struct K;
         static constexpr auto cross_entropy_fwd = cross_entropy_fwd_##SUF; \
         static constexpr auto cross_entropy_bwd = cross_entropy_bwd_##SUF; \
         static constexpr auto mean_f64_fwd = mean_f64_fwd_##SUF;           \
+        static constexpr auto mse_fwd = mse_fwd_##SUF;                     \
+        static constexpr auto mse_bwd = mse_bwd_##SUF;                     \
     };
 AMP_EMU_ROW_ENTRIES(f32)
 AMP_EMU_ROW_ENTRIES(f64)
@@ -350,6 +353,57 @@ template <typename T> void ce_case(i64 c, bool aligned, double smoothing, bool i
     report.check(std::string("cross_entropy_bwd ") + dtype_name<T>(), what, de.worst, tol<T>());
 }
 
+// Cuda::mse (mse_fwd over grid(n): one f64 partial a block, then mean_f64_fwd in one block over
+// rows_grid(1, max(blocks, 32))) and Cuda::mse_backward (mse_bwd over grid(n), the upstream
+// gradient read on the device) for a [rows, cols] pair, b contiguous (the views merge into one
+// dim, as launch::views merges them) or a broadcast row [cols] (stride 0 on dim 0).
+template <typename T> void mse_case(i64 rows, i64 cols, bool broadcast, double upstream, unsigned seed) {
+    const i64 n = rows * cols;
+    std::mt19937 rng(seed);
+    Buf<T> a(n), b(broadcast ? cols : n), loss(1), g(1), dx(n);
+    fill_normal(a, rng, 1.0);
+    fill_normal(b, rng, 1.0, 0.25);
+    AmpShape sh{};
+    AmpView va{}, vb{};
+    if (broadcast) {
+        sh.rank = 2;
+        sh.dims[0] = rows;
+        sh.dims[1] = cols;
+        va.strides[0] = cols;
+        va.strides[1] = 1;
+        vb.strides[0] = 0;
+        vb.strides[1] = 1;
+    } else {
+        sh.rank = 1;
+        sh.dims[0] = n;
+        va.strides[0] = vb.strides[0] = 1;
+    }
+    const Cfg cfg = grid_cfg(n);
+    const i64 blocks = cfg.grid.x;
+    Buf<double> parts(blocks);
+    launch(cfg, [&] { K<T>::mse_fwd(parts.p, a.p, b.p, sh, va, vb, n); });
+    launch(rows_grid(1, std::max<i64>(blocks, 32), 0), [&] { K<T>::mean_f64_fwd(loss.p, parts.p, blocks, (double)n); });
+    auto bat = [&](i64 i) { return broadcast ? i % cols : i; };
+    double sum = 0;
+    for (i64 i = 0; i < n; ++i) sum += (val(a[i]) - val(b[bat(i)])) * (val(a[i]) - val(b[bat(i)]));
+    Err fe;
+    fe.add(val(loss[0]), sum / n, sum / n);
+    char what[96];
+    std::snprintf(what, sizeof what, "[%lld, %lld]%s, %lld block(s)", rows, cols, broadcast ? ", b a broadcast row" : "",
+                  blocks);
+    report.check(std::string("mse_fwd + mean_f64_fwd ") + dtype_name<T>(), what, fe.worst, tol<T>());
+
+    g[0] = from<T>(upstream);
+    launch(grid_cfg(n), [&] { K<T>::mse_bwd(dx.p, a.p, b.p, g.p, sh, va, vb, n); });
+    Err be;
+    const double k = 2.0 * val(g[0]) / n;
+    for (i64 i = 0; i < n; ++i) {
+        const double ref = (val(a[i]) - val(b[bat(i)])) * k;
+        be.add(val(dx[i]), ref, std::max(std::fabs(ref), 1e-30));
+    }
+    report.check(std::string("mse_bwd ") + dtype_name<T>(), what, be.worst, tol<T>());
+}
+
 // ---- the cases ---------------------------------------------------------------------------------------
 
 template <typename T> void family(const std::vector<i64>& lengths, unsigned seed) {
@@ -398,5 +452,11 @@ int main(int argc, char** argv) {
         norm_params_case<bf16_t>(300, d, d != 33, true, 800 + (unsigned)d);
     }
     norm_params_case<double>(257, 33, true, true, 900);
+    for (bool broadcast : {false, true}) {
+        mse_case<float>(70, 301, broadcast, 1.0, 950);
+        mse_case<f16_t>(70, 301, broadcast, 1024.0, 951);
+        mse_case<bf16_t>(3, 7, broadcast, 1.0, 952);
+        mse_case<double>(70, 301, broadcast, 3.0, 953);
+    }
     return report.finish();
 }

@@ -312,7 +312,8 @@ fn mismatched_checkpoints_and_gradients_are_refused_before_any_change() {
     let state = opt.state_dict();
 
     let mut sgd = Sgd::new(0.1).build().unwrap();
-    let wrong_kind = OptimizerState { kind: state.kind.clone(), steps: 1, params: Default::default() };
+    let wrong_kind =
+        OptimizerState { kind: state.kind.clone(), steps: 1, params: Default::default(), hyperparameters: None };
     assert!(sgd.load_state_dict(wrong_kind).unwrap_err().to_string().contains("adam"));
 
     let mut other = one(&[1.0, 2.0, 3.0]);
@@ -368,4 +369,42 @@ fn optimizers_work_behind_trait_objects() {
     }
     assert!(values(&m, 0)[0] < 0.8);
     let _: &Optim<Sgd> = &Sgd::new(0.1).build().unwrap();
+}
+
+#[test]
+fn a_checkpoint_refuses_an_optimizer_built_with_other_hyperparameters() {
+    // PyTorch's `opt.load_state_dict` restores the saved learning rates and weight decays; here
+    // the optimizer is built with them, so a resume built with others would silently train
+    // differently (found porting a fine-tuning loop). Refused, unless asked for.
+    use amp_core::optim::ParamGroup;
+    let make = |lr: f64, no_decay_wd: f64| {
+        AdamW::new(lr)
+            .weight_decay(0.1)
+            .build()
+            .unwrap()
+            .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias")).weight_decay(no_decay_wd))
+    };
+    let mut m = one(&[1.0, 2.0]);
+    let mut opt = make(3e-4, 0.0);
+    step(&mut opt, &mut m, &[vec![1.0, 1.0]]).unwrap();
+    let state = opt.state_dict();
+    let json = serde_json::to_string(&state).unwrap();
+    assert!(json.contains("\"hyperparameters\""), "{json}");
+
+    make(3e-4, 0.0).load_state_dict(state.clone()).unwrap();
+    for (mut other, what) in [(make(1e-3, 0.0), "lr: 0.001"), (make(3e-4, 0.01), "weight_decay: Some(0.01)")] {
+        let err = other.load_state_dict(state.clone()).unwrap_err().to_string();
+        assert!(err.contains("built with") && err.contains(what), "{err}");
+        assert_eq!(other.steps(), 0, "a refused checkpoint changes nothing");
+    }
+    // On purpose: clear the record.
+    let mut new_lr = make(1e-3, 0.0);
+    new_lr.load_state_dict(OptimizerState { hyperparameters: None, ..state.clone() }).unwrap();
+    assert_eq!(new_lr.steps(), 1);
+    // A checkpoint written before the record was kept loads as before.
+    let old_json =
+        json.replace(&format!(",\"hyperparameters\":{}", serde_json::to_string(&state.hyperparameters).unwrap()), "");
+    assert!(!old_json.contains("hyperparameters"));
+    let old: OptimizerState<AdamState> = serde_json::from_str(&old_json).unwrap();
+    make(1e-3, 0.0).load_state_dict(old).unwrap();
 }

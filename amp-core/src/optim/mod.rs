@@ -425,7 +425,7 @@ impl fmt::Debug for ParamGroup {
 }
 
 /// An optimizer's checkpoint: the rule's name, the applied-step count (which drives the
-/// schedule) and each parameter's state by name.
+/// schedule), each parameter's state by name, and the hyperparameters it was built with.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(bound(serialize = "S: Serialize", deserialize = "S: DeserializeOwned"))]
 pub struct OptimizerState<S> {
@@ -435,6 +435,15 @@ pub struct OptimizerState<S> {
     pub steps: u64,
     /// State per parameter name.
     pub params: BTreeMap<String, S>,
+    /// The rule's hyperparameters and the parameter groups the optimizer was built with, as
+    /// their `Debug` forms print them (not the schedule, which may be a closure).
+    /// [`Optim::load_state_dict`] refuses a checkpoint whose hyperparameters differ from the
+    /// loading optimizer's: PyTorch's `load_state_dict` restores the saved learning rates and
+    /// weight decays, here the optimizer is built with them, so a resume built with other
+    /// values would silently train differently. Set it to `None` to resume with new
+    /// hyperparameters on purpose; `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hyperparameters: Option<String>,
 }
 
 /// An optimizer: update rule `R` plus parameter groups, a learning-rate schedule and state per
@@ -602,7 +611,16 @@ impl<R: Rule, E: Precision> Optim<R, E> {
             };
             params.insert(name.clone(), host);
         }
-        OptimizerState { kind: self.rule.name().to_string(), steps: self.steps + applied, params }
+        OptimizerState {
+            kind: self.rule.name().to_string(),
+            steps: self.steps + applied,
+            params,
+            hyperparameters: Some(self.hyperparameters()),
+        }
+    }
+    /// The rule and the groups, as a checkpoint records them ([`OptimizerState::hyperparameters`]).
+    fn hyperparameters(&self) -> String {
+        format!("{:?}; groups {:?}", self.rule, self.groups)
     }
     /// Closes the open window, if any: reads its outcomes (a wait for the device, unless they
     /// were read already) and counts its applied steps.
@@ -629,6 +647,19 @@ impl<R: Rule, E: Precision> Optim<R, E> {
             return Err(Error::State {
                 context: "Optim::load_state_dict".into(),
                 detail: format!("the checkpoint is for optimizer `{}`, this one is `{}`", state.kind, self.rule.name()),
+            });
+        }
+        if let Some(then) = &state.hyperparameters
+            && *then != self.hyperparameters()
+        {
+            return Err(Error::State {
+                context: "Optim::load_state_dict".into(),
+                detail: format!(
+                    "the checkpoint's optimizer was built with {then}, this one with {}: build it with the \
+                     checkpoint's hyperparameters (PyTorch's load_state_dict restores them), or set the state's \
+                     `hyperparameters` to None to resume with these on purpose",
+                    self.hyperparameters()
+                ),
             });
         }
         self.steps = state.steps;

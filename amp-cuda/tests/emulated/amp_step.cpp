@@ -120,20 +120,7 @@ template <typename T> void norm_case(i64 rows, i64 cols, bool transposed, unsign
     Buf<T> x(n + 3);
     for (i64 i = 0; i < n + 3; ++i) x[i] = from<T>(normal(rng));
     // The view: [rows, cols] at offset 3, contiguous or the transpose of a [cols, rows] block.
-    AmpShape s{};
-    AmpView v{};
-    v.offset = 3;
-    if (transposed) {
-        s.rank = 2;
-        s.dims[0] = rows;
-        s.dims[1] = cols;
-        v.strides[0] = 1;
-        v.strides[1] = rows;
-    } else {
-        s.rank = 1;
-        s.dims[0] = n;
-        v.strides[0] = 1;
-    }
+    const auto [s, v] = flat_or_transposed(rows, cols, transposed, 3);
     const Cfg cfg = grid_cfg(n);
     Buf<A> parts(cfg.grid.x);
     Buf<float> out(2);
@@ -376,19 +363,7 @@ static void dropout_case(std::istream& in, i64 n, i64 rows, i64 cols, bool trans
         const u64 b = hex(in);
         std::memcpy((void*)&x[i], &b, sizeof(T));
     }
-    AmpShape sh{};
-    AmpView vx{};
-    if (transposed) {
-        sh.rank = 2;
-        sh.dims[0] = rows;
-        sh.dims[1] = cols;
-        vx.strides[0] = 1;
-        vx.strides[1] = rows;
-    } else {
-        sh.rank = 1;
-        sh.dims[0] = n;
-        vx.strides[0] = 1;
-    }
+    const auto [sh, vx] = transposed ? flat_or_transposed(rows, cols, true) : flat_or_transposed(1, n, false);
     launch(Cfg{dim3{grid, 1, 1}, threads, 0}, [&] { K<T>::dropout(out.p, x.p, sh, vx, n, thr, scale, seed); });
     std::string line = "dropout";
     char h[24];

@@ -135,6 +135,26 @@ template <typename T> struct Buf {
     const T& operator[](size_t i) const { return p[i]; }
 };
 
+// The view of rows·cols values at `offset`: one contiguous dim, or transposed, [rows, cols]
+// over a [cols, rows] block (what launch::views leaves of each after merging dims).
+inline std::pair<AmpShape, AmpView> flat_or_transposed(i64 rows, i64 cols, bool transposed, i64 offset = 0) {
+    AmpShape s{};
+    AmpView v{};
+    v.offset = offset;
+    if (transposed) {
+        s.rank = 2;
+        s.dims[0] = rows;
+        s.dims[1] = cols;
+        v.strides[0] = 1;
+        v.strides[1] = rows;
+    } else {
+        s.rank = 1;
+        s.dims[0] = rows * cols;
+        v.strides[0] = 1;
+    }
+    return {s, v};
+}
+
 // The bits of a value (of at most 8 bytes), for bit-for-bit comparisons and hex output.
 template <typename T> u64 bits_of(const T& v) {
     static_assert(sizeof(T) <= 8);

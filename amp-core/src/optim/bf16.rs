@@ -110,7 +110,8 @@ impl<R: Rule> Optim<R, bf16> {
         let compensation = self.compensation.iter().map(|(n, c)| (n.clone(), c.to_host())).collect();
         Bf16OptimizerState { optimizer: self.base_state(), rounding: self.rounding, compensation }
     }
-    /// Restores a checkpoint written by an optimizer with the same rule and rounding (Kahan
+    /// Restores a checkpoint written by an optimizer with the same rule, hyperparameters
+    /// ([`OptimizerState::hyperparameters`]) and rounding (Kahan
     /// compensation dropped, or a stochastic stream changed, would not continue the run).
     /// Shapes are checked at the next step (or now, with [`Optim::check_params`]).
     pub fn load_state_dict(&mut self, state: Bf16OptimizerState<R::State>) -> Result<()> {

@@ -519,7 +519,9 @@ impl<R: Rule> Optim<R> {
     pub fn state_dict(&self) -> OptimizerState<R::State> {
         self.base_state()
     }
-    /// Restores a checkpoint written by an optimizer with the same rule. Shapes are checked
+    /// Restores a checkpoint written by an optimizer with the same rule and hyperparameters
+    /// ([`OptimizerState::hyperparameters`]: another learning rate or weight decay is refused
+    /// unless that record is cleared). Shapes are checked
     /// against the parameters at the next step (or now, with [`Optim::check_params`]); each
     /// parameter's state moves to its device at its next step, so a checkpoint written on one
     /// device resumes on another.

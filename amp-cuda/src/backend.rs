@@ -29,8 +29,8 @@ use crate::device::{Cuda, ModuleKey, State};
 use crate::gemm::{self, Mat, as_operand, rm_gemm};
 use crate::kernels::{self, Family};
 use crate::launch::{
-    broadcast_strides, dropout_launch, grid, launch, reduce_parts, row_cache, rows_grid, vector_rows, view1, views,
-    warp_rows_grid, warp_vectors,
+    broadcast_strides, dropout_launch, grid, launch, map_mode, reduce_parts, row_cache, rows_grid, vector_rows, view1,
+    views, warp_rows_grid, warp_vectors,
 };
 use crate::profile::Span;
 use crate::storage::{CudaRowStats, CudaStateVec, CudaStorage, RawVec, StatsKind};
@@ -406,11 +406,6 @@ impl Cuda {
         p
     }
 
-    /// `mode` of the map kernels ([`crate::launch::map_mode`]).
-    fn map_mode<E: Precision>(dense_all: bool, ptrs: &[u64]) -> i32 {
-        crate::launch::map_mode(E::DTYPE.size_in_bytes(), dense_all, ptrs)
-    }
-
     /// `n` elements at `ptr` of precision `src` rounded into `T` (a new storage).
     fn cast_ptr<T: Precision>(&self, ptr: u64, src: DType, n: usize) -> CudaStorage<T> {
         let out = self.uninit::<T>(n);
@@ -657,7 +652,7 @@ impl Device for Cuda {
             return out;
         }
         let (shape, v) = view1(O::NAME, l);
-        let mode = Self::map_mode::<E>(l.is_contiguous(), &[x.ptr_at(l.offset()), out.ptr()]);
+        let mode = map_mode(E::DTYPE.size_in_bytes(), l.is_contiguous(), &[x.ptr_at(l.offset()), out.ptr()]);
         let f = st.function(
             ModuleKey::Op(TypeId::of::<O>(), E::DTYPE),
             || kernels::unary::<O>(E::DTYPE),
@@ -684,7 +679,7 @@ impl Device for Cuda {
         let (shape, vs) = views(O::NAME, shape_v, &[op_of(x.1), op_of(y.1), op_of(g.1)]);
         let all_dense = [x.1, y.1, g.1].iter().all(|l| l.shape() == shape_v && l.is_contiguous());
         let ptrs = [x.0.ptr_at(x.1.offset()), y.0.ptr_at(y.1.offset()), g.0.ptr_at(g.1.offset()), out.ptr()];
-        let mode = Self::map_mode::<E>(all_dense, &ptrs);
+        let mode = map_mode(E::DTYPE.size_in_bytes(), all_dense, &ptrs);
         let f = st.function(
             ModuleKey::Op(TypeId::of::<O>(), E::DTYPE),
             || kernels::unary::<O>(E::DTYPE),
@@ -709,7 +704,11 @@ impl Device for Cuda {
         }
         let (sa, sb) = (broadcast_strides(a.1, shape), broadcast_strides(b.1, shape));
         let all_dense = a.1.shape() == shape && b.1.shape() == shape && dense(shape, &sa) && dense(shape, &sb);
-        let mode = Self::map_mode::<E>(all_dense, &[a.0.ptr_at(a.1.offset()), b.0.ptr_at(b.1.offset()), out.ptr()]);
+        let mode = map_mode(
+            E::DTYPE.size_in_bytes(),
+            all_dense,
+            &[a.0.ptr_at(a.1.offset()), b.0.ptr_at(b.1.offset()), out.ptr()],
+        );
         let (sh, vs) = views(O::NAME, shape, &[(a.1.offset(), sa), (b.1.offset(), sb)]);
         let f = st.function(
             ModuleKey::Op(TypeId::of::<O>(), E::DTYPE),
@@ -1508,12 +1507,12 @@ impl Device for Cuda {
         let st = self.st();
         let DimSplit { outer: n, dim: ch, inner } = DimSplit::of(x.1.shape(), 1);
         let total = x.1.numel();
-        let acc = acc_dtype(E::DTYPE);
         let mut keep = Vec::new();
         let (px, pg) = (self.contig_ptr(x, &mut keep), self.contig_ptr(g, &mut keep));
         let mut keep_weight = Vec::new();
         let pw = weight.map_or(0, |w| self.contig_ptr(w, &mut keep_weight));
-        let (sg, sgx) = (RawVec::new(st, ch, acc.size_in_bytes()), RawVec::new(st, ch, acc.size_in_bytes()));
+        // Σg and Σ(g·x̂) per channel, in E::Acc: the bias and weight gradients themselves.
+        let (sg, sgx) = (self.uninit::<E::Acc>(ch), self.uninit::<E::Acc>(ch));
         if (training || needs.0 || needs.1) && ch > 0 {
             let f = st.family_fn(Family::BatchNorm, E::DTYPE, "batch_norm_sums_bwd");
             launch!(st, f, rows_grid(ch, n * inner, 0);
@@ -1527,10 +1526,7 @@ impl Device for Cuda {
                 dx.ptr(), px, pg, stats.a.ptr(), stats.b.ptr(), pw, sg.ptr(), sgx.ptr(), total as i64, ch as i64,
                 inner as i64, training as i32, inv_m);
         }
-        // The parameters' gradients in their precision, E::Acc: copies of the sums.
-        let gw = needs.0.then(|| self.cast_ptr::<E::Acc>(sgx.ptr(), acc, ch));
-        let gb = needs.1.then(|| self.cast_ptr::<E::Acc>(sg.ptr(), acc, ch));
-        (dx, gw, gb)
+        (dx, needs.0.then_some(sgx), needs.1.then_some(sg))
     }
 
     // ---- gather, scatter-add, embedding, cat

@@ -1,6 +1,7 @@
 //! The `amp` facade's integration tests, built as one test binary: each file here is a
 //! module (as in `amp-core/tests/suite.rs`, whose notes say why). The compile-fail tests
-//! (`ui_*.rs`) stay binaries of their own. Run one file's tests with a filter: `cargo test
+//! (`ui_autocast.rs`, `ui_step.rs`, `ui_tensor.rs`) stay binaries of their own; their passing
+//! counterparts are the module `ui_pass`. Run one file's tests with a filter: `cargo test
 //! --test suite trainer::`.
 
 #[path = "autocast_grads.rs"]
@@ -21,3 +22,5 @@ mod readme;
 mod train_utils;
 #[path = "trainer.rs"]
 mod trainer;
+#[path = "ui_pass.rs"]
+mod ui_pass;

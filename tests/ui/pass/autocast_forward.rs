@@ -24,7 +24,7 @@ fn helper(x: &Tensor<f32>) -> Tensor<f32> {
     x.exp()
 }
 
-fn main() {
+pub fn main() {
     let mut rng = Rng::seed(0);
     let m = Mlp { w1: Param::new(Tensor::randn(&[4, 8], &mut rng)), w2: Param::new(Tensor::randn(&[8, 3], &mut rng)) };
     let x = Tensor::<f32>::randn(&[2, 4], &mut rng);

@@ -23,7 +23,7 @@ impl Mlp {
     }
 }
 
-fn main() {
+pub fn main() {
     let mut rng = Rng::seed(0);
     let model = Mlp { fc1: Linear::new(4, 8, true, &mut rng), fc2: Linear::new(8, 2, true, &mut rng) };
     let x = Tensor::<f32>::randn(&[3, 4], &mut rng);

@@ -3,7 +3,7 @@ use amp::optim::Sgd;
 use amp::scaler::GradScaler;
 use amp::{Param, Rng, Tensor};
 
-fn main() {
+pub fn main() {
     let mut rng = Rng::seed(2);
     let mut w = Param::new(Tensor::<f32>::randn(&[4, 1], &mut rng));
     let batches: Vec<Tensor<f32>> = (0..4).map(|_| Tensor::<f32>::randn(&[2, 4], &mut rng)).collect();

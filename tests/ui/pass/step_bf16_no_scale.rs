@@ -28,7 +28,7 @@ where
     last
 }
 
-fn main() {
+pub fn main() {
     let mut scaler: NoScale = ScalerFor::<bf16>::default();
     let w = Param::new(Tensor::<f32>::ones(&[2]));
     let loss = w.cast::<bf16>().cast::<f32>().sum_all();

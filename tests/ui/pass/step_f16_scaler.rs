@@ -3,7 +3,7 @@ use amp::optim::AdamW;
 use amp::scaler::GradScaler;
 use amp::{Param, Rng, Tensor, f16};
 
-fn main() {
+pub fn main() {
     let mut rng = Rng::seed(0);
     let mut w = Param::new(Tensor::<f32>::randn(&[4, 2], &mut rng));
     let x = Tensor::<f32>::randn(&[8, 4], &mut rng);

@@ -6,7 +6,7 @@ use amp::optim::{AdamW, Bf16Rounding, Optimizer, Sgd};
 use amp::scaler::{GradScaler, NoScale};
 use amp::{Indices, Params, Rng, Tensor, bf16};
 
-fn main() {
+pub fn main() {
     let mut rng = Rng::seed(0);
     let config = GptConfig { vocab_size: 7, block_size: 4, d_model: 8, n_layers: 1, n_heads: 2, dropout: 0.0 };
     let mut gpt: Gpt<bf16> = Gpt::new(config, &mut rng).to_precision();
@@ -24,7 +24,8 @@ fn main() {
     let mut enc = Linear::new(4, 4, true, &mut rng).to_precision::<bf16>();
     let mut dec = Linear::new(4, 2, false, &mut rng).to_precision::<bf16>();
     let mut opt_enc = Sgd::new(0.1).build().unwrap().for_bf16(Bf16Rounding::Stochastic { seed: 3 });
-    let mut opt_dec: Box<dyn Optimizer<bf16>> = Box::new(Sgd::new(0.1).build().unwrap().for_bf16(Bf16Rounding::Nearest));
+    let mut opt_dec: Box<dyn Optimizer<bf16>> =
+        Box::new(Sgd::new(0.1).build().unwrap().for_bf16(Bf16Rounding::Nearest));
     let mut scaler = GradScaler::new();
     let x = Tensor::<f32>::randn(&[8, 4], &mut rng);
     let loss = dec.forward::<bf16, bf16>(&enc.forward::<bf16, f32>(&x)).cast::<f32>().square().mean_all();

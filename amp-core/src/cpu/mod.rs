@@ -52,16 +52,23 @@ pub(crate) const BUF: usize = 512;
 /// Runs `f(chunk_index, chunk)` over `out` in chunks, in parallel when it is large.
 /// Each chunk runs through [`dispatch`], so pass `f` as `#[inline(always)] |i, chunk| ...`.
 pub(crate) fn par_chunks_mut<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
-    let task = |(i, c): (usize, &mut [T])| {
+    let task = |i: usize, c: &mut [T]| {
         dispatch(
             #[inline(always)]
             || f(i, c),
         )
     };
+    par_chunks_dyn(out, &task);
+}
+
+/// [`par_chunks_mut`]'s walk over the chunks, behind a trait object: rayon's machinery is
+/// compiled once per element type instead of once per kernel closure (one indirect call a
+/// chunk).
+fn par_chunks_dyn<T: Send>(out: &mut [T], task: &(dyn Fn(usize, &mut [T]) + Sync)) {
     if out.len() >= PAR_MIN {
-        out.par_chunks_mut(CHUNK).enumerate().for_each(task);
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| task(i, c));
     } else {
-        out.chunks_mut(CHUNK).enumerate().for_each(task);
+        out.chunks_mut(CHUNK).enumerate().for_each(|(i, c)| task(i, c));
     }
 }
 

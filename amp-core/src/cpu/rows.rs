@@ -42,16 +42,27 @@ pub(crate) fn par_rows<T: Send, R: Send>(
     }
     let rows = out.len() / out_row;
     let per = rows_per_task(work_row);
-    let task = |(i, chunk): (usize, &mut [T])| {
+    let task = |i: usize, chunk: &mut [T]| {
         dispatch(
             #[inline(always)]
             || f(i * per, chunk),
         )
     };
-    if rows * work_row >= ROW_PAR_MIN && rows > per {
-        out.par_chunks_mut(per * out_row).enumerate().map(task).collect()
+    par_rows_dyn(out, per * out_row, rows * work_row >= ROW_PAR_MIN && rows > per, &task)
+}
+
+/// [`par_rows`]' walk behind a trait object: rayon's machinery is compiled once per element
+/// and result type instead of once per kernel closure (one indirect call a task).
+fn par_rows_dyn<T: Send, R: Send>(
+    out: &mut [T],
+    task_len: usize,
+    parallel: bool,
+    task: &(dyn Fn(usize, &mut [T]) -> R + Sync),
+) -> Vec<R> {
+    if parallel {
+        out.par_chunks_mut(task_len).enumerate().map(|(i, c)| task(i, c)).collect()
     } else {
-        out.chunks_mut(per * out_row).enumerate().map(task).collect()
+        out.chunks_mut(task_len).enumerate().map(|(i, c)| task(i, c)).collect()
     }
 }
 
@@ -69,16 +80,27 @@ pub(crate) fn par_rows2<T: Send, U: Send>(
     assert_eq!(a.len() / a_row, b.len() / b_row, "par_rows2: row counts differ");
     let rows = a.len() / a_row;
     let per = rows_per_task(work_row);
-    let task = |(i, (ca, cb)): (usize, (&mut [T], &mut [U]))| {
+    let task = |i: usize, ca: &mut [T], cb: &mut [U]| {
         dispatch(
             #[inline(always)]
             || f(i * per, ca, cb),
         )
     };
-    if rows * work_row >= ROW_PAR_MIN && rows > per {
-        a.par_chunks_mut(per * a_row).zip(b.par_chunks_mut(per * b_row)).enumerate().for_each(task)
+    let parallel = rows * work_row >= ROW_PAR_MIN && rows > per;
+    par_rows2_dyn((a, per * a_row), (b, per * b_row), parallel, &task);
+}
+
+/// [`par_rows2`]' walk behind a trait object (as [`par_rows_dyn`]).
+fn par_rows2_dyn<T: Send, U: Send>(
+    (a, a_len): (&mut [T], usize),
+    (b, b_len): (&mut [U], usize),
+    parallel: bool,
+    task: &(dyn Fn(usize, &mut [T], &mut [U]) + Sync),
+) {
+    if parallel {
+        a.par_chunks_mut(a_len).zip(b.par_chunks_mut(b_len)).enumerate().for_each(|(i, (ca, cb))| task(i, ca, cb))
     } else {
-        a.chunks_mut(per * a_row).zip(b.chunks_mut(per * b_row)).enumerate().for_each(task)
+        a.chunks_mut(a_len).zip(b.chunks_mut(b_len)).enumerate().for_each(|(i, (ca, cb))| task(i, ca, cb))
     }
 }
 
@@ -99,11 +121,12 @@ pub(crate) fn par_row_ranges<R: Send>(
             || f(t * per..((t + 1) * per).min(n_rows)),
         )
     };
-    if n_rows * work_row >= ROW_PAR_MIN && tasks > 1 {
-        (0..tasks).into_par_iter().map(task).collect()
-    } else {
-        (0..tasks).map(task).collect()
-    }
+    par_tasks_dyn(tasks, n_rows * work_row >= ROW_PAR_MIN && tasks > 1, &task)
+}
+
+/// [`par_row_ranges`]' walk behind a trait object (as [`par_rows_dyn`]).
+fn par_tasks_dyn<R: Send>(tasks: usize, parallel: bool, task: &(dyn Fn(usize) -> R + Sync)) -> Vec<R> {
+    if parallel { (0..tasks).into_par_iter().map(task).collect() } else { (0..tasks).map(task).collect() }
 }
 
 /// Sum of `f(x[i])` with eight independent lanes (vectorisable).

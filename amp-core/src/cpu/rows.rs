@@ -90,12 +90,15 @@ pub(crate) fn par_rows2<T: Send, U: Send>(
     par_rows2_dyn((a, per * a_row), (b, per * b_row), parallel, &task);
 }
 
+/// A [`par_rows2`] task: `(task index, a's rows, b's rows)`.
+type Rows2Task<'a, T, U> = dyn Fn(usize, &mut [T], &mut [U]) + Sync + 'a;
+
 /// [`par_rows2`]' walk behind a trait object (as [`par_rows_dyn`]).
 fn par_rows2_dyn<T: Send, U: Send>(
     (a, a_len): (&mut [T], usize),
     (b, b_len): (&mut [U], usize),
     parallel: bool,
-    task: &(dyn Fn(usize, &mut [T], &mut [U]) + Sync),
+    task: &Rows2Task<'_, T, U>,
 ) {
     if parallel {
         a.par_chunks_mut(a_len).zip(b.par_chunks_mut(b_len)).enumerate().for_each(|(i, (ca, cb))| task(i, ca, cb))

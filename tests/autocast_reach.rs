@@ -503,6 +503,43 @@ impl AllModules {
         let loss = self.gpt.loss(ids, ids, rng); // f32
         [e.dtype(), n.dtype(), d.dtype(), l.dtype(), m.dtype(), a.dtype(), b.dtype(), g.dtype(), loss.dtype()]
     }
+
+    /// The same through the fallible forms, errors passed on with `?`.
+    #[autocast(P)]
+    fn try_dtypes<P: Precision>(&self, x: &Tensor<f32>, ids: &Indices, rng: &mut Rng) -> amp::Result<[DType; 9]> {
+        let e = self.emb.try_forward(ids)?;
+        let n = self.ln.try_forward(x)?;
+        let d = self.drop.try_forward(&e, rng)?;
+        let l = self.fc.try_forward(x)?;
+        let m = self.mlp.try_forward(x, rng)?;
+        let a = self.attn.try_forward(x, rng)?;
+        let b = self.block.try_forward(x, rng)?;
+        let g = self.gpt.try_forward(ids, rng)?;
+        let loss = self.gpt.try_loss(ids, ids, rng)?;
+        Ok([e.dtype(), n.dtype(), d.dtype(), l.dtype(), m.dtype(), a.dtype(), b.dtype(), g.dtype(), loss.dtype()])
+    }
+
+    /// A loss whose targets may not fit: the error comes out of the region as a value.
+    #[autocast(P)]
+    fn try_loss<P: Precision>(
+        &self,
+        x: &Tensor<f32>,
+        ids: &Indices,
+        targets: &Indices,
+        rng: &mut Rng,
+    ) -> amp::Result<(Tensor<f32>, DType)> {
+        let twice = Twice(&self.fc).try_forward(x)?;
+        Ok((self.gpt.try_loss(ids, targets, rng)?, twice.dtype()))
+    }
+}
+
+/// A module of a user's own whose fallible forward leaves its precision to the caller.
+struct Twice<'a>(&'a Linear);
+
+impl Twice<'_> {
+    fn try_forward<L: Precision>(&self, x: &Tensor<f32>) -> amp::Result<Tensor<L>> {
+        self.0.try_forward::<L, L>(&self.0.try_forward::<L, f32>(x)?)
+    }
 }
 
 #[test]
@@ -530,6 +567,29 @@ fn every_nn_method_runs_without_a_turbofish() {
         assert_eq!(got[..3], f32s, "{low}");
         assert_eq!(got[3..], [low, low, low, DType::F32, low, DType::F32], "{low}");
     }
+    // The `try_` forms: the same precisions; a bad input is an `Err` out of the region.
+    assert_eq!(m.try_dtypes::<bf16>(&x, &ids, &mut rng).unwrap(), m.dtypes::<bf16>(&x, &ids, &mut rng));
+    assert_eq!(m.try_dtypes::<f16>(&x, &ids, &mut rng).unwrap(), m.dtypes::<f16>(&x, &ids, &mut rng));
+    let wide = Tensor::<f32>::randn(&[2, 8, d + 1], &mut rng);
+    let err = m.try_dtypes::<bf16>(&wide, &ids, &mut rng).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "layer_norm_to: weight must have shape [{}] (the input's last dim) (shapes [[2, 8, {}], [{d}], [{d}]])",
+            d + 1,
+            d + 1
+        )
+    );
+    // A user's `try_forward::<L>` runs in the region's type; the loss is bit for bit the
+    // plain form's.
+    let (loss, twice) = m.try_loss::<bf16>(&x, &ids, &ids, &mut Rng::seed(1)).unwrap();
+    assert_eq!(twice, DType::BF16);
+    assert_eq!(bits(&loss), bits(&m.gpt.loss::<bf16>(&ids, &ids, &mut Rng::seed(1))));
+    let flat = ids.reshape(&[16, 1]);
+    assert_eq!(
+        m.try_loss::<bf16>(&x, &ids, &flat, &mut Rng::seed(1)).unwrap_err().to_string(),
+        "Gpt::loss: targets must have the shape of the token ids [B, T] (shapes [[2, 8], [16, 1]])"
+    );
 }
 
 // ---- the weight cast cache in a long loop -------------------------------------------------------

@@ -29,7 +29,8 @@
 //! - `recv.forward(..)` / `recv.loss(..)` without a turbofish: the receiver goes through the
 //!   same two-level lookup, `(&W::new(recv)).__amp_in::<L>()`. An `amp::nn` module whose
 //!   compute precision is a type parameter ([`AsModule`]: the module, or a reference or
-//!   pointer to one) comes back as [`In`], whose `forward` / `loss` call the module's own with
+//!   pointer to one) comes back as [`In`], whose `forward` / `loss` (and `try_forward` /
+//!   `try_loss`) call the module's own with
 //!   `::<L>` (so `block.forward(&x, rng)`, whose value is the f32 residual stream, runs in
 //!   `L` too), whatever its weight precision and device; anything else comes back as it went
 //!   in, and its own method is found as written.
@@ -465,6 +466,11 @@ impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Linear<W, D>>, P: 
     pub fn forward<X: Precision>(self, x: &Tensor<X, D>) -> Tensor<P, D> {
         self.0.module().forward::<P, X>(x)
     }
+    /// [`Linear::try_forward`](crate::nn::Linear::try_forward) in `P`.
+    #[inline]
+    pub fn try_forward<X: Precision>(self, x: &Tensor<X, D>) -> crate::Result<Tensor<P, D>> {
+        self.0.module().try_forward::<P, X>(x)
+    }
 }
 
 impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Mlp<W, D>>, P: Precision> In<crate::nn::Mlp<W, D>, H, P> {
@@ -473,6 +479,11 @@ impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Mlp<W, D>>, P: Pre
     #[track_caller]
     pub fn forward<X: Precision>(self, x: &Tensor<X, D>, rng: &mut crate::Rng) -> Tensor<P, D> {
         self.0.module().forward::<P, X>(x, rng)
+    }
+    /// [`Mlp::try_forward`](crate::nn::Mlp::try_forward) in `P`.
+    #[inline]
+    pub fn try_forward<X: Precision>(self, x: &Tensor<X, D>, rng: &mut crate::Rng) -> crate::Result<Tensor<P, D>> {
+        self.0.module().try_forward::<P, X>(x, rng)
     }
 }
 
@@ -484,6 +495,11 @@ impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::CausalSelfAttentio
     #[track_caller]
     pub fn forward<X: Precision>(self, x: &Tensor<X, D>, rng: &mut crate::Rng) -> Tensor<P, D> {
         self.0.module().forward::<P, X>(x, rng)
+    }
+    /// [`CausalSelfAttention::try_forward`](crate::nn::CausalSelfAttention::try_forward) in `P`.
+    #[inline]
+    pub fn try_forward<X: Precision>(self, x: &Tensor<X, D>, rng: &mut crate::Rng) -> crate::Result<Tensor<P, D>> {
+        self.0.module().try_forward::<P, X>(x, rng)
     }
 }
 
@@ -497,6 +513,11 @@ impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Block<W, D>>, P: P
     pub fn forward(self, x: &Tensor<f32, D>, rng: &mut crate::Rng) -> Tensor<f32, D> {
         self.0.module().forward::<P>(x, rng)
     }
+    /// [`Block::try_forward`](crate::nn::Block::try_forward) in `P`.
+    #[inline]
+    pub fn try_forward(self, x: &Tensor<f32, D>, rng: &mut crate::Rng) -> crate::Result<Tensor<f32, D>> {
+        self.0.module().try_forward::<P>(x, rng)
+    }
 }
 
 impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Gpt<W, D>>, P: Precision> In<crate::nn::Gpt<W, D>, H, P> {
@@ -506,12 +527,27 @@ impl<W: Precision, D: Device, H: AsModule<Module = crate::nn::Gpt<W, D>>, P: Pre
     pub fn forward(self, ids: &crate::Indices, rng: &mut crate::Rng) -> Tensor<P, D> {
         self.0.module().forward::<P>(ids, rng)
     }
+    /// [`Gpt::try_forward`](crate::nn::Gpt::try_forward) in `P`.
+    #[inline]
+    pub fn try_forward(self, ids: &crate::Indices, rng: &mut crate::Rng) -> crate::Result<Tensor<P, D>> {
+        self.0.module().try_forward::<P>(ids, rng)
+    }
     /// [`Gpt::loss`](crate::nn::Gpt::loss) in `P` (an f32 loss, so only the region can say
     /// what `P` is).
     #[inline]
     #[track_caller]
     pub fn loss(self, ids: &crate::Indices, targets: &crate::Indices, rng: &mut crate::Rng) -> Tensor<f32, D> {
         self.0.module().loss::<P>(ids, targets, rng)
+    }
+    /// [`Gpt::try_loss`](crate::nn::Gpt::try_loss) in `P`.
+    #[inline]
+    pub fn try_loss(
+        self,
+        ids: &crate::Indices,
+        targets: &crate::Indices,
+        rng: &mut crate::Rng,
+    ) -> crate::Result<Tensor<f32, D>> {
+        self.0.module().try_loss::<P>(ids, targets, rng)
     }
 }
 
@@ -543,6 +579,14 @@ impl<L: Precision, D: Device> HintSpec for Hint<L, Tensor<L, D>> {
     type Out = Tensor<L, D>;
     #[inline(always)]
     fn __amp_low(&self) -> Tensor<L, D> {
+        self.take()
+    }
+}
+/// The same for a `try_forward` of your own (`-> Result<Tensor<L, D>, E>`).
+impl<L: Precision, D: Device, E> HintSpec for Hint<L, Result<Tensor<L, D>, E>> {
+    type Out = Result<Tensor<L, D>, E>;
+    #[inline(always)]
+    fn __amp_low(&self) -> Result<Tensor<L, D>, E> {
         self.take()
     }
 }

@@ -155,7 +155,7 @@ fn a_cloned_batch_norm_keeps_its_own_running_statistics() {
 }
 
 #[test]
-#[should_panic(expected = "BatchNorm2d: expected a 4-D input [N, C, H, W], got shape [8, 3]")]
+#[should_panic(expected = "BatchNorm2d::forward: expected a 4-D input [N, C, H, W] (shapes [[8, 3]])")]
 fn batch_norm_2d_refuses_an_input_that_is_not_an_image_batch() {
     // A flattened batch reaching the 2-D module is a porting mistake (PyTorch: "expected 4D
     // input (got 2D input)"); the op itself takes [N, C, ...] of any rank.
@@ -163,13 +163,13 @@ fn batch_norm_2d_refuses_an_input_that_is_not_an_image_batch() {
 }
 
 #[test]
-#[should_panic(expected = "Dropout::new: p must be in [0, 1), got 1.5")]
+#[should_panic(expected = "Dropout::new: invalid argument `p`: must be in [0, 1), got 1.5")]
 fn dropout_checks_its_probability_when_built() {
     amp_core::nn::Dropout::new(1.5);
 }
 
 #[test]
-#[should_panic(expected = "Conv2d: the kernel size must be at least 1, got 0")]
+#[should_panic(expected = "Conv2d::new: invalid argument `kernel`: the kernel size must be at least 1, got 0")]
 fn conv2d_refuses_an_empty_kernel_when_built() {
     Conv2d::new(1, 1, 0, Conv2dOptions::default(), true, &mut Rng::seed(0));
 }

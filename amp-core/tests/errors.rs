@@ -454,3 +454,213 @@ fn values_a_user_holds_or_logs_print_with_debug() {
     assert_eq!(format!("{step:?}"), r#"TrainStep { stage: "LossScaled", live: true }"#);
     step.abandon();
 }
+
+// ---- nn modules ----------------------------------------------------------------------------------
+
+/// Every `amp::nn` module has `try_forward` (and `Gpt` `try_loss`): a bad input is an error that
+/// names the module or op and the shapes, and `forward` panics with the same text.
+#[test]
+fn module_forwards_have_try_forms_with_the_same_messages() {
+    use amp_core::Conv2dOptions;
+    use amp_core::nn::{
+        AdaptiveAvgPool2d, AvgPool2d, Block, CausalSelfAttention, Conv2d, Dropout, Embedding, LayerNorm, Linear,
+        MaxPool2d, Mlp,
+    };
+    let mut rng = Rng::seed(0);
+    let lin = Linear::new(5, 6, true, &mut rng);
+    let x = t(&[4, 3]);
+    same_error(
+        lin.try_forward::<f32, f32>(&x),
+        || lin.forward::<f32, f32>(&x),
+        "linear: the input's last dim must equal the weight's in_features 5 (shapes [[4, 3], [6, 5], [6]])",
+    );
+    let emb = Embedding::new(10, 4, 0.02, &mut rng);
+    let ids = Indices::from_vec(vec![1, 12], &[2]);
+    same_error(emb.try_forward(&ids), || emb.forward(&ids), "embedding: index 12 at position 1 is out of range 0..10");
+    let ln = LayerNorm::new(4);
+    let x = t(&[2, 5]);
+    same_error(
+        ln.try_forward(&x),
+        || ln.forward(&x),
+        "layer_norm_to: weight must have shape [5] (the input's last dim) (shapes [[2, 5], [4], [4]])",
+    );
+    same_error(
+        ln.try_forward_to::<amp_core::bf16, f32>(&x),
+        || ln.forward_to::<amp_core::bf16, f32>(&x),
+        "layer_norm_to: weight must have shape [5] (the input's last dim) (shapes [[2, 5], [4], [4]])",
+    );
+    let conv = Conv2d::new(3, 8, 3, Conv2dOptions::default(), true, &mut rng);
+    let img = t(&[1, 4, 8, 8]);
+    same_error(
+        conv.try_forward::<f32, f32>(&img),
+        || conv.forward::<f32, f32>(&img),
+        "conv2d: the weight's dim 1 must be the input channels per group, 4 / 1 = 4 (shapes [[1, 4, 8, 8], [8, 3, 3, 3], [8]])",
+    );
+    let flat = t(&[2, 8]);
+    same_error(
+        MaxPool2d::new(2).try_forward(&flat),
+        || MaxPool2d::new(2).forward(&flat),
+        "max_pool2d: needs an input [N, C, H, W] or [C, H, W] (shapes [[2, 8]])",
+    );
+    let tiny = t(&[1, 1, 1, 1]);
+    same_error(
+        AvgPool2d::new(2).try_forward(&tiny),
+        || AvgPool2d::new(2).forward(&tiny),
+        "avg_pool2d: the kernel (2, 2) is larger than the input 1x1 padded by (0, 0) (shapes [[1, 1, 1, 1]])",
+    );
+    same_error(
+        AdaptiveAvgPool2d::new((0, 1)).try_forward(&tiny),
+        || AdaptiveAvgPool2d::new((0, 1)).forward(&tiny),
+        "adaptive_avg_pool2d: invalid argument `output_size`: must be at least 1 in both dims, got (0, 1) (input shape [1, 1, 1, 1])",
+    );
+    let mut drop = Dropout::new(0.5);
+    drop.p = 1.5; // a public field set by hand
+    let v = t(&[3]);
+    assert!(
+        drop.try_forward(&v, &mut rng).is_err()
+            && catch_unwind(AssertUnwindSafe(|| drop.forward(&v, &mut Rng::seed(0)))).is_err()
+    );
+
+    // Attention, the MLP and a block: the input's rank and width.
+    let attn = CausalSelfAttention::new(16, 2, 0.0, &mut rng);
+    for shape in [&[3, 16][..], &[1, 3, 12]] {
+        let x = t(shape);
+        same_error(
+            attn.try_forward::<f32, f32>(&x, &mut Rng::seed(0)),
+            || attn.forward::<f32, f32>(&x, &mut Rng::seed(0)),
+            &format!("CausalSelfAttention::forward: expected an input [B, T, d] with d = 16 (shapes [{shape:?}])"),
+        );
+    }
+    let mlp = Mlp::new(16, 64, 0.0, &mut rng);
+    let x = t(&[1, 3, 12]);
+    same_error(
+        mlp.try_forward::<f32, f32>(&x, &mut Rng::seed(0)),
+        || mlp.forward::<f32, f32>(&x, &mut Rng::seed(0)),
+        "linear: the input's last dim must equal the weight's in_features 16 (shapes [[1, 3, 12], [64, 16], [64]])",
+    );
+    let block = Block::new(16, 2, 0.0, &mut rng);
+    same_error(
+        block.try_forward::<f32>(&x, &mut Rng::seed(0)),
+        || block.forward::<f32>(&x, &mut Rng::seed(0)),
+        "layer_norm_to: weight must have shape [12] (the input's last dim) (shapes [[1, 3, 12], [16], [16]])",
+    );
+    // On good input the try_ form is the plain one, bit for bit.
+    let x = Tensor::<f32>::randn(&[2, 3, 16], &mut rng);
+    let bits = |t: Tensor<f32>| t.to_vec().into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(
+        bits(block.try_forward::<amp_core::f16>(&x, &mut Rng::seed(1)).unwrap()),
+        bits(block.forward::<amp_core::f16>(&x, &mut Rng::seed(1)))
+    );
+}
+
+/// Batch norm refuses an input before touching its buffers, so a refused call leaves the
+/// running statistics and the batch count as they were.
+#[test]
+fn batch_norm_2d_errors_leave_the_buffers_alone() {
+    use amp_core::nn::BatchNorm2d;
+    let mut bn = BatchNorm2d::new(8);
+    let before = (bn.running_mean.to_vec(), bn.running_var.to_vec(), bn.num_batches_tracked.item());
+    for (shape, want) in [
+        (&[2, 8][..], "BatchNorm2d::forward: expected a 4-D input [N, C, H, W] (shapes [[2, 8]])"),
+        (
+            &[2, 4, 3, 3],
+            "batch_norm: weight must have shape [4] (the input's channels, dim 1) (shapes [[2, 4, 3, 3], [8], [8], [8], [8]])",
+        ),
+        (
+            &[1, 8, 1, 1],
+            "batch_norm: needs more than 1 value per channel in training, got 1 (shapes [[1, 8, 1, 1], [8], [8], [8], [8]])",
+        ),
+    ] {
+        let x = t(shape);
+        let mut other = bn.clone();
+        same_error(bn.try_forward(&x), || other.forward(&x), want);
+        assert_eq!((bn.running_mean.to_vec(), bn.running_var.to_vec(), bn.num_batches_tracked.item()), before);
+    }
+}
+
+/// The GPT's token ids must be `[B, T]` with `T <= block_size`, and its targets the ids' shape:
+/// the same number of targets laid out otherwise (`[T, B]`, flattened) trained silently on the
+/// wrong pairs before.
+#[test]
+fn gpt_refuses_ids_and_targets_of_the_wrong_shape() {
+    use amp_core::nn::{Gpt, GptConfig};
+    let cfg = GptConfig { vocab_size: 10, block_size: 8, d_model: 16, n_heads: 2, n_layers: 1, dropout: 0.0 };
+    let gpt = Gpt::new(cfg, &mut Rng::seed(0));
+    let forward = |ids: Indices, want: &str| {
+        same_error(
+            gpt.try_forward::<f32>(&ids, &mut Rng::seed(0)),
+            || gpt.forward::<f32>(&ids, &mut Rng::seed(0)),
+            want,
+        )
+    };
+    let shape_err =
+        |shape: &str| format!("Gpt::forward: expected token ids [B, T] with 1 <= T <= block_size 8 (shapes [{shape}])");
+    forward(Indices::from_vec(vec![1, 2], &[2]), &shape_err("[2]"));
+    forward(Indices::from_vec(vec![1; 9], &[1, 9]), &shape_err("[1, 9]"));
+    forward(Indices::from_vec(vec![], &[3, 0]), &shape_err("[3, 0]"));
+    forward(Indices::from_vec(vec![1, 11], &[1, 2]), "embedding: index 11 at position 1 is out of range 0..10");
+
+    let ids = Indices::from_vec(vec![1, 2, 3, 4, 5, 6], &[2, 3]);
+    let loss = |targets: Indices, want: &str| {
+        same_error(
+            gpt.try_loss::<f32>(&ids, &targets, &mut Rng::seed(0)),
+            || gpt.loss::<f32>(&ids, &targets, &mut Rng::seed(0)),
+            want,
+        )
+    };
+    for shape in [&[3, 2][..], &[6], &[6, 1]] {
+        loss(
+            Indices::from_vec(vec![1; 6], shape),
+            &format!("Gpt::loss: targets must have the shape of the token ids [B, T] (shapes [[2, 3], {shape:?}])"),
+        );
+    }
+    loss(
+        Indices::from_vec(vec![1, 2, 3, 4, 5, 40], &[2, 3]),
+        "cross_entropy: index 40 at position 5 is out of range 0..10",
+    );
+    let good = Indices::from_vec(vec![2, 3, 4, 5, 6, -100], &[2, 3]);
+    assert_eq!(
+        gpt.try_loss::<f32>(&ids, &good, &mut Rng::seed(0)).unwrap().item().to_bits(),
+        gpt.loss::<f32>(&ids, &good, &mut Rng::seed(0)).item().to_bits()
+    );
+}
+
+/// Constructors that check their arguments have a `try_new` with the panic's message.
+#[test]
+fn module_constructors_have_try_forms() {
+    use amp_core::Conv2dOptions;
+    use amp_core::nn::{Block, CausalSelfAttention, Conv2d, Dropout, Linear, Mlp};
+    let r = || Rng::seed(0);
+    same_error(
+        Conv2d::try_new(3, 8, 0, Conv2dOptions::default(), true, &mut r()),
+        || Conv2d::new(3, 8, 0, Conv2dOptions::default(), true, &mut r()),
+        "Conv2d::new: invalid argument `kernel`: the kernel size must be at least 1, got 0",
+    );
+    let groups = Conv2dOptions { groups: 2, ..Default::default() };
+    same_error(
+        Conv2d::try_new(3, 8, 3, groups, true, &mut r()),
+        || Conv2d::new(3, 8, 3, groups, true, &mut r()),
+        "Conv2d::new: invalid argument `groups`: in_channels 3 and out_channels 8 must be multiples of groups 2",
+    );
+    let heads =
+        "CausalSelfAttention::new: invalid argument `n_heads`: d = 16 must be a positive multiple of n_heads = 3";
+    same_error(
+        CausalSelfAttention::try_new(16, 3, 0.0, &mut r()),
+        || CausalSelfAttention::new(16, 3, 0.0, &mut r()),
+        heads,
+    );
+    same_error(Block::try_new(16, 3, 0.0, &mut r()), || Block::new(16, 3, 0.0, &mut r()), heads);
+    let p = "Dropout::new: invalid argument `p`: must be in [0, 1), got 1";
+    same_error(Dropout::try_new(1.0), || Dropout::new(1.0), p);
+    same_error(Mlp::try_new(16, 64, 1.0, &mut r()), || Mlp::new(16, 64, 1.0, &mut r()), p);
+    same_error(
+        CausalSelfAttention::try_new(16, 2, 1.0, &mut r()),
+        || CausalSelfAttention::new(16, 2, 1.0, &mut r()),
+        p,
+    );
+    // PyTorch's init with no inputs: a zero bias, not NaN (the bound 1/√0).
+    let empty = Linear::new(0, 3, true, &mut r());
+    assert_eq!(empty.bias.as_ref().unwrap().to_vec(), vec![0.0; 3]);
+    let conv = Conv2d::new(0, 2, 3, Conv2dOptions::default(), true, &mut r());
+    assert_eq!(conv.bias.as_ref().unwrap().to_vec(), vec![0.0; 2]);
+}

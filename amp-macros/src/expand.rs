@@ -16,7 +16,8 @@
 //!   compiler cannot derive from `P: Precision`, so they are added to the signature when the
 //!   body has a promote op or an operator (only then: a generic caller of a forward without
 //!   promotions needs no more than `P: Precision`).
-//! - `m.forward(..)` / `m.loss(..)` without a turbofish: the receiver goes through the same
+//! - `m.forward(..)` / `m.loss(..)` (and their `try_` forms) without a turbofish: the receiver
+//!   goes through the same
 //!   two-level lookup, `(&W::new(m)).__amp_in::<T>()`: an `amp::nn` module whose compute
 //!   precision is a type parameter comes back as `In`, whose `forward` / `loss` call the
 //!   module's own with `::<T>` (`Block::forward`'s value is the f32 residual stream, so only
@@ -27,8 +28,8 @@
 //!   `&mut _`, `&mut self`: `&mut place`, unless an argument uses the same variable), and
 //!   otherwise through `place.__amp_place()`, which reborrows a `&mut T` and borrows anything
 //!   else. The value then goes through `Hint::<T, _>`, which fixes an open `Tensor<?L>` (a
-//!   user type's `fn forward<L>(..) -> Tensor<L>`) to `T` by unification during method lookup
-//!   and passes anything else through.
+//!   user type's `fn forward<L>(..) -> Tensor<L>`, or `-> Result<Tensor<L>, E>`) to `T` by
+//!   unification during method lookup and passes anything else through.
 //! - The region entered at the top records `T` and whether the attribute chose it, so a bare
 //!   `#[autocast]` called from a region of another type can panic with the fix.
 //! - Receivers that are places (`x`, `self.w`, `v[i]`) are borrowed, never moved (a tensor
@@ -106,8 +107,9 @@ struct Rewriter<'a> {
 }
 
 /// Methods whose receiver may be an `amp::nn` module taking the compute precision as a type
-/// parameter (`Linear::forward::<L, _>`, `Block::forward::<L>`, `Gpt::loss::<L>`).
-const MODULE_METHODS: &[&str] = &["forward", "loss"];
+/// parameter (`Linear::forward::<L, _>`, `Block::forward::<L>`, `Gpt::loss::<L>`), and their
+/// fallible forms.
+const MODULE_METHODS: &[&str] = &["forward", "loss", "try_forward", "try_loss"];
 
 /// How a name is bound, as far as the function's own syntax shows.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

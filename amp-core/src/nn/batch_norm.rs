@@ -1,5 +1,6 @@
 use amp_macros::Params;
 
+use crate::error::{Error, Result, or_panic};
 use crate::ops::batch_norm::BatchNormOptions;
 use crate::{Cpu, Device, Param, Precision, Tensor};
 
@@ -95,21 +96,33 @@ impl<W: Precision, D: Device> BatchNorm2d<W, D> {
     /// Normalises `x: [N, C, H, W]` (any precision; the output has it): with the batch's
     /// statistics in training mode (updating the running ones), with the running ones in
     /// evaluation mode. Takes `&mut self` because training mode updates the buffers, as
-    /// PyTorch's forward does.
-    #[track_caller]
-    pub fn forward<X: Precision>(&mut self, x: &Tensor<X, D>) -> Tensor<X, D> {
+    /// PyTorch's forward does. Errs, with the buffers untouched, on another rank, a channel
+    /// count other than the module's, or one value per channel in training.
+    pub fn try_forward<X: Precision>(&mut self, x: &Tensor<X, D>) -> Result<Tensor<X, D>> {
         // The op takes [N, C, ...] of any rank (F.batch_norm); the 2-D module, as PyTorch's,
         // takes images only, so a flattened or 5-D input is a mistake caught here.
-        assert!(x.rank() == 4, "BatchNorm2d: expected a 4-D input [N, C, H, W], got shape {:?}", x.shape());
+        if x.rank() != 4 {
+            return Err(Error::Shape {
+                op: "BatchNorm2d::forward",
+                detail: "expected a 4-D input [N, C, H, W]".into(),
+                shapes: vec![x.shape().to_vec()],
+            });
+        }
         let opts = BatchNormOptions { training: self.mode.is_training(), momentum: self.momentum, eps: self.eps };
         // In the input's accumulation precision: f32 parameters as they are for an f16, bf16 or
         // f32 input (bf16 ones widened exactly), f64 for an f64 input.
         let (w, b) = (self.weight.cast::<X::Acc>(), self.bias.cast::<X::Acc>());
-        let y = x.batch_norm(Some(&mut self.running_mean), Some(&mut self.running_var), Some(&w), Some(&b), opts);
+        let y =
+            x.try_batch_norm(Some(&mut self.running_mean), Some(&mut self.running_var), Some(&w), Some(&b), opts)?;
         if self.mode.is_training() {
             self.num_batches_tracked = self.num_batches_tracked.add_scalar(1.0);
         }
-        y
+        Ok(y)
+    }
+    /// [`BatchNorm2d::try_forward`], panicking with its error's message.
+    #[track_caller]
+    pub fn forward<X: Precision>(&mut self, x: &Tensor<X, D>) -> Tensor<X, D> {
+        or_panic(self.try_forward(x))
     }
     /// A copy with its weight and bias rounded to precision `P` (new parameters: their own
     /// ids); the running statistics stay f32, as they are.

@@ -1,5 +1,6 @@
 use amp_macros::Params;
 
+use crate::error::{Error, Result, or_panic};
 use crate::ops::conv::Conv2dOptions;
 use crate::{Cpu, Device, Param, Precision, Rng, Tensor};
 
@@ -19,7 +20,40 @@ pub struct Conv2d<W: Precision = f32, D: Device = Cpu> {
 
 impl Conv2d {
     /// PyTorch's default init (`kaiming_uniform_(a=√5)`, i.e. uniform in `±1/√fan_in`, and the
-    /// bias the same), for a square `kernel`.
+    /// bias the same), for a square `kernel`. Errs on a kernel of 0, groups of 0, or channels
+    /// that are not multiples of `groups`.
+    pub fn try_new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        options: Conv2dOptions,
+        bias: bool,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        let bad = |name: &'static str, detail: String| Err(Error::InvalidArgument { op: "Conv2d::new", name, detail });
+        if kernel == 0 {
+            return bad("kernel", "the kernel size must be at least 1, got 0".into());
+        }
+        let groups = options.groups;
+        if groups == 0 || !in_channels.is_multiple_of(groups) || !out_channels.is_multiple_of(groups) {
+            return bad(
+                "groups",
+                format!(
+                    "in_channels {in_channels} and out_channels {out_channels} must be multiples of groups {groups}"
+                ),
+            );
+        }
+        let fan_in = in_channels / groups * kernel * kernel;
+        let bound = if fan_in == 0 { 0.0 } else { 1.0 / (fan_in as f64).sqrt() };
+        let uniform =
+            |shape: &[usize], rng: &mut Rng| Tensor::<f32>::rand(shape, rng).mul_scalar(2.0 * bound).add_scalar(-bound);
+        Ok(Conv2d {
+            weight: Param::new(uniform(&[out_channels, in_channels / groups, kernel, kernel], rng)),
+            bias: bias.then(|| Param::new(uniform(&[out_channels], rng))),
+            options,
+        })
+    }
+    /// [`Conv2d::try_new`], panicking with its error's message.
     #[track_caller]
     pub fn new(
         in_channels: usize,
@@ -29,32 +63,21 @@ impl Conv2d {
         bias: bool,
         rng: &mut Rng,
     ) -> Self {
-        assert!(kernel > 0, "Conv2d: the kernel size must be at least 1, got 0");
-        assert!(
-            options.groups > 0
-                && in_channels.is_multiple_of(options.groups)
-                && out_channels.is_multiple_of(options.groups),
-            "Conv2d: in_channels {in_channels} and out_channels {out_channels} must be multiples of groups {}",
-            options.groups
-        );
-        let fan_in = in_channels / options.groups * kernel * kernel;
-        let bound = 1.0 / (fan_in as f64).sqrt();
-        let uniform =
-            |shape: &[usize], rng: &mut Rng| Tensor::<f32>::rand(shape, rng).mul_scalar(2.0 * bound).add_scalar(-bound);
-        Conv2d {
-            weight: Param::new(uniform(&[out_channels, in_channels / options.groups, kernel, kernel], rng)),
-            bias: bias.then(|| Param::new(uniform(&[out_channels], rng))),
-            options,
-        }
+        or_panic(Self::try_new(in_channels, out_channels, kernel, options, bias, rng))
     }
 }
 
 impl<W: Precision, D: Device> Conv2d<W, D> {
-    /// `x: [N, in, H, W]` to `[N, out, oH, oW]` in precision `L`.
+    /// `x: [N, in, H, W]` to `[N, out, oH, oW]` in precision `L`. Errs on another rank, a
+    /// channel count other than `in_channels`, or an input smaller than the (dilated) kernel.
+    pub fn try_forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>) -> Result<Tensor<L, D>> {
+        let bias = self.bias.as_ref().map(|b| b.cast::<L>());
+        x.cast::<L>().try_conv2d(&self.weight.cast::<L>(), bias.as_ref(), self.options)
+    }
+    /// [`Conv2d::try_forward`], panicking with its error's message.
     #[track_caller]
     pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>) -> Tensor<L, D> {
-        let bias = self.bias.as_ref().map(|b| b.cast::<L>());
-        x.cast::<L>().conv2d(&self.weight.cast::<L>(), bias.as_ref(), self.options)
+        or_panic(self.try_forward(x))
     }
     /// A copy with its weights rounded to precision `P` (new parameters: their own ids).
     pub fn to_precision<P: Precision>(&self) -> Conv2d<P, D> {

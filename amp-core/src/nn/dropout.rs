@@ -1,3 +1,4 @@
+use crate::error::{Error, Result, or_panic};
 use crate::{Device, Param, Params, Precision, Rng, Tensor};
 
 /// Dropout with probability `p` in training mode, the identity in evaluation mode.
@@ -9,24 +10,36 @@ pub struct Dropout {
 }
 
 impl Dropout {
-    /// A dropout layer, in training mode.
-    ///
-    /// # Panics
-    /// If `p` is not in `[0, 1)` (checked here, as PyTorch's `nn.Dropout(p)` checks it, not at
-    /// the first forward).
+    /// A dropout layer, in training mode. Errs if `p` is not in `[0, 1)` (checked here, as
+    /// PyTorch's `nn.Dropout(p)` checks it, not at the first forward).
+    pub fn try_new(p: f64) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::InvalidArgument {
+                op: "Dropout::new",
+                name: "p",
+                detail: format!("must be in [0, 1), got {p}"),
+            });
+        }
+        Ok(Dropout { p, training: true })
+    }
+    /// [`Dropout::try_new`], panicking with its error's message.
     #[track_caller]
     pub fn new(p: f64) -> Self {
-        assert!((0.0..1.0).contains(&p), "Dropout::new: p must be in [0, 1), got {p}");
-        Dropout { p, training: true }
+        or_panic(Self::try_new(p))
     }
     /// Whether dropout is active.
     pub fn is_training(&self) -> bool {
         self.training
     }
     /// Zeroes elements with probability `p` (scaling the rest by `1/(1-p)`) when training.
+    /// Errs if `p` was set outside `[0, 1)` after construction.
+    pub fn try_forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>, rng: &mut Rng) -> Result<Tensor<E, D>> {
+        x.try_dropout(self.p, self.training, rng)
+    }
+    /// [`Dropout::try_forward`], panicking with its error's message.
     #[track_caller]
     pub fn forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>, rng: &mut Rng) -> Tensor<E, D> {
-        x.dropout(self.p, self.training, rng)
+        or_panic(self.try_forward(x, rng))
     }
     /// Switches dropout on or off. (Dropout is `Params<E>` for every element type `E`, so it
     /// fits in a module of any precision; these inherent methods let `dropout.eval()` be

@@ -1,7 +1,7 @@
 use amp_macros::Params;
 
 use super::{CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear, Mlp};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, or_panic};
 use crate::ops::loss::CrossEntropyOptions;
 use crate::{Cpu, Device, Indices, Precision, Rng, Tensor};
 
@@ -54,14 +54,20 @@ pub struct Block<W: Precision = f32, D: Device = Cpu> {
 }
 
 impl Block {
-    /// A block of width `d`.
-    pub fn new(d: usize, n_heads: usize, dropout: f64, rng: &mut Rng) -> Self {
-        Block {
+    /// A block of width `d`. Errs when `d` is not a positive multiple of `n_heads` or
+    /// `dropout` is not in `[0, 1)`.
+    pub fn try_new(d: usize, n_heads: usize, dropout: f64, rng: &mut Rng) -> Result<Self> {
+        Ok(Block {
             ln1: LayerNorm::new(d),
-            attn: CausalSelfAttention::new(d, n_heads, dropout, rng),
+            attn: CausalSelfAttention::try_new(d, n_heads, dropout, rng)?,
             ln2: LayerNorm::new(d),
-            mlp: Mlp::new(d, 4 * d, dropout, rng),
-        }
+            mlp: Mlp::try_new(d, 4 * d, dropout, rng)?,
+        })
+    }
+    /// [`Block::try_new`], panicking with its error's message.
+    #[track_caller]
+    pub fn new(d: usize, n_heads: usize, dropout: f64, rng: &mut Rng) -> Self {
+        or_panic(Self::try_new(d, n_heads, dropout, rng))
     }
 }
 
@@ -75,14 +81,19 @@ impl<W: Precision, D: Device> Block<W, D> {
             mlp: self.mlp.to_precision(),
         }
     }
-    /// `x: [B, T, d]` (f32 residual stream) to the same shape.
-    pub fn forward<L: Precision>(&self, x: &Tensor<f32, D>, rng: &mut Rng) -> Tensor<f32, D> {
+    /// `x: [B, T, d]` (f32 residual stream) to the same shape. Errs on another rank or width.
+    pub fn try_forward<L: Precision>(&self, x: &Tensor<f32, D>, rng: &mut Rng) -> Result<Tensor<f32, D>> {
         // The norms write `L`, which the attention's and MLP's first linears read.
         // The branches' outputs are added to the f32 stream as they are (`add_cast`).
-        let a = self.attn.forward::<L, L>(&self.ln1.forward_to::<L, f32>(x), rng);
+        let a = self.attn.try_forward::<L, L>(&self.ln1.try_forward_to::<L, f32>(x)?, rng)?;
         let x = x.add_cast(&a);
-        let m = self.mlp.forward::<L, L>(&self.ln2.forward_to::<L, f32>(&x), rng);
-        x.add_cast(&m)
+        let m = self.mlp.try_forward::<L, L>(&self.ln2.try_forward_to::<L, f32>(&x)?, rng)?;
+        Ok(x.add_cast(&m))
+    }
+    /// [`Block::try_forward`], panicking with its error's message.
+    #[track_caller]
+    pub fn forward<L: Precision>(&self, x: &Tensor<f32, D>, rng: &mut Rng) -> Tensor<f32, D> {
+        or_panic(self.try_forward::<L>(x, rng))
     }
 }
 
@@ -117,7 +128,9 @@ impl Gpt {
             tok_emb: Embedding::new(config.vocab_size, d, 0.02, rng),
             pos_emb: Embedding::new(config.block_size, d, 0.02, rng),
             drop: Dropout::new(config.dropout),
-            blocks: (0..config.n_layers).map(|_| Block::new(d, config.n_heads, config.dropout, rng)).collect(),
+            blocks: (0..config.n_layers)
+                .map(|_| Block::try_new(d, config.n_heads, config.dropout, rng))
+                .collect::<Result<_>>()?,
             ln_f: LayerNorm::new(d),
             head: Linear::normal(d, config.vocab_size, true, 0.02, rng),
             config,
@@ -155,28 +168,53 @@ impl<W: Precision, D: Device> Gpt<W, D> {
         }
         Ok(self)
     }
-    /// Logits `[B, T, vocab]` in precision `L` for token ids `[B, T]`.
+    /// Logits `[B, T, vocab]` in precision `L` for token ids `[B, T]`. Errs when `ids` is not
+    /// `[B, T]` with `1 <= T <= block_size`, or holds an id outside the vocabulary.
+    pub fn try_forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Result<Tensor<L, D>> {
+        let block = self.config.block_size;
+        if ids.shape().len() != 2 || !(1..=block).contains(&ids.shape()[1]) {
+            return Err(Error::Shape {
+                op: "Gpt::forward",
+                detail: format!("expected token ids [B, T] with 1 <= T <= block_size {block}"),
+                shapes: vec![ids.shape().to_vec()],
+            });
+        }
+        let t = ids.shape()[1];
+        let pos = self.pos_emb.weight.narrow(0, 0, t).cast::<f32>();
+        let mut x = self.drop.try_forward(&self.tok_emb.try_forward(ids)?.add(&pos), rng)?;
+        for block in &self.blocks {
+            x = block.try_forward::<L>(&x, rng)?;
+        }
+        self.head.try_forward::<L, L>(&self.ln_f.try_forward_to::<L, f32>(&x)?)
+    }
+    /// [`Gpt::try_forward`], panicking with its error's message.
     #[track_caller]
     pub fn forward<L: Precision>(&self, ids: &Indices, rng: &mut Rng) -> Tensor<L, D> {
-        let t = ids.shape()[1];
-        assert!(
-            t <= self.config.block_size,
-            "Gpt::forward: sequence length {t} exceeds block_size {}",
-            self.config.block_size
-        );
-        let pos = self.pos_emb.weight.narrow(0, 0, t).cast::<f32>();
-        let mut x = self.drop.forward(&self.tok_emb.forward(ids).add(&pos), rng);
-        for block in &self.blocks {
-            x = block.forward::<L>(&x, rng);
-        }
-        self.head.forward::<L, L>(&self.ln_f.forward_to::<L, f32>(&x))
+        or_panic(self.try_forward::<L>(ids, rng))
     }
-    /// Mean cross-entropy (in f32) of next-token predictions; targets `[B, T]` with -100 to
-    /// ignore a position.
-    pub fn loss<L: Precision>(&self, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Tensor<f32, D> {
-        let logits = self.forward::<L>(ids, rng);
+    /// Mean cross-entropy (in f32) of next-token predictions; `targets` has the shape of `ids`
+    /// (`[B, T]`), with -100 to ignore a position. Errs on targets of another shape (the same
+    /// number of ids laid out otherwise, `[T, B]` or flattened, would silently train on the
+    /// wrong pairs) or outside the vocabulary, and as [`Gpt::try_forward`] does.
+    pub fn try_loss<L: Precision>(&self, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Result<Tensor<f32, D>> {
+        if targets.shape() != ids.shape() {
+            return Err(Error::Shape {
+                op: "Gpt::loss",
+                detail: "targets must have the shape of the token ids [B, T]".into(),
+                shapes: vec![ids.shape().to_vec(), targets.shape().to_vec()],
+            });
+        }
+        let logits = self.try_forward::<L>(ids, rng)?;
         let v = self.config.vocab_size;
         let n = targets.numel();
-        logits.cast::<f32>().reshape(&[n, v]).cross_entropy_with(&targets.reshape(&[n]), CrossEntropyOptions::default())
+        logits
+            .cast::<f32>()
+            .reshape(&[n, v])
+            .try_cross_entropy_with(&targets.reshape(&[n]), CrossEntropyOptions::default())
+    }
+    /// [`Gpt::try_loss`], panicking with its error's message.
+    #[track_caller]
+    pub fn loss<L: Precision>(&self, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Tensor<f32, D> {
+        or_panic(self.try_loss::<L>(ids, targets, rng))
     }
 }

@@ -1,5 +1,6 @@
 use amp_macros::Params;
 
+use crate::error::{Result, or_panic};
 use crate::{Cpu, Device, Param, Precision, Rng, Tensor};
 
 /// `y = x Wᵀ + b` with `W: [out, in]` (PyTorch's layout and names: `weight`, `bias`).
@@ -15,9 +16,10 @@ pub struct Linear<W: Precision = f32, D: Device = Cpu> {
 }
 
 impl Linear {
-    /// PyTorch's default init: weight and bias uniform in `±1/√in`.
+    /// PyTorch's default init: weight and bias uniform in `±1/√in` (0 when `in_features` is 0,
+    /// as PyTorch's, so the bias is zero rather than NaN).
     pub fn new(in_features: usize, out_features: usize, bias: bool, rng: &mut Rng) -> Self {
-        let bound = 1.0 / (in_features as f64).sqrt();
+        let bound = if in_features == 0 { 0.0 } else { 1.0 / (in_features as f64).sqrt() };
         let uniform =
             |shape: &[usize], rng: &mut Rng| Tensor::<f32>::rand(shape, rng).mul_scalar(2.0 * bound).add_scalar(-bound);
         Linear {
@@ -40,10 +42,15 @@ impl<W: Precision, D: Device> Linear<W, D> {
         Linear { weight: self.weight.to_precision(), bias: self.bias.as_ref().map(Param::to_precision) }
     }
     /// Applies the layer to `x: [..., in]`, giving `[..., out]` in precision `L` (one GEMM with
-    /// the bias in the accumulator: the `linear` op, lower-precision category).
+    /// the bias in the accumulator: the `linear` op, lower-precision category). Errs when `x`'s
+    /// last dim is not `in_features`, naming both shapes.
+    pub fn try_forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>) -> Result<Tensor<L, D>> {
+        let bias = self.bias.as_ref().map(|b| b.cast::<L>());
+        x.cast::<L>().try_linear(&self.weight.cast::<L>(), bias.as_ref())
+    }
+    /// [`Linear::try_forward`], panicking with its error's message.
     #[track_caller]
     pub fn forward<L: Precision, X: Precision>(&self, x: &Tensor<X, D>) -> Tensor<L, D> {
-        let bias = self.bias.as_ref().map(|b| b.cast::<L>());
-        x.cast::<L>().linear(&self.weight.cast::<L>(), bias.as_ref())
+        or_panic(self.try_forward(x))
     }
 }

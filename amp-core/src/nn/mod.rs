@@ -23,6 +23,10 @@
 //!   [`Gpt::loss`] an f32 loss). Written out (`block.forward::<f32>(..)`), a precision is kept.
 //! - `train()` / `eval()` (from [`crate::Params`]) reach every submodule; dropout and batch
 //!   norm read it ([`TrainingMode`] is the field that carries it).
+//! - Every `forward` (and [`Gpt::loss`]) has a `try_` form returning [`crate::Error`], and the
+//!   plain form panics with its message, as the ops do. A module checks what its ops would
+//!   report in terms of something else (a GPT's ids and targets, attention's `[B, T, d]`);
+//!   the rest is the op's own error. Constructors that check arguments have `try_new`.
 
 mod attention;
 mod batch_norm;

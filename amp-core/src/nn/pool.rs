@@ -1,3 +1,4 @@
+use crate::error::{Result, or_panic};
 use crate::{Device, Param, Params, Precision, Tensor};
 
 /// No parameters, of any element type on any device (pooling and flattening modules).
@@ -32,9 +33,14 @@ impl MaxPool2d {
         MaxPool2d { kernel: (kernel, kernel), stride: (kernel, kernel), padding: (0, 0) }
     }
     /// `x: [N, C, H, W]` pooled.
+    /// Errs on an input that is not `[N, C, H, W]` or `[C, H, W]`, or smaller than the window.
+    pub fn try_forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>) -> Result<Tensor<E, D>> {
+        x.try_max_pool2d(self.kernel, self.stride, self.padding)
+    }
+    /// [`MaxPool2d::try_forward`], panicking with its error's message.
     #[track_caller]
     pub fn forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>) -> Tensor<E, D> {
-        x.max_pool2d(self.kernel, self.stride, self.padding)
+        or_panic(self.try_forward(x))
     }
 }
 no_params!(MaxPool2d);
@@ -58,9 +64,14 @@ impl AvgPool2d {
         AvgPool2d { kernel: (kernel, kernel), stride: (kernel, kernel), padding: (0, 0) }
     }
     /// `x: [N, C, H, W]` pooled.
+    /// Errs on an input that is not `[N, C, H, W]` or `[C, H, W]`, or smaller than the window.
+    pub fn try_forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>) -> Result<Tensor<E, D>> {
+        x.try_avg_pool2d(self.kernel, self.stride, self.padding)
+    }
+    /// [`AvgPool2d::try_forward`], panicking with its error's message.
     #[track_caller]
     pub fn forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>) -> Tensor<E, D> {
-        x.avg_pool2d(self.kernel, self.stride, self.padding)
+        or_panic(self.try_forward(x))
     }
 }
 no_params!(AvgPool2d);
@@ -79,9 +90,14 @@ impl AdaptiveAvgPool2d {
         AdaptiveAvgPool2d { output_size }
     }
     /// `x: [N, C, H, W]` to `[N, C, oH, oW]`.
+    /// Errs on an input that is not `[N, C, H, W]` or `[C, H, W]`, or an output size of 0.
+    pub fn try_forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>) -> Result<Tensor<E, D>> {
+        x.try_adaptive_avg_pool2d(self.output_size)
+    }
+    /// [`AdaptiveAvgPool2d::try_forward`], panicking with its error's message.
     #[track_caller]
     pub fn forward<E: Precision, D: Device>(&self, x: &Tensor<E, D>) -> Tensor<E, D> {
-        x.adaptive_avg_pool2d(self.output_size)
+        or_panic(self.try_forward(x))
     }
 }
 no_params!(AdaptiveAvgPool2d);

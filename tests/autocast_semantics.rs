@@ -376,6 +376,12 @@ impl ConvBlock {
     fn forward(&mut self, x: &Tensor<f32>) -> Tensor<f32> {
         self.bn1.forward(&self.bn0.forward(&self.conv.forward(x))).relu().cast::<f32>()
     }
+
+    /// The same through the `try_` forms, errors passed on with `?`.
+    #[autocast]
+    fn try_forward(&mut self, x: &Tensor<f32>) -> amp::Result<Tensor<f32>> {
+        Ok(self.bn1.try_forward(&self.bn0.try_forward(&self.conv.try_forward(x)?)?)?.relu().cast::<f32>())
+    }
 }
 
 #[test]
@@ -400,6 +406,16 @@ fn nested_module_calls_on_disjoint_fields_borrow_each_field_mutably() {
     for bn in [&block.bn0, &block.bn1] {
         assert!(bn.running_mean.to_vec().iter().any(|&m| m != 0.0));
     }
+    // The `try_` forms: the same values and buffers from the same state; a wrong channel count
+    // is an error out of the region, with the running statistics as they were.
+    let mut twin = ConvBlock { conv: block.conv.clone(), bn0: block.bn0.clone(), bn1: block.bn1.clone() };
+    let (a, b) = (block.forward(&x), twin.try_forward(&x).unwrap());
+    assert_eq!((a.dtype(), a.to_vec()), (b.dtype(), b.to_vec()));
+    assert_eq!(block.bn1.running_var.to_vec(), twin.bn1.running_var.to_vec());
+    let before = twin.bn0.running_mean.to_vec();
+    let err = twin.try_forward(&data(&[2, 4, 5, 5], 52)).unwrap_err();
+    assert!(err.to_string().starts_with("conv2d: the weight's dim 1 must be the input channels per group"), "{err}");
+    assert_eq!(twin.bn0.running_mean.to_vec(), before);
 }
 
 // ---- empty values in declared return positions ----------------------------------------------

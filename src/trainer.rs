@@ -221,6 +221,13 @@ impl TrainConfig {
         if self.collapse_after == 0 {
             return bad("collapse-after", "must be at least 1".into());
         }
+        if self.stop_after == Some(0) {
+            return bad("stop-after", "must be at least 1 (steps count from 1)".into());
+        }
+        // A step the run never takes would inject nothing, silently.
+        if let Some(step) = self.inject_nonfinite.iter().find(|&&s| s == 0 || s > self.steps) {
+            return bad("inject-nan", format!("step {step} is outside this run's steps 1..={}", self.steps));
+        }
         Ok(())
     }
 }
@@ -678,10 +685,24 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
         task.restore(position).map_err(|e| bad("data loader position", detail(e)))?;
         start = state.step;
     }
+    let end = cfg.stop_after.map_or(cfg.steps, |s| s.min(cfg.steps));
+    if start >= end {
+        // Nothing to train: say so, rather than report a run of no steps (NaN losses).
+        let detail = if start >= cfg.steps {
+            format!(
+                "this run is finished: the checkpoint is at step {start} of --steps {}, so there is nothing to \
+                 resume (its weights are in {}); to train again use another --out, or --overwrite",
+                cfg.steps,
+                weights.display()
+            )
+        } else {
+            format!("the checkpoint is at step {start}, past --stop-after {end}: nothing to train")
+        };
+        return Err(Error::State { context: ckpt_dir.display().to_string(), detail });
+    }
     let metrics =
         if start > 0 { MetricsWriter::resume(&metrics_path, start)? } else { MetricsWriter::create(&metrics_path)? };
 
-    let end = cfg.stop_after.map_or(cfg.steps, |s| s.min(cfg.steps));
     let progress = if cfg.progress { Progress::new(cfg.steps, start) } else { Progress::hidden(cfg.steps, start) };
     progress.println(format!(
         "training a {}-parameter GPT (d {d}, {n_layers} layers, {n_heads} heads) on {} in {} {} on {}, steps {}..={}",

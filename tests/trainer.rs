@@ -314,6 +314,17 @@ fn resume_refuses_a_different_configuration_and_a_missing_checkpoint() {
     // what differs rather than that the scaler state has the wrong type.
     let err = run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F16) }).unwrap_err().to_string();
     assert!(err.contains("different run configuration") && err.contains(r#""precision":"F32""#), "{err}");
+    // Nothing left to train: refused (it reported a run of no steps, NaN losses, before), and
+    // the run's files are left as they were.
+    let err = run(&TrainConfig { resume: true, stop_after: Some(1), ..small(&out, RunPrecision::F32) })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the checkpoint is at step 2, past --stop-after 1: nothing to train"), "{err}");
+    run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F32) }).unwrap();
+    let metrics = std::fs::read(out.join("metrics.csv")).unwrap();
+    let err = run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
+    assert!(err.contains("this run is finished: the checkpoint is at step 12 of --steps 12"), "{err}");
+    assert_eq!(std::fs::read(out.join("metrics.csv")).unwrap(), metrics);
 }
 
 #[test]
@@ -323,6 +334,15 @@ fn bad_options_and_data_files_are_refused_with_the_option_named() {
     assert!(err.contains("batch-size"), "{err}");
     let err = run(&TrainConfig { lr: -1.0, ..small(&out, RunPrecision::F16) }).unwrap_err().to_string();
     assert!(err.contains("`lr`"), "{err}");
+    // Steps the run never takes: refused, not silently ignored.
+    for steps in [vec![0], vec![3, 13]] {
+        let err =
+            run(&TrainConfig { inject_nonfinite: steps, ..small(&out, RunPrecision::F16) }).unwrap_err().to_string();
+        assert!(err.contains("`inject-nan`") && err.contains("outside this run's steps 1..=12"), "{err}");
+    }
+    let err = run(&TrainConfig { stop_after: Some(0), ..small(&out, RunPrecision::F16) }).unwrap_err().to_string();
+    assert!(err.contains("`stop-after`: must be at least 1"), "{err}");
+    assert!(!out.exists(), "refused before the output folder was made");
     let missing = out.join("no-such-file.txt");
     let err =
         run(&TrainConfig { data: Some(missing.clone()), ..small(&out, RunPrecision::F16) }).unwrap_err().to_string();

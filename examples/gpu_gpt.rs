@@ -19,10 +19,11 @@
 //! without the position embeddings, L layers, T tokens, d width: PaLM's count, attention at
 //! full `T × T`).
 //!
-//! The batch defaults to what fills about 40 GiB by an estimate (16 bytes per parameter for
+//! On a GPU the batch defaults to what fills about 40 GiB by an estimate (16 bytes per parameter for
 //! weights, gradients and Adam's moments; per token `60 d` bytes of activations per layer and
 //! `8` per vocabulary entry for the logits and the loss, fitted to the peaks measured on an
-//! H200: 16.9 GiB at batch 16, 29.2 GiB at batch 29); the measured peak is printed.
+//! H200: 16.9 GiB at batch 16, 29.2 GiB at batch 29); on the CPU it defaults to 8 sequences.
+//! The measured peak is printed.
 //! Data are synthetic (a fixed pattern of token ids: the loss falls as it is learned).
 
 use std::time::Instant;
@@ -58,7 +59,8 @@ struct Args {
     /// bf16 (no loss scaling), f16 with a GradScaler, or both one after the other.
     #[arg(long, value_enum, default_value = "both")]
     precision: PrecisionArg,
-    /// Sequences per step (0: fill about 40 GiB, by the estimate in the docs).
+    /// Sequences per step (0: on a GPU, fill about 40 GiB by the estimate in the docs; on the
+    /// CPU, 8).
     #[arg(long, default_value_t = 0)]
     batch: usize,
     /// Timed steps.
@@ -76,8 +78,10 @@ struct Args {
     profile: usize,
 }
 
-/// Bytes the default batch may fill.
+/// Bytes the default batch may fill on a GPU.
 const TARGET_BYTES: f64 = 40.0 * (1u64 << 30) as f64;
+/// The default batch on the CPU.
+const CPU_BATCH: usize = 8;
 
 fn config(tiny: bool) -> GptConfig {
     if tiny {
@@ -254,7 +258,12 @@ fn report(dev: &str, precision: &str, b: usize, m: &Measured) {
 fn run_all<D: Device + Meter>(dev: &D, args: &Args) {
     let c = config(args.tiny);
     let params = Gpt::new(c.clone(), &mut Rng::seed(0)).num_params();
-    let b = if args.batch > 0 { args.batch } else { default_batch(&c, params) };
+    // The 40 GiB target is a GPU's memory: on the CPU it would fill (and exhaust) the host's.
+    let b = match args.batch {
+        0 if D::HOST_MEMORY => CPU_BATCH,
+        0 => default_batch(&c, params),
+        b => b,
+    };
     println!(
         "GPT: {params} parameters (d {}, {} layers, {} heads, {} tokens, vocabulary {}), fused causal attention, \
          AdamW, clip 1.0, on {}",

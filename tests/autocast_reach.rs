@@ -227,6 +227,14 @@ impl Inherent {
     fn forward(&self, x: &Tensor<f32>) -> Tensor<f32> {
         x.mul_scalar(f64::from(self.0))
     }
+    /// A fallible form with its precision written: kept, as `forward`'s is.
+    fn try_forward(&self, x: &Tensor<f32>) -> Result<Tensor<f32>, String> {
+        Ok(self.forward(x))
+    }
+    /// A `try_forward` that returns no `Result`: whatever it returns, untouched.
+    fn try_loss(&self, x: &Tensor<f32>) -> Option<f32> {
+        Some(self.forward(x).sum(0, false).sum(0, false).item())
+    }
 }
 
 trait Layer {
@@ -274,6 +282,9 @@ fn user_forwards(x: &Tensor<f32>, s: &mut Stateful) -> ([DType; 4], usize, Vec<f
     let c = s.forward(x);
     let v = Consumed(vec![1.0, 2.0]).forward(3.0); // `self`
     let g = GenericOut.forward(x); // its open precision follows the region
+    let t = Inherent(2.0).try_forward(x).unwrap(); // a `Result` of f32: kept
+    assert_eq!(Inherent(2.0).try_loss(x), Some(8.0));
+    assert_eq!(t.dtype(), DType::F32);
     ([a.dtype(), b.dtype(), c.dtype(), g.dtype()], rank + local.calls, v)
 }
 

@@ -60,8 +60,16 @@ macro_rules! block {
 block!(loss_f16, f16);
 block!(loss_bf16, bf16);
 
+/// The precision of every intermediate of an `#[autocast]` causal self-attention block.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Autocast to bf16 instead of f16.
+    #[arg(long)]
+    bf16: bool,
+}
+
 fn main() {
-    let bf16 = std::env::args().any(|a| a == "--bf16");
+    let bf16 = <Args as clap::Parser>::parse().bf16;
     let mut rng = Rng::seed(11);
     let (b, t, d) = (2, 6, 16);
     let m = Attention::new(d, &mut rng);

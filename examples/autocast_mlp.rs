@@ -78,13 +78,24 @@ fn batch(n: usize, d: usize, classes: usize, rng: &mut Rng) -> (Tensor<f32>, Ind
     (x, Indices::from_vec(labels, &[n]))
 }
 
+/// The precision of every intermediate of an `#[autocast]` MLP, its gradients and a few steps.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Autocast to bf16 instead of f16.
+    #[arg(long)]
+    bf16: bool,
+    /// Print the op policy table and exit.
+    #[arg(long)]
+    policy: bool,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == "--policy") {
+    let args = <Args as clap::Parser>::parse();
+    if args.policy {
         policy::print_policy();
         return;
     }
-    let bf16 = args.iter().any(|a| a == "--bf16");
+    let bf16 = args.bf16;
     let mut rng = Rng::seed(7);
     let (d, hidden, classes) = (16, 64, 4);
     let mut mlp = Mlp::new(d, hidden, classes, &mut rng);

@@ -1,7 +1,8 @@
 //! Step time of the fixed workloads W1 (MLP) and W2 (GPT) from
 //! `shared/reference/performance.md`, in f32, bf16 and f16 + GradScaler, printed as a table.
 //!
-//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor] [--fused-attention] [--caller-waits] [--profile]`.
+//! Run: `cargo run --release --example bench_steps [-- --steps 5] [--only w1|w2] [--precision f32|bf16|f16] [--torch PYTHON] [--no-floor] [--fused-attention] [--caller-waits] [--profile]`
+//! (`-- --help` lists them).
 //! Cells left out by `--only` or `--precision` print as `-`. With `--torch PYTHON` (a Python
 //! with PyTorch), PyTorch's step times are measured in the same run by
 //! `tests/python/bench_steps.py` (the same workloads and step, on the same threads) and
@@ -30,10 +31,58 @@
 
 use std::time::Instant;
 
+use clap::{Parser, ValueEnum};
+
 use amp::nn::{Gpt, GptConfig, Linear};
 use amp::optim::{AdamW, Optim};
 use amp::scaler::{GradScaler, LossScaler, NoScale};
 use amp::{Indices, Params, Precision, Rng, Tensor, bf16, f16};
+
+/// A workload of `shared/reference/performance.md`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    W1,
+    W2,
+}
+
+/// A column of the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PrecisionArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// Step time of the W1 (MLP) and W2 (GPT) workloads of `shared/reference/performance.md` in
+/// f32, bf16 and f16 + GradScaler; with `--torch`, PyTorch's beside them.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Timed steps per cell (their median is reported), after one warm-up step.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: u32,
+    /// Run one workload only.
+    #[arg(long, value_enum)]
+    only: Option<Workload>,
+    /// Run one precision only.
+    #[arg(long, value_enum)]
+    precision: Option<PrecisionArg>,
+    /// A Python with PyTorch: measure PyTorch's step for each cell right after ours.
+    #[arg(long, value_name = "PYTHON")]
+    torch: Option<String>,
+    /// Leave out W2's GEMMs timed alone (a floor under the step).
+    #[arg(long)]
+    no_floor: bool,
+    /// Run W2's attention as the fused kernel instead of separate ops.
+    #[arg(long)]
+    fused_attention: bool,
+    /// Leave rayon's default pool, the main thread waiting on it, instead of making the main
+    /// thread a compute thread.
+    #[arg(long)]
+    caller_waits: bool,
+    /// After each cell's timed steps, profile 3 more, kernel by kernel.
+    #[arg(long)]
+    profile: bool,
+}
 
 /// W1: 1024 → 4096 → 4096 → 1024 → 10 with GELU between layers.
 #[derive(amp::Params)]
@@ -90,16 +139,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times `steps` full AMP steps after one warm-up step; returns the median seconds and the
+/// Times `--steps` full AMP steps after one warm-up step; returns the median seconds and the
 /// page faults per timed step. With `--profile`, [`PROFILED_STEPS`] more steps follow under
 /// `amp::profile`, and their table is printed under `label`.
 fn time_steps<M: Params, K: LossScaler>(
     label: &str,
     model: &mut M,
     scaler: &mut K,
-    steps: usize,
+    args: &Args,
     mut loss: impl FnMut(&M) -> Tensor<f32>,
 ) -> Timing {
+    let steps = args.steps as usize;
     let mut opt: Optim<AdamW> = AdamW::default().build().expect("valid AdamW");
     let mut times = Vec::new();
     let mut faults_before = None;
@@ -124,7 +174,7 @@ fn time_steps<M: Params, K: LossScaler>(
         (Some(a), Some(b)) => (b - a) as f64 / steps as f64,
         _ => f64::NAN,
     };
-    if std::env::args().any(|a| a == "--profile") {
+    if args.profile {
         amp::profile::start();
         for _ in 0..PROFILED_STEPS {
             step(model);
@@ -151,27 +201,23 @@ fn time_steps<M: Params, K: LossScaler>(
     }
 }
 
-fn w1<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize) -> Timing {
+fn w1<L: Precision, K: LossScaler>(scaler: &mut K, args: &Args) -> Timing {
     let mut rng = Rng::seed(0);
     let mut model = Mlp::new(&mut rng);
     let x = Tensor::<f32>::randn(&[256, 1024], &mut rng);
     let y = Indices::from_vec((0..256).map(|_| rng.below(10) as i64).collect(), &[256]);
-    time_steps(&format!("W1 {}", L::DTYPE), &mut model, scaler, steps, |m| m.loss::<L>(&x, &y))
+    time_steps(&format!("W1 {}", L::DTYPE), &mut model, scaler, args, |m| m.loss::<L>(&x, &y))
 }
 
-fn w2<L: Precision, K: LossScaler>(scaler: &mut K, steps: usize, fused: bool) -> Timing {
+fn w2<L: Precision, K: LossScaler>(scaler: &mut K, args: &Args) -> Timing {
     let mut rng = Rng::seed(0);
     let config = GptConfig { vocab_size: 128, block_size: 128, d_model: 256, n_layers: 4, n_heads: 4, dropout: 0.0 };
-    let mut model = Gpt::new(config, &mut rng).with_fused_attention(fused).expect("W2 has no attention dropout");
+    let mut model =
+        Gpt::new(config, &mut rng).with_fused_attention(args.fused_attention).expect("W2 has no attention dropout");
     let ids = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
     let targets = Indices::from_vec((0..16 * 128).map(|_| rng.below(128) as i64).collect(), &[16, 128]);
     let mut drop_rng = Rng::seed(1);
-    time_steps(&format!("W2 {}", L::DTYPE), &mut model, scaler, steps, |m| m.loss::<L>(&ids, &targets, &mut drop_rng))
-}
-
-/// The value after `flag` on the command line, if present.
-fn arg_value(flag: &str) -> Option<String> {
-    std::env::args().skip_while(|a| a != flag).nth(1)
+    time_steps(&format!("W2 {}", L::DTYPE), &mut model, scaler, args, |m| m.loss::<L>(&ids, &targets, &mut drop_rng))
 }
 
 /// The GEMMs of one W2 step, alone: every forward product `y = a b` of the model (batch, m,
@@ -276,8 +322,9 @@ fn torch_time(python: &str, steps: usize, w: &str, p: &str, threads: usize) -> (
 }
 
 fn main() {
+    let args = Args::parse();
     // Before any op: the main thread becomes one of the compute threads.
-    let caller_waits = std::env::args().any(|a| a == "--caller-waits");
+    let caller_waits = args.caller_waits;
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (threads, arrangement) = if caller_waits {
         (available, "rayon's default pool, the main thread waiting on it (--caller-waits)")
@@ -287,18 +334,17 @@ fn main() {
             Err(e) => panic!("{e}"),
         }
     };
-    let steps: usize = arg_value("--steps").map(|s| s.parse().expect("--steps takes a positive integer")).unwrap_or(5);
-    let only = arg_value("--only");
-    if let Some(w) = &only {
-        assert!(w == "w1" || w == "w2", "--only takes w1 or w2, got {w:?}");
+    let steps = args.steps as usize;
+    // The workloads and precisions by the names the table and the PyTorch script use (their
+    // names on the command line: `w1`, `bf16`).
+    fn name(v: impl ValueEnum) -> String {
+        v.to_possible_value().expect("every value has a name").get_name().to_string()
     }
+    let only = args.only.map(name);
     let run = |w: &str| only.as_deref().is_none_or(|o| o == w);
-    let precision = arg_value("--precision");
-    if let Some(p) = &precision {
-        assert!(["f32", "bf16", "f16"].contains(&p.as_str()), "--precision takes f32, bf16 or f16, got {p:?}");
-    }
+    let precision = args.precision.map(name);
     let want = |p: &str| precision.as_deref().is_none_or(|q| q == p);
-    let fused = std::env::args().any(|a| a == "--fused-attention");
+    let fused = args.fused_attention;
     // Runs `f` when precision `p` is selected; NaN marks a cell left out.
     // Each cell starts with an empty cache and a fresh peak, so its figures are its own.
     let cell = |p: &str, f: &dyn Fn() -> Timing| {
@@ -311,7 +357,7 @@ fn main() {
     };
     println!("{}", cpu_description());
     println!("Kernels: {}", amp::Cpu.kernel_report());
-    let torch_python = arg_value("--torch");
+    let torch_python = args.torch.clone();
     println!(
         "W1 MLP ({} params) and W2 GPT ({} params), {threads} threads, {arrangement}, median of {steps} steps",
         { Mlp::new(&mut Rng::seed(0)).num_params() },
@@ -336,17 +382,17 @@ fn main() {
     let mut rows = Vec::new();
     if run("w1") {
         let cells = [
-            pair("w1", "f32", &|| w1::<f32, _>(&mut NoScale, steps)),
-            pair("w1", "bf16", &|| w1::<bf16, _>(&mut NoScale, steps)),
-            pair("w1", "f16", &|| w1::<f16, _>(&mut GradScaler::new(), steps)),
+            pair("w1", "f32", &|| w1::<f32, _>(&mut NoScale, &args)),
+            pair("w1", "bf16", &|| w1::<bf16, _>(&mut NoScale, &args)),
+            pair("w1", "f16", &|| w1::<f16, _>(&mut GradScaler::new(), &args)),
         ];
         rows.push(("W1 MLP step", cells.map(|c| c.0), cells.map(|c| c.1)));
     }
     if run("w2") {
         let cells = [
-            pair("w2", "f32", &|| w2::<f32, _>(&mut NoScale, steps, fused)),
-            pair("w2", "bf16", &|| w2::<bf16, _>(&mut NoScale, steps, fused)),
-            pair("w2", "f16", &|| w2::<f16, _>(&mut GradScaler::new(), steps, fused)),
+            pair("w2", "f32", &|| w2::<f32, _>(&mut NoScale, &args)),
+            pair("w2", "bf16", &|| w2::<bf16, _>(&mut NoScale, &args)),
+            pair("w2", "f16", &|| w2::<f16, _>(&mut GradScaler::new(), &args)),
         ];
         let name = if fused { "W2 GPT step, fused attention" } else { "W2 GPT step" };
         rows.push((name, cells.map(|c| c.0), cells.map(|c| c.1)));
@@ -393,7 +439,7 @@ fn main() {
         println!("| {name} | {} | {} | {} |", cell(&ours[0]), cell(&ours[1]), cell(&ours[2]));
     }
     // `--no-floor` leaves out the GEMM-only section (for profiling the steps alone).
-    if run("w2") && !std::env::args().any(|a| a == "--no-floor") {
+    if run("w2") && !args.no_floor {
         println!();
         println!("W2's GEMMs alone (forward and backward, no other op): a floor under the step");
         for (name, p, gemms) in [

@@ -167,12 +167,16 @@ where
     Ok(acc)
 }
 
+/// A small ResNet on the generated shapes task, in f16 + GradScaler, then in bf16.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Passes over the training set, for each precision.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    epochs: u32,
+}
+
 fn main() -> amp::Result<()> {
-    let epochs: usize = std::env::args()
-        .skip_while(|a| a != "--epochs")
-        .nth(1)
-        .map(|s| s.parse().expect("--epochs takes a positive integer"))
-        .unwrap_or(4);
+    let epochs = <Args as clap::Parser>::parse().epochs as usize;
     let task = ShapesTask::new(ShapesConfig::default())?;
     let c = task.config();
     println!("shapes task: {} training and {} held-out {}x{} images, 4 classes", c.train, c.test, c.size, c.size);

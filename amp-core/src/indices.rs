@@ -48,11 +48,21 @@ impl Indices {
         self.data.len()
     }
     /// The same indices with a new shape of the same count.
+    pub fn try_reshape(&self, shape: &[usize]) -> Result<Self> {
+        let expected: usize = shape.iter().product();
+        if expected != self.numel() {
+            return Err(Error::Shape {
+                op: "Indices::reshape",
+                detail: format!("cannot reshape {} indices into {:?}", self.numel(), shape),
+                shapes: vec![self.shape.clone(), shape.to_vec()],
+            });
+        }
+        Ok(Indices { data: self.data.clone(), shape: shape.to_vec() })
+    }
+    /// The same indices with a new shape; panics if the count differs.
     #[track_caller]
     pub fn reshape(&self, shape: &[usize]) -> Self {
-        let expected: usize = shape.iter().product();
-        assert_eq!(expected, self.numel(), "Indices::reshape: cannot reshape {:?} into {:?}", self.shape, shape);
-        Indices { data: self.data.clone(), shape: shape.to_vec() }
+        or_panic(self.try_reshape(shape))
     }
     /// Checks every index is in `0..bound` (or equal to `allowed`), naming the op on failure.
     pub(crate) fn check_bound(&self, op: &'static str, bound: usize, allowed: Option<i64>) -> Result<()> {

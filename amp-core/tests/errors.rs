@@ -250,6 +250,12 @@ fn mask_selection_and_joining_errors() {
         || Mask::causal(3).reshape(&[4, 2]),
         "Mask::reshape: cannot reshape 9 entries into [4, 2] (shapes [[3, 3], [4, 2]])",
     );
+    let ids = Indices::from_vec(vec![1, 2, 3, 4, 5, 6], &[2, 3]);
+    same_error(
+        ids.try_reshape(&[4]),
+        || ids.reshape(&[4]),
+        "Indices::reshape: cannot reshape 6 indices into [4] (shapes [[2, 3], [4]])",
+    );
 }
 
 // The plain forms, through the test harness's own panic check.

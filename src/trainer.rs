@@ -686,33 +686,32 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
         start = state.step;
     }
     let end = cfg.stop_after.map_or(cfg.steps, |s| s.min(cfg.steps));
-    if start >= end {
-        // Nothing to train: say so, rather than report a run of no steps (NaN losses).
-        let detail = if start >= cfg.steps {
-            format!(
-                "this run is finished: the checkpoint is at step {start} of --steps {}, so there is nothing to \
-                 resume (its weights are in {}); to train again use another --out, or --overwrite",
-                cfg.steps,
-                weights.display()
-            )
-        } else {
-            format!("the checkpoint is at step {start}, past --stop-after {end}: nothing to train")
-        };
+    if start >= end && end < cfg.steps {
+        let detail = format!("the checkpoint is at step {start}, past --stop-after {end}: nothing to train");
         return Err(Error::State { context: ckpt_dir.display().to_string(), detail });
     }
+    // A checkpoint at the last step (a finished run, or one interrupted in its last step, which
+    // wrote no weights): no step to take, but the run's end still runs, writing the weights and
+    // evaluating them.
+    let finished = start >= cfg.steps;
     let metrics =
         if start > 0 { MetricsWriter::resume(&metrics_path, start)? } else { MetricsWriter::create(&metrics_path)? };
 
     let progress = if cfg.progress { Progress::new(cfg.steps, start) } else { Progress::hidden(cfg.steps, start) };
+    let steps = if finished {
+        format!(
+            "nothing left to train: the checkpoint is at the last step, {start}; writing the weights and evaluating"
+        )
+    } else {
+        format!("steps {}..={end}", start + 1)
+    };
     progress.println(format!(
-        "training a {}-parameter GPT (d {d}, {n_layers} layers, {n_heads} heads) on {} in {} {} on {}, steps {}..={}",
+        "training a {}-parameter GPT (d {d}, {n_layers} layers, {n_heads} heads) on {} in {} {} on {}, {steps}",
         model.num_params(),
         task.name(),
         L::DTYPE,
         if L::DTYPE == crate::DType::F16 { "with dynamic loss scaling" } else { "without loss scaling" },
         device.name(),
-        start + 1,
-        end
     ));
     model.train();
     let mut ledger = Ledger {
@@ -1015,15 +1014,17 @@ fn non_finite_state<D: Device>(model: &Gpt<f32, D>, opt: &Optim<AdamW>) -> Optio
 
 /// The end-of-run summary as a table.
 pub fn summary(cfg: &TrainConfig, r: &TrainReport) -> String {
+    let shown = |present: bool, text: String| if present { text } else { "-".to_string() };
     let mut rows = vec![
         vec!["precision".into(), format!("{:?}", cfg.precision).to_lowercase()],
         vec!["device".into(), r.device.clone()],
         vec!["steps".into(), r.steps.to_string()],
-        vec!["loss (first 20 steps)".into(), format!("{:.4}", r.first_loss)],
-        vec!["loss (last 20 steps)".into(), format!("{:.4}", r.last_loss)],
+        // No step ran in this invocation (a resume at the last step): no losses, no rate.
+        vec!["loss (first 20 steps)".into(), shown(!r.first_loss.is_nan(), format!("{:.4}", r.first_loss))],
+        vec!["loss (last 20 steps)".into(), shown(!r.last_loss.is_nan(), format!("{:.4}", r.last_loss))],
         vec!["skipped steps".into(), r.skipped.to_string()],
         vec!["final loss scale".into(), format!("{}", r.final_scale)],
-        vec!["tokens/s".into(), format!("{:.0}", r.tokens_per_s)],
+        vec!["tokens/s".into(), shown(r.tokens_per_s > 0.0, format!("{:.0}", r.tokens_per_s))],
     ];
     if let Some(a) = r.accuracy {
         rows.push(vec!["held-out accuracy".into(), format!("{:.1}%", 100.0 * a)]);

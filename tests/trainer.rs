@@ -314,17 +314,34 @@ fn resume_refuses_a_different_configuration_and_a_missing_checkpoint() {
     // what differs rather than that the scaler state has the wrong type.
     let err = run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F16) }).unwrap_err().to_string();
     assert!(err.contains("different run configuration") && err.contains(r#""precision":"F32""#), "{err}");
-    // Nothing left to train: refused (it reported a run of no steps, NaN losses, before), and
-    // the run's files are left as they were.
+    // A stop before the checkpoint's step: nothing to train, refused.
     let err = run(&TrainConfig { resume: true, stop_after: Some(1), ..small(&out, RunPrecision::F32) })
         .unwrap_err()
         .to_string();
     assert!(err.contains("the checkpoint is at step 2, past --stop-after 1: nothing to train"), "{err}");
-    run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F32) }).unwrap();
-    let metrics = std::fs::read(out.join("metrics.csv")).unwrap();
-    let err = run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F32) }).unwrap_err().to_string();
-    assert!(err.contains("this run is finished: the checkpoint is at step 12 of --steps 12"), "{err}");
+}
+
+/// A resume whose checkpoint is at the last step takes no step but finishes the run: it writes
+/// the weights (which a run interrupted in its last step has not) and evaluates them, with the
+/// metrics and the checkpoint as they were, and reports no losses rather than NaN.
+#[test]
+fn a_resume_at_the_last_step_writes_the_weights_and_evaluates() {
+    let out = tmp("resume-at-end");
+    let first = run(&small(&out, RunPrecision::F32)).unwrap();
+    let (metrics, weights) = (std::fs::read(out.join("metrics.csv")).unwrap(), weights_bits(&out));
+    std::fs::remove_file(out.join("model.safetensors")).unwrap(); // as after an interrupt at step 12
+    let again = run(&TrainConfig { resume: true, ..small(&out, RunPrecision::F32) }).unwrap();
+    assert_eq!((again.steps, again.skipped, again.accuracy), (12, 0, first.accuracy));
+    assert!(again.first_loss.is_nan() && again.last_loss.is_nan() && again.tokens_per_s == 0.0);
     assert_eq!(std::fs::read(out.join("metrics.csv")).unwrap(), metrics);
+    assert_eq!(weights_bits(&out), weights);
+    assert_eq!(checkpoint_step(&out.join("checkpoint")).unwrap(), 12);
+    let table = amp::trainer::summary(&small(&out, RunPrecision::F32), &again);
+    let row = |name: &str| {
+        table.lines().find(|l| l.starts_with(name)).unwrap().split_whitespace().last().unwrap().to_string()
+    };
+    assert_eq!((row("loss (first"), row("loss (last"), row("tokens/s")), ("-".into(), "-".into(), "-".into()));
+    assert!(!table.contains("NaN"), "{table}");
 }
 
 #[test]

@@ -1,5 +1,6 @@
 use amp_macros::Params;
 
+use super::uniform_init;
 use crate::error::{Error, Result, or_panic};
 use crate::ops::conv::Conv2dOptions;
 use crate::{Cpu, Device, Param, Precision, Rng, Tensor};
@@ -44,12 +45,9 @@ impl Conv2d {
             );
         }
         let fan_in = in_channels / groups * kernel * kernel;
-        let bound = if fan_in == 0 { 0.0 } else { 1.0 / (fan_in as f64).sqrt() };
-        let uniform =
-            |shape: &[usize], rng: &mut Rng| Tensor::<f32>::rand(shape, rng).mul_scalar(2.0 * bound).add_scalar(-bound);
         Ok(Conv2d {
-            weight: Param::new(uniform(&[out_channels, in_channels / groups, kernel, kernel], rng)),
-            bias: bias.then(|| Param::new(uniform(&[out_channels], rng))),
+            weight: Param::new(uniform_init(&[out_channels, in_channels / groups, kernel, kernel], fan_in, rng)),
+            bias: bias.then(|| Param::new(uniform_init(&[out_channels], fan_in, rng))),
             options,
         })
     }

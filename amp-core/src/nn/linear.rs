@@ -1,5 +1,6 @@
 use amp_macros::Params;
 
+use super::uniform_init;
 use crate::error::{Result, or_panic};
 use crate::{Cpu, Device, Param, Precision, Rng, Tensor};
 
@@ -19,12 +20,9 @@ impl Linear {
     /// PyTorch's default init: weight and bias uniform in `±1/√in` (0 when `in_features` is 0,
     /// as PyTorch's, so the bias is zero rather than NaN).
     pub fn new(in_features: usize, out_features: usize, bias: bool, rng: &mut Rng) -> Self {
-        let bound = if in_features == 0 { 0.0 } else { 1.0 / (in_features as f64).sqrt() };
-        let uniform =
-            |shape: &[usize], rng: &mut Rng| Tensor::<f32>::rand(shape, rng).mul_scalar(2.0 * bound).add_scalar(-bound);
         Linear {
-            weight: Param::new(uniform(&[out_features, in_features], rng)),
-            bias: bias.then(|| Param::new(uniform(&[out_features], rng))),
+            weight: Param::new(uniform_init(&[out_features, in_features], in_features, rng)),
+            bias: bias.then(|| Param::new(uniform_init(&[out_features], in_features, rng))),
         }
     }
     /// GPT-2's init: weight normal with standard deviation `std`, bias zero.

@@ -49,3 +49,11 @@ pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mlp::Mlp;
 pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
+
+/// PyTorch's default init of `Linear` and `Conv2d` weights and biases
+/// (`kaiming_uniform_(a=√5)` and its bias rule): uniform in `±1/√fan_in`, and 0 when `fan_in`
+/// is 0 (a layer with no inputs), as PyTorch's, rather than ±inf and NaN.
+fn uniform_init(shape: &[usize], fan_in: usize, rng: &mut crate::Rng) -> crate::Tensor<f32> {
+    let bound = if fan_in == 0 { 0.0 } else { 1.0 / (fan_in as f64).sqrt() };
+    crate::Tensor::<f32>::rand(shape, rng).mul_scalar(2.0 * bound).add_scalar(-bound)
+}

@@ -8,12 +8,16 @@
 //   prelude.cuh: types, layouts, Pack16, block reductions), then what the prelude leaves to the
 //   emulation under AMP_HOST_EMULATION: the f16/bf16 conversions (inline PTX on the GPU) and
 //   `amp_mma` (mma.cuh on the GPU).
-// - Every thread of a block is a std::thread; blocks run one after another on the same threads
-//   (one std::thread per thread index for the whole launch), so `__shared__` arrays
-//   (function-local statics here) are the block's. `__syncthreads` is a barrier of the block
-//   (its waiters yield: YieldBarrier), `__syncthreads_or` a barrier with an OR, and the
-//   warp-collective operations (`__shfl_xor_sync` on float and double, `amp_mma`) exchange
-//   values through the warp's `Exchange`, one barrier of the warp each.
+// - Every thread of a block is a fiber (a ucontext with a stack of its own) on the calling
+//   thread; blocks run one after another, so `__shared__` arrays (function-local statics here)
+//   are the block's. A fiber runs until it waits at a barrier, then hands the core to the next
+//   (`amp_emu_yield`): `__syncthreads` is a barrier of the block (YieldBarrier),
+//   `__syncthreads_or` a barrier with an OR, and the warp-collective operations
+//   (`__shfl_xor_sync` on float and double, `amp_mma`) exchange values through the warp's
+//   `Exchange`, one barrier of the warp each. Fibers replaced one OS thread per CUDA thread,
+//   whose yielding spins were most of the emulation's time (5-6x its own work, in the kernel).
+//   The per-thread builtins (`threadIdx`, the collectives' turn counters) are switched with
+//   the fiber.
 // - Dynamic shared memory: `extern __shared__ __align__(16) unsigned char amp_dyn[]` (rows.cu)
 //   becomes, with `amp_dyn` defined below as `(*amp_emu_dyn())` and `extern` defined empty
 //   around the include (`__shared__` is `static`, and `extern static` does not compile), a
@@ -33,10 +37,13 @@
 // - More lenient than a GPU: barriers count arrivals from any call site (a `__syncthreads` or
 //   warp collective in divergent code passes), misaligned 32-bit accesses do not fault, static
 //   shared arrays start zeroed and keep their values from block to block, blocks never overlap
-//   (so races between blocks go unseen), threads of a block interleave as the OS schedules them
-//   (a race inside a block shows only by chance), the limits of the hardware (48 KiB of shared
-//   memory a block, registers, `__launch_bounds__`) are not checked (tests/ptx.rs checks them
-//   on the compiled kernels), and the math is the C library's, summed in order.
+//   (so races between blocks go unseen), threads of a block switch only at barriers, in thread
+//   order in even blocks and in reverse order in odd ones (so a read of another thread's write
+//   with no barrier between them sees the old value in one of the two, where the data make it
+//   show: a missing barrier fails, a race that a barrier orders by luck does not), the limits
+//   of the hardware (48 KiB of shared memory a block, registers, `__launch_bounds__`) are not
+//   checked (tests/ptx.rs checks them on the compiled kernels), and the math is the C
+//   library's, summed in order.
 #pragma once
 
 #include <math.h>  // the C++ <math.h>: float overloads of exp, log, sqrt... in the global namespace
@@ -49,8 +56,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
+
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #define AMP_HOST_EMULATION 1
 
@@ -107,19 +116,34 @@ inline unsigned long long max(unsigned long long a, unsigned long long b) { retu
 
 // ---- blocks and warps ------------------------------------------------------------------------
 
-// A reusable barrier whose waiters yield the core instead of sleeping: with 128 threads on a
-// few cores, waking each sleeper through the kernel cost several times the emulation's work
-// (and sleeping on a futex was no faster than yielding with 512 threads on 2 cores).
+// The running fiber's state that the builtins read as per-thread, kept while another runs.
+struct AmpEmuFiber {
+    ucontext_t ctx;
+    unsigned thread;
+    unsigned turn = 0, or_turn = 0;  // amp_emu_turn and amp_emu_or_turn (below)
+    bool done = false;
+};
+thread_local ucontext_t amp_emu_scheduler;
+thread_local AmpEmuFiber* amp_emu_fiber = nullptr;
+// Barrier arrivals so far: a round of the scheduler that adds none, with threads still live,
+// is a deadlock (a barrier that some thread never reaches), reported instead of spinning.
+thread_local unsigned long long amp_emu_arrivals = 0;
+
+// Hands the core back to the launch's scheduler, which resumes the next fiber.
+inline void amp_emu_yield() { swapcontext(&amp_emu_fiber->ctx, &amp_emu_scheduler); }
+
+// A reusable barrier of fibers: a waiter yields until the last arrival moves the phase on.
 class YieldBarrier {
   public:
     explicit YieldBarrier(int count) : count_(count) {}
     void arrive_and_wait() {
         const unsigned phase = phase_.load(std::memory_order_acquire);
+        ++amp_emu_arrivals;
         if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
             arrived_.store(0, std::memory_order_relaxed);
             phase_.store(phase + 1, std::memory_order_release);
         } else {
-            while (phase_.load(std::memory_order_acquire) == phase) std::this_thread::yield();
+            while (phase_.load(std::memory_order_acquire) == phase) amp_emu_yield();
         }
     }
 
@@ -216,36 +240,79 @@ template <typename V> inline V __shfl_xor_sync(unsigned, V v, int mask) {
     return r;
 }
 
+// The kernel body the fibers of the running launch call.
+thread_local void (*amp_emu_entry)(void*) = nullptr;
+thread_local void* amp_emu_entry_arg = nullptr;
+inline void amp_emu_fiber_main() {
+    amp_emu_entry(amp_emu_entry_arg);
+    amp_emu_fiber->done = true;  // returning resumes the scheduler (uc_link)
+}
+
 // Runs `body` as a kernel over `grid` blocks of `threads` threads (a multiple of 32) with
-// `dyn_bytes` of dynamic shared memory.
+// `dyn_bytes` of dynamic shared memory: each block's threads as fibers, resumed in turn (in
+// thread order in even blocks, reversed in odd ones) until every one has returned.
 template <typename F> void amp_emu_launch(dim3 grid, unsigned threads, size_t dyn_bytes, F body) {
     if (threads == 0 || threads % 32 != 0 || threads > 1024) {
         std::fprintf(stderr, "emulated launch: %u threads a block\n", threads);
         std::abort();
     }
+    // Stacks reserved, not committed: a kernel's frame touches a few pages of its 256 KiB.
+    constexpr size_t stack_bytes = 256 << 10;
+    const size_t all = stack_bytes * threads;
+    void* stacks = mmap(nullptr, all, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (stacks == MAP_FAILED) {
+        std::perror("emulated launch: fiber stacks");
+        std::abort();
+    }
     Block block((int)threads, dyn_bytes);
-    std::vector<std::thread> ts;
-    for (unsigned i = 0; i < threads; ++i)
-        ts.emplace_back([&, i] {
-            threadIdx = dim3{i, 0, 0};
-            blockDim = dim3{threads, 1, 1};
-            gridDim = grid;
-            amp_emu_block = &block;
-            for (unsigned by = 0; by < grid.y; ++by)
-                for (unsigned bx = 0; bx < grid.x; ++bx) {
-                    blockIdx = dim3{bx, by, 0};
-                    amp_emu_turn = 0;
-                    amp_emu_or_turn = 0;
-                    body();
-                    block.bar.arrive_and_wait();  // every thread is done with this block
-                    if (i == 0) {
-                        block.check_guard();
-                        block.refill();
-                    }
-                    block.bar.arrive_and_wait();
+    blockDim = dim3{threads, 1, 1};
+    gridDim = grid;
+    amp_emu_block = &block;
+    amp_emu_entry = [](void* f) { (*static_cast<F*>(f))(); };
+    amp_emu_entry_arg = &body;
+    std::vector<AmpEmuFiber> fibers(threads);
+    for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
+            blockIdx = dim3{bx, by, 0};
+            for (unsigned i = 0; i < threads; ++i) {
+                AmpEmuFiber& f = fibers[i];
+                f = AmpEmuFiber{};
+                f.thread = i;
+                getcontext(&f.ctx);
+                f.ctx.uc_stack.ss_sp = static_cast<char*>(stacks) + i * stack_bytes;
+                f.ctx.uc_stack.ss_size = stack_bytes;
+                f.ctx.uc_link = &amp_emu_scheduler;
+                makecontext(&f.ctx, amp_emu_fiber_main, 0);
+            }
+            const bool reverse = (bx + by) % 2 == 1;
+            for (unsigned live = threads; live > 0;) {
+                const unsigned long long arrivals = amp_emu_arrivals;
+                const unsigned live_before = live;
+                for (unsigned j = 0; j < threads; ++j) {
+                    AmpEmuFiber& f = fibers[reverse ? threads - 1 - j : j];
+                    if (f.done) continue;
+                    threadIdx = dim3{f.thread, 0, 0};
+                    amp_emu_turn = f.turn;
+                    amp_emu_or_turn = f.or_turn;
+                    amp_emu_fiber = &f;
+                    swapcontext(&amp_emu_scheduler, &f.ctx);
+                    f.turn = amp_emu_turn;
+                    f.or_turn = amp_emu_or_turn;
+                    live -= f.done;
                 }
-        });
-    for (auto& t : ts) t.join();
+                if (live == live_before && amp_emu_arrivals == arrivals) {
+                    std::fprintf(stderr,
+                                 "emulated kernel: block (%u, %u) deadlocks: %u of its %u threads wait at "
+                                 "barriers that are never completed (one that some thread skips)\n",
+                                 bx, by, live, threads);
+                    std::abort();
+                }
+            }
+            amp_emu_fiber = nullptr;
+            block.check_guard();
+            block.refill();
+        }
+    munmap(stacks, all);
 }
 
 // ---- the real prelude ------------------------------------------------------------------------

@@ -240,6 +240,31 @@ template <typename V> inline V __shfl_xor_sync(unsigned, V v, int mask) {
     return r;
 }
 
+// Each fiber's stack, and the inaccessible page below it, so an overflow faults instead of
+// writing into the next fiber's stack.
+#define AMP_EMU_STACK (256 << 10)
+#define AMP_EMU_STACK_GUARD 4096
+
+// Stacks for `threads` fibers, reserved once per thread and reused by every launch (pages are
+// committed only as a kernel's frames touch them).
+inline char* amp_emu_stacks(unsigned threads) {
+    thread_local char* stacks = nullptr;
+    thread_local unsigned count = 0;
+    if (threads > count) {
+        if (stacks) munmap(stacks, (size_t)count * AMP_EMU_STACK);
+        const size_t bytes = (size_t)threads * AMP_EMU_STACK;
+        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) {
+            std::perror("emulated launch: fiber stacks");
+            std::abort();
+        }
+        stacks = static_cast<char*>(p);
+        count = threads;
+        for (unsigned i = 0; i < threads; ++i) mprotect(stacks + (size_t)i * AMP_EMU_STACK, AMP_EMU_STACK_GUARD, PROT_NONE);
+    }
+    return stacks;
+}
+
 // The kernel body the fibers of the running launch call.
 thread_local void (*amp_emu_entry)(void*) = nullptr;
 thread_local void* amp_emu_entry_arg = nullptr;
@@ -256,14 +281,7 @@ template <typename F> void amp_emu_launch(dim3 grid, unsigned threads, size_t dy
         std::fprintf(stderr, "emulated launch: %u threads a block\n", threads);
         std::abort();
     }
-    // Stacks reserved, not committed: a kernel's frame touches a few pages of its 256 KiB.
-    constexpr size_t stack_bytes = 256 << 10;
-    const size_t all = stack_bytes * threads;
-    void* stacks = mmap(nullptr, all, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (stacks == MAP_FAILED) {
-        std::perror("emulated launch: fiber stacks");
-        std::abort();
-    }
+    char* stacks = amp_emu_stacks(threads);
     Block block((int)threads, dyn_bytes);
     blockDim = dim3{threads, 1, 1};
     gridDim = grid;
@@ -279,8 +297,8 @@ template <typename F> void amp_emu_launch(dim3 grid, unsigned threads, size_t dy
                 f = AmpEmuFiber{};
                 f.thread = i;
                 getcontext(&f.ctx);
-                f.ctx.uc_stack.ss_sp = static_cast<char*>(stacks) + i * stack_bytes;
-                f.ctx.uc_stack.ss_size = stack_bytes;
+                f.ctx.uc_stack.ss_sp = stacks + (size_t)i * AMP_EMU_STACK + AMP_EMU_STACK_GUARD;
+                f.ctx.uc_stack.ss_size = AMP_EMU_STACK - AMP_EMU_STACK_GUARD;
                 f.ctx.uc_link = &amp_emu_scheduler;
                 makecontext(&f.ctx, amp_emu_fiber_main, 0);
             }
@@ -312,7 +330,6 @@ template <typename F> void amp_emu_launch(dim3 grid, unsigned threads, size_t dy
             block.check_guard();
             block.refill();
         }
-    munmap(stacks, all);
 }
 
 // ---- the real prelude ------------------------------------------------------------------------

@@ -49,7 +49,6 @@
 #include <math.h>  // the C++ <math.h>: float overloads of exp, log, sqrt... in the global namespace
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -137,20 +136,21 @@ class YieldBarrier {
   public:
     explicit YieldBarrier(int count) : count_(count) {}
     void arrive_and_wait() {
-        const unsigned phase = phase_.load(std::memory_order_acquire);
+        const unsigned phase = phase_;
         ++amp_emu_arrivals;
-        if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
-            arrived_.store(0, std::memory_order_relaxed);
-            phase_.store(phase + 1, std::memory_order_release);
+        if (++arrived_ == count_) {
+            arrived_ = 0;
+            phase_ = phase + 1;
         } else {
-            while (phase_.load(std::memory_order_acquire) == phase) amp_emu_yield();
+            while (phase_ == phase) amp_emu_yield();
         }
     }
 
   private:
     const int count_;
-    std::atomic<int> arrived_{0};
-    std::atomic<unsigned> phase_{0};
+    // Plain counters: the fibers share one OS thread and switch only in `amp_emu_yield`.
+    int arrived_ = 0;
+    unsigned phase_ = 0;
 };
 
 // What the lanes of a warp exchange in one collective operation.
@@ -179,7 +179,7 @@ struct Block {
         unsigned char* p = reinterpret_cast<unsigned char*>(dyn.get());
         std::memset(p, 0xff, dyn_bytes);
         std::memset(p + dyn_bytes, 0xa5, AMP_EMU_GUARD);
-        for (auto& o : ors) o.store(0);
+        for (auto& o : ors) o = 0;
     }
     // After each block: nothing was written past the launch's dynamic shared memory.
     void check_guard() const {
@@ -196,7 +196,7 @@ struct Block {
     std::vector<std::unique_ptr<Warp>> warps;
     size_t dyn_bytes;
     std::unique_ptr<uint4[]> dyn;
-    std::atomic<int> ors[3];  // __syncthreads_or's slots, used in turn
+    int ors[3];  // __syncthreads_or's slots, used in turn
 };
 thread_local Block* amp_emu_block = nullptr;
 
@@ -221,10 +221,10 @@ thread_local unsigned amp_emu_or_turn = 0;
 inline int __syncthreads_or(int p) {
     Block& b = *amp_emu_block;
     const unsigned k = amp_emu_or_turn++;
-    if (p) b.ors[k % 3].fetch_or(1);
+    if (p) b.ors[k % 3] = 1;
     b.bar.arrive_and_wait();
-    const int r = b.ors[k % 3].load();
-    if (threadIdx.x == 0) b.ors[(k + 2) % 3].store(0);
+    const int r = b.ors[k % 3];
+    if (threadIdx.x == 0) b.ors[(k + 2) % 3] = 0;
     return r;
 }
 

@@ -860,24 +860,18 @@ impl Device for Cuda {
             self.matmul_into((x.0, &x.1.into()), (w.0, &wt), &[], out.ptr(), E::DTYPE, 0.0);
             return out;
         };
-        // The bias starts the accumulator: a buffer of the accumulation type filled with it,
-        // the product added with beta = 1, then one rounding.
+        // The bias starts the accumulator: copied into the output, which the GEMM adds its
+        // product to with beta = 1 (in f32 for every precision but f64, rounded once).
         let st = self.st();
-        let acc = acc_dtype(E::DTYPE);
         let n = rows * out_f;
-        let mut keep = Vec::new();
-        let pb = self.contig_ptr(bias, &mut keep);
-        let scratch = if acc == E::DTYPE { None } else { Some(RawVec::new(st, n, acc.size_in_bytes())) };
-        let dst = scratch.as_ref().map_or(out.ptr(), |s| s.ptr());
         if n > 0 {
+            let mut keep = Vec::new();
+            let pb = self.contig_ptr(bias, &mut keep);
             let f = st.family_fn(Family::Conv, E::DTYPE, "bias_fill_fwd");
-            launch!(st, f, grid(n); dst, pb, n as i64, 1i64, out_f as i64);
+            launch!(st, f, grid(n); out.ptr(), pb, n as i64, 1i64, out_f as i64);
         }
-        self.matmul_into((x.0, &x.1.into()), (w.0, &wt), &[], dst, acc, 1.0);
-        match scratch {
-            None => out,
-            Some(s) => self.cast_ptr::<E>(s.ptr(), acc, n),
-        }
+        self.matmul_into((x.0, &x.1.into()), (w.0, &wt), &[], out.ptr(), E::DTYPE, 1.0);
+        out
     }
 
     // ---- fused rows
@@ -1240,18 +1234,12 @@ impl Device for Cuda {
         }
         let mut keep = Vec::new();
         let (px, pw) = (self.contig_ptr(x, &mut keep), self.contig_ptr(w, &mut keep));
-        let acc = acc_dtype(E::DTYPE);
-        // With a bias the GEMM accumulates onto it: in the output itself for f32/f64, in an
-        // f32 scratch for f16/bf16 (then rounded once).
-        let scratch = (bias.is_some() && acc != E::DTYPE).then(|| RawVec::new(st, total, acc.size_in_bytes()));
-        let (dst, dst_dtype) = match &scratch {
-            Some(s) => (s.ptr(), acc),
-            None => (out.ptr(), E::DTYPE),
-        };
+        // With a bias the GEMM accumulates onto it: copied into the output first, the product
+        // added with beta = 1 (in f32 for every precision but f64, rounded once).
         let beta = if let Some(b) = bias {
             let pb = self.contig_ptr(b, &mut keep);
             let f = st.family_fn(Family::Conv, E::DTYPE, "bias_fill_fwd");
-            launch!(st, f, grid(total); dst, pb, total as i64, l as i64, c_out as i64);
+            launch!(st, f, grid(total); out.ptr(), pb, total as i64, l as i64, c_out as i64);
             1.0
         } else {
             0.0
@@ -1260,7 +1248,6 @@ impl Device for Cuda {
         let per_sample = g * k * l * es;
         let chunk = (CONV_COLS_BYTES / per_sample.max(1)).clamp(1, nb_all);
         let cols = CudaStorage::<E>::uninit(st, chunk * g * k * l);
-        let ds = dst_dtype.size_in_bytes();
         let mut n0 = 0;
         while n0 < nb_all {
             let nb = chunk.min(nb_all - n0);
@@ -1270,16 +1257,17 @@ impl Device for Cuda {
                 // outᵀ [L, og] = colsᵀ [L, K] · W_gᵀ [K, og] (column-major), per sample.
                 let a = Mat { ptr: cols.ptr() + (gi * k * l * es) as u64, ld: l, trans: false, stride: g * k * l };
                 let b = Mat { ptr: pw + (gi * og * k * es) as u64, ld: k, trans: false, stride: 0 };
-                let c =
-                    Mat { ptr: dst + ((n0 * c_out + gi * og) * l * ds) as u64, ld: l, trans: false, stride: c_out * l };
-                gemm::gemm(st, E::DTYPE, dst_dtype, (l, og, k), a, b, c, nb, beta);
+                let c = Mat {
+                    ptr: out.ptr() + ((n0 * c_out + gi * og) * l * es) as u64,
+                    ld: l,
+                    trans: false,
+                    stride: c_out * l,
+                };
+                gemm::gemm(st, E::DTYPE, E::DTYPE, (l, og, k), a, b, c, nb, beta);
             }
             n0 += nb;
         }
-        match scratch {
-            Some(s) => self.cast_ptr::<E>(s.ptr(), acc, total),
-            None => out,
-        }
+        out
     }
     fn conv2d_backward_input<E: Precision>(
         &self,

@@ -12,9 +12,12 @@
 //!   product.
 //! - The handle's math mode disallows reduced-precision reductions (set when the device is
 //!   opened), so f16 and bf16 products accumulate in f32 to the end and round once.
-//! - The output type can differ from the inputs' (f16 inputs into an f32 accumulator buffer):
-//!   that is how `linear` and the convolution add their bias in the accumulator (`beta = 1`
-//!   over a buffer pre-filled with it) and how col2im gets f32 column gradients.
+//! - `linear` and the convolution add their bias in the accumulator: the output is pre-filled
+//!   with it and the GEMM runs with `beta = 1`. cuBLAS adds C to the product in f32 (an
+//!   f16/bf16 C widens exactly) and rounds the sum to the output's type at the end, the values
+//!   an f32 buffer and a cast afterwards gave, so f16/bf16 outputs need no f32 buffer.
+//! - The output type can differ from the inputs' (f16 inputs into an f32 buffer): that is how
+//!   col2im gets f32 column gradients.
 
 use std::ffi::c_void;
 

@@ -606,7 +606,7 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
     // Built on the CPU from the seed, then moved: the same initial weights on every device.
     let mut model = Gpt::try_new(model_cfg.clone(), &mut init_rng)?.to_device(device);
     let mut opt = Optim::new(AdamW::new(cfg.lr).weight_decay(0.1))?
-        .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias") || n.contains("ln")).weight_decay(0.0))
+        .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias") || n.contains("ln")).weight_decay(0.0))?
         .with_schedule(WarmupCosine::with_min(cfg.steps.min(100), cfg.steps, 0.1)?);
     let mut scaler = K::make(cfg.min_scale, cfg.collapse_after)?;
     let mut rng = Rng::seed(cfg.seed ^ 0x5EED);

@@ -216,7 +216,9 @@ fn parameter_groups_get_their_own_rates() {
         .build()
         .unwrap()
         .with_group(ParamGroup::new("head", |n| n.starts_with("head")).lr(0.25))
-        .with_group(ParamGroup::new("biases", |n| n.ends_with("bias")).lr(0.125).weight_decay(0.0));
+        .unwrap()
+        .with_group(ParamGroup::new("biases", |n| n.ends_with("bias")).lr(0.125).weight_decay(0.0))
+        .unwrap();
     step(&mut opt, &mut m, &[vec![1.0], vec![1.0], vec![1.0]]).unwrap();
     // weight: default group, g = 1 + 1·1 = 2, lr 0.5. layer.bias: "biases", g = 1, lr 0.125.
     // head.bias: the first matching group ("head"): lr 0.25 and the default weight decay.
@@ -275,7 +277,8 @@ fn checkpoints_round_trip_through_json_and_resume_bit_identically() {
             .build()
             .unwrap()
             .with_schedule(WarmupCosine::new(3, 30).unwrap())
-            .with_group(ParamGroup::new("none", |_| false))
+            .with_group(ParamGroup::new("w", |n| n == "w").weight_decay(0.0))
+            .unwrap()
     };
     let model = || Named(vec![("w".into(), Param::new(init.clone()))]);
 
@@ -382,7 +385,8 @@ fn a_checkpoint_refuses_an_optimizer_built_with_other_hyperparameters() {
             .weight_decay(0.1)
             .build()
             .unwrap()
-            .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias")).weight_decay(no_decay_wd))
+            .with_group(ParamGroup::new("no_decay", |n| n == "p").weight_decay(no_decay_wd))
+            .unwrap()
     };
     let mut m = one(&[1.0, 2.0]);
     let mut opt = make(3e-4, 0.0);
@@ -407,4 +411,61 @@ fn a_checkpoint_refuses_an_optimizer_built_with_other_hyperparameters() {
     assert!(!old_json.contains("hyperparameters"));
     let old: OptimizerState<AdamState> = serde_json::from_str(&old_json).unwrap();
     make(1e-3, 0.0).load_state_dict(old).unwrap();
+}
+
+#[test]
+fn group_values_schedule_factors_and_groups_without_parameters_are_refused_before_any_change() {
+    // Each of these wrote NaN into the weights, ascended the gradient or decayed the biases
+    // without a word (found by a probe of PyTorch habits: `LambdaLR` closures, typo'd groups).
+    let named = || {
+        Named(vec![
+            ("fc.weight".into(), Param::new(Tensor::from_vec(vec![1.0f32, 2.0], &[2]))),
+            ("fc.bias".into(), Param::new(Tensor::from_vec(vec![1.0f32], &[1]))),
+        ])
+    };
+    let bias = || ParamGroup::new("no_decay", |n| n.ends_with("bias"));
+    for (group, what) in [
+        (bias().lr(f64::NAN), "invalid learning rate: NaN"),
+        (bias().lr(-1e-3), "invalid learning rate: -0.001"),
+        (bias().weight_decay(f64::INFINITY), "invalid weight_decay value: inf"),
+        (bias().weight_decay(-5.0), "invalid weight_decay value: -5"),
+    ] {
+        let err = AdamW::new(1e-3).build().unwrap().with_group(group).unwrap_err().to_string();
+        assert!(err.contains("parameter group `no_decay`") && err.contains(what), "{err}");
+    }
+
+    let refused = |mut opt: Optim<Sgd>, what: &str| {
+        let mut m = named();
+        let err = step(&mut opt, &mut m, &[vec![0.5, 0.5], vec![0.5]]).unwrap_err().to_string();
+        assert!(err.contains(what), "{err}");
+        assert_eq!((values(&m, 0), values(&m, 1)), (vec![1.0, 2.0], vec![1.0]), "{what}");
+        assert_eq!(opt.steps(), 0);
+    };
+    let sgd = || Sgd::new(0.1).weight_decay(0.1).build().unwrap();
+    refused(sgd().with_schedule(|_t: u64| f64::NAN), "factor NaN at applied step 0");
+    refused(sgd().with_schedule(|_t: u64| -1.0), "factor -1 at applied step 0");
+    refused(sgd().with_schedule(|_t: u64| 1e308).with_group(bias().lr(10.0)).unwrap(), "times the learning rate 10");
+    // The factor is checked at every step, not only the first.
+    let mut opt = sgd().with_schedule(|t: u64| if t < 2 { 1.0 } else { f64::NAN });
+    let mut m = named();
+    for t in 0..3 {
+        let r = step(&mut opt, &mut m, &[vec![0.5, 0.5], vec![0.5]]);
+        assert_eq!(r.is_err(), t == 2, "step {t}: {r:?}");
+    }
+    assert!(values(&m, 0).iter().all(|v| v.is_finite()));
+
+    refused(
+        sgd().with_group(ParamGroup::new("no_decay", |n| n.ends_with(".b")).weight_decay(0.0)).unwrap(),
+        "parameter group `no_decay` gets no parameter: its predicate matches none of the 2 parameter names \
+         (fc.weight, fc.bias)",
+    );
+    refused(
+        sgd().with_group(bias().lr(0.2)).unwrap().with_group(ParamGroup::new("b", |n| n == "fc.bias")).unwrap(),
+        "parameter group `b` gets no parameter: every parameter it matches goes to the earlier group `no_decay`",
+    );
+    // A group that gets a parameter steps as before.
+    let mut ok = sgd().with_group(bias().weight_decay(0.0)).unwrap();
+    let mut m = named();
+    step(&mut ok, &mut m, &[vec![0.5, 0.5], vec![0.5]]).unwrap();
+    assert_eq!(values(&m, 1), vec![0.95]);
 }

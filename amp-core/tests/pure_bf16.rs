@@ -29,6 +29,7 @@ fn optimizer(steps: u64) -> Optim<AdamW> {
     Optim::new(AdamW::new(LR).weight_decay(0.1))
         .unwrap()
         .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias") || n.contains("ln")).weight_decay(0.0))
+        .unwrap()
         .with_schedule(WarmupCosine::with_min(steps.min(100), steps, 0.1).unwrap())
 }
 

@@ -163,6 +163,7 @@ fn skipped_steps_leave_adamw_groups_and_schedule_untouched() {
             .build()
             .unwrap()
             .with_group(ParamGroup::new("bias", |n| n == "b").lr(5e-3).weight_decay(0.0))
+            .unwrap()
             .with_schedule(WarmupCosine::with_min(50, 900, 0.1).unwrap())
     });
 }

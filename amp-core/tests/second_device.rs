@@ -799,6 +799,7 @@ fn optimizers_skip_on_the_device_and_learn_their_counts_every_window_bit_for_bit
             .build()
             .unwrap()
             .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias")).lr(2e-3).weight_decay(0.0))
+            .unwrap()
             .with_schedule(schedule())
     };
     let sgd =

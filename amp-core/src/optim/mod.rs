@@ -373,6 +373,11 @@ fn state_on<'a, R: Rule, D: Device>(
 /// rate and/or weight decay (PyTorch's `param_groups`). Parameters go to the first group that
 /// matches, the others to the default group (the rule's own `lr` and `weight_decay`).
 ///
+/// [`Optim::with_group`] refuses a learning rate or weight decay that is negative or not
+/// finite, and a step refuses a group that gets none of the model's parameters (a predicate
+/// that matches no name, or only names an earlier group took): PyTorch's groups list their
+/// parameters, so there a typo cannot leave, say, the biases decayed without a word.
+///
 /// ```
 /// # extern crate amp_core as amp;
 /// use amp::optim::ParamGroup;
@@ -456,6 +461,7 @@ pub struct OptimizerState<S> {
 /// let opt = Optim::new(AdamW::new(3e-4).weight_decay(0.1))
 ///     .unwrap()
 ///     .with_group(ParamGroup::new("no_decay", |n| n.ends_with("bias")).weight_decay(0.0))
+///     .unwrap()
 ///     .with_schedule(WarmupCosine::new(100, 10_000).unwrap());
 /// assert_eq!(opt.lr_at(0), 3e-4 / 100.0);
 /// ```
@@ -531,13 +537,25 @@ impl<R: Rule> Optim<R> {
 }
 
 impl<R: Rule, E: Precision> Optim<R, E> {
-    /// Adds a parameter group (checked before the groups added after it).
-    pub fn with_group(mut self, group: ParamGroup) -> Self {
+    /// Adds a parameter group (checked before the groups added after it), refused with
+    /// [`Error::State`] if its learning rate or weight decay is negative or not finite.
+    pub fn with_group(mut self, group: ParamGroup) -> Result<Self> {
+        for (what, v) in [("learning rate", group.lr), ("weight_decay value", group.weight_decay)] {
+            if let Some(v) = v
+                && !(v.is_finite() && v >= 0.0)
+            {
+                return Err(bad_hyper(
+                    self.rule.name(),
+                    format!("parameter group `{}`: invalid {what}: {v}", group.name),
+                ));
+            }
+        }
         self.groups.push(group);
-        self
+        Ok(self)
     }
     /// Sets the learning-rate schedule: at the `t`-th applied step (from 0) every group uses its
-    /// base rate times `schedule.factor(t)`. Skipped steps do not advance `t`.
+    /// base rate times `schedule.factor(t)`. Skipped steps do not advance `t`. A step whose
+    /// factor is negative or not finite (a closure's NaN) is refused before anything changes.
     pub fn with_schedule(mut self, schedule: impl LrSchedule + 'static) -> Self {
         self.schedule = Some(Arc::new(schedule));
         self
@@ -776,6 +794,8 @@ impl<R: Rule, E: Precision> Optim<R, E> {
             ));
         }
         self.check_bound(named)?;
+        self.check_groups(named.iter().map(|(n, _)| *n))?;
+        self.check_schedule()?;
         let with_grad: Vec<&(&str, &Param<E, D>)> =
             named.iter().filter(|(_, p)| grads.get_by_id(p.id()).is_some()).collect();
         if !grads.is_empty() && with_grad.is_empty() {
@@ -825,6 +845,54 @@ impl<R: Rule, E: Precision> Optim<R, E> {
                     shown(name),
                     param.shape()
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that every parameter group gets at least one of the parameters called `names`.
+    fn check_groups<'n>(&self, names: impl Iterator<Item = &'n str> + Clone) -> Result<()> {
+        for (i, group) in self.groups.iter().enumerate() {
+            let first_match = |n: &str| self.groups.iter().position(|g| g.matches(n));
+            if names.clone().any(|n| first_match(n) == Some(i)) {
+                continue;
+            }
+            let shadowed_by = names.clone().find(|n| group.matches(n)).and_then(first_match);
+            let why = match shadowed_by {
+                Some(j) => format!("every parameter it matches goes to the earlier group `{}`", self.groups[j].name),
+                None => {
+                    let count = names.clone().count();
+                    let some: Vec<&str> = names.clone().take(6).collect();
+                    let more = if count > some.len() { ", ..." } else { "" };
+                    format!("its predicate matches none of the {count} parameter names ({}{more})", some.join(", "))
+                }
+            };
+            return Err(Error::State {
+                context: "optimizer step".into(),
+                detail: format!(
+                    "parameter group `{}` gets no parameter: {why}. Fix its predicate, or drop the group",
+                    group.name
+                ),
+            });
+        }
+        Ok(())
+    }
+    /// Checks the schedule's factor at every applied-step count the next step may run at (the
+    /// steps already applied, plus any issued on a device and not yet read).
+    fn check_schedule(&self) -> Result<()> {
+        let Some(schedule) = &self.schedule else { return Ok(()) };
+        let pending = self.window.as_ref().map_or(0, |w| w.issued()) as u64;
+        let top_lr = self.groups.iter().filter_map(|g| g.lr).fold(self.rule.lr(), f64::max);
+        for t in self.steps..=self.steps + pending {
+            let f = schedule.factor(t);
+            if !(f.is_finite() && f >= 0.0 && (f * top_lr).is_finite()) {
+                return Err(Error::State {
+                    context: "optimizer step".into(),
+                    detail: format!(
+                        "the learning-rate schedule gives factor {f} at applied step {t}: a factor must be finite \
+                         and at least 0 (and times the learning rate {top_lr}, finite)"
+                    ),
+                });
             }
         }
         Ok(())

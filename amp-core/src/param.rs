@@ -13,6 +13,7 @@ use std::ops::Deref;
 
 use crate::autograd::TensorId;
 use crate::backend::{Cpu, Device};
+use crate::error::{Error, Result, or_panic};
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
@@ -53,18 +54,25 @@ impl<E: Precision, D: Device> Param<E, D> {
     pub fn tensor(&self) -> &Tensor<E, D> {
         &self.tensor
     }
+    /// Replaces the values with `value` of the same shape, keeping the id; refuses another
+    /// shape (a weight loaded by hand from a file that stores it transposed, say) and leaves
+    /// the parameter as it was.
+    pub fn try_set(&mut self, value: &Tensor<E, D>) -> Result<()> {
+        if value.shape() != self.tensor.shape() {
+            return Err(Error::Shape {
+                op: "Param::set",
+                detail: "the new values must have the parameter's shape".into(),
+                shapes: vec![self.tensor.shape().to_vec(), value.shape().to_vec()],
+            });
+        }
+        self.tensor.set_values(value);
+        self.mark_updated();
+        Ok(())
+    }
     /// Replaces the values with `value` of the same shape, keeping the id.
     #[track_caller]
     pub fn set(&mut self, value: &Tensor<E, D>) {
-        assert_eq!(
-            value.shape(),
-            self.tensor.shape(),
-            "Param::set: shape {:?} does not match the parameter's {:?}",
-            value.shape(),
-            self.tensor.shape()
-        );
-        self.tensor.set_values(value);
-        self.mark_updated();
+        or_panic(self.try_set(value))
     }
     /// A new parameter (with its own id) holding these values rounded once to precision `P`
     /// (round to nearest even; exact when widening). For pure-bf16 training,

@@ -94,10 +94,7 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     }
     /// A tensor holding `data` in row-major order on `device`.
     pub fn try_from_vec_on(device: &D, data: Vec<E>, shape: &[usize]) -> Result<Self> {
-        let expected: usize = shape.iter().product();
-        if data.len() != expected {
-            return Err(Error::ElementCount { op: "from_vec", len: data.len(), expected, shape: shape.to_vec() });
-        }
+        check_count(data.len(), shape)?;
         Ok(Self::from_storage(device, device.from_host(data), shape))
     }
     /// A tensor filled with `value` (rounded once into `E`) on `device`.
@@ -116,6 +113,15 @@ impl<E: Precision, D: Device> Tensor<E, D> {
 }
 
 // ---- construction -------------------------------------------------------------------------
+
+/// Refuses `len` values for a tensor of `shape` unless they fill it exactly.
+fn check_count(len: usize, shape: &[usize]) -> Result<()> {
+    let expected: usize = shape.iter().product();
+    if len != expected {
+        return Err(Error::ElementCount { op: "from_vec", len, expected, shape: shape.to_vec() });
+    }
+    Ok(())
+}
 
 impl<E: Precision> Tensor<E> {
     /// A contiguous CPU tensor from raw parts; no autograd. The buffer becomes pooled storage:
@@ -140,17 +146,27 @@ impl<E: Precision> Tensor<E> {
     pub fn from_vec(data: Vec<E>, shape: &[usize]) -> Self {
         or_panic(Self::try_from_vec(data, shape))
     }
+    /// Like [`Tensor::try_from_vec`], rounding each f64 value once into `E`.
+    pub fn try_from_f64s(data: &[f64], shape: &[usize]) -> Result<Self> {
+        check_count(data.len(), shape)?;
+        Ok(Self::from_parts(data.iter().map(|v| E::from_f64(*v)).collect(), shape))
+    }
     /// Like [`Tensor::from_vec`], rounding each f64 value once into `E`.
     #[track_caller]
     pub fn from_f64s(data: &[f64], shape: &[usize]) -> Self {
-        Self::from_vec(data.iter().map(|v| E::from_f64(*v)).collect(), shape)
+        or_panic(Self::try_from_f64s(data, shape))
+    }
+    /// Like [`Tensor::try_from_vec`], rounding each f32 value once into `E` (vectorised).
+    pub fn try_from_f32s(data: &[f32], shape: &[usize]) -> Result<Self> {
+        check_count(data.len(), shape)?;
+        let mut out = vec![E::default(); data.len()];
+        convert_slice(data, &mut out);
+        Ok(Self::from_parts(out, shape))
     }
     /// Like [`Tensor::from_vec`], rounding each f32 value once into `E` (vectorised).
     #[track_caller]
     pub fn from_f32s(data: &[f32], shape: &[usize]) -> Self {
-        let mut out = vec![E::default(); data.len()];
-        convert_slice(data, &mut out);
-        Self::from_vec(out, shape)
+        or_panic(Self::try_from_f32s(data, shape))
     }
     /// A tensor filled with `value` (rounded once into `E`).
     pub fn full(shape: &[usize], value: f64) -> Self {
@@ -523,12 +539,23 @@ impl<E: Precision, D: Device> Tensor<E, D> {
     pub fn transpose(&self, d0: usize, d1: usize) -> Self {
         or_panic(self.try_transpose(d0, d1))
     }
+    /// Swaps the last two dims (the matrix transpose); refuses fewer than 2 dims (PyTorch's
+    /// `t()` returns a 1-D tensor unchanged, which hides a vector taken for a matrix).
+    pub fn try_t(&self) -> Result<Self> {
+        let r = self.rank();
+        if r < 2 {
+            return Err(Error::Shape {
+                op: "t",
+                detail: format!("needs at least 2 dims, got {r}"),
+                shapes: vec![self.shape().to_vec()],
+            });
+        }
+        self.try_transpose(r - 2, r - 1)
+    }
     /// Swaps the last two dims (the matrix transpose).
     #[track_caller]
     pub fn t(&self) -> Self {
-        let r = self.rank();
-        assert!(r >= 2, "t: needs at least 2 dims, got shape {:?}", self.shape());
-        self.transpose(r - 2, r - 1)
+        or_panic(self.try_t())
     }
 
     /// `len` entries of `dim` starting at `start` (a view).
@@ -563,25 +590,43 @@ impl<E: Precision, D: Device> Tensor<E, D> {
         or_panic(self.try_narrow(dim, range.start, range.end.saturating_sub(range.start)))
     }
 
-    /// Inserts a dim of size 1 at `dim`.
-    #[track_caller]
-    pub fn unsqueeze(&self, dim: usize) -> Self {
-        assert!(dim <= self.rank(), "unsqueeze: dim {dim} is out of range for shape {:?}", self.shape());
+    /// Inserts a dim of size 1 at `dim` (`0..=rank`).
+    pub fn try_unsqueeze(&self, dim: usize) -> Result<Self> {
+        if dim > self.rank() {
+            return Err(Error::Shape {
+                op: "unsqueeze",
+                detail: format!("dim {dim} is out of range 0..={} for a tensor of rank {}", self.rank(), self.rank()),
+                shapes: vec![self.shape().to_vec()],
+            });
+        }
         let mut s = self.shape().to_vec();
         s.insert(dim, 1);
-        self.reshape(&s)
+        self.try_reshape(&s)
     }
-    /// Removes a dim of size 1 at `dim`.
+    /// Inserts a dim of size 1 at `dim` (`0..=rank`).
     #[track_caller]
-    pub fn squeeze(&self, dim: usize) -> Self {
-        assert!(
-            dim < self.rank() && self.shape()[dim] == 1,
-            "squeeze: dim {dim} is not a size-1 dim of shape {:?}",
-            self.shape()
-        );
+    pub fn unsqueeze(&self, dim: usize) -> Self {
+        or_panic(self.try_unsqueeze(dim))
+    }
+    /// Removes the size-1 dim `dim`; refuses a dim of another size (PyTorch's `squeeze(dim)`
+    /// leaves such a tensor unchanged, which hides a shape that was not the one expected).
+    pub fn try_squeeze(&self, dim: usize) -> Result<Self> {
+        check_dim("squeeze", dim, self.shape())?;
+        if self.shape()[dim] != 1 {
+            return Err(Error::Shape {
+                op: "squeeze",
+                detail: format!("dim {dim} has size {}, not 1", self.shape()[dim]),
+                shapes: vec![self.shape().to_vec()],
+            });
+        }
         let mut s = self.shape().to_vec();
         s.remove(dim);
-        self.reshape(&s)
+        self.try_reshape(&s)
+    }
+    /// Removes the size-1 dim `dim`.
+    #[track_caller]
+    pub fn squeeze(&self, dim: usize) -> Self {
+        or_panic(self.try_squeeze(dim))
     }
 
     /// A view broadcast to `shape` (NumPy rules); its gradient sums back.

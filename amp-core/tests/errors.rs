@@ -446,6 +446,49 @@ fn flatten_dims_errors() {
 }
 
 #[test]
+fn views_and_param_set_have_try_forms() {
+    // These panicked through assert!/assert_eq! with no try_ form to catch.
+    let (v, m) = (t(&[3]), t(&[2, 1, 3]));
+    same_error(v.try_t(), || v.t(), "t: needs at least 2 dims, got 1 (shapes [[3]])");
+    same_error(
+        m.try_unsqueeze(4),
+        || m.unsqueeze(4),
+        "unsqueeze: dim 4 is out of range 0..=3 for a tensor of rank 3 (shapes [[2, 1, 3]])",
+    );
+    same_error(m.try_squeeze(2), || m.squeeze(2), "squeeze: dim 2 has size 3, not 1 (shapes [[2, 1, 3]])");
+    same_error(
+        m.try_squeeze(3),
+        || m.squeeze(3),
+        "squeeze: dim 3 is out of range for a tensor of rank 3 (shape [2, 1, 3])",
+    );
+    assert_eq!(
+        (m.t().shape(), m.unsqueeze(3).shape(), m.squeeze(1).shape()),
+        (&[2, 3, 1][..], &[2, 1, 3, 1][..], &[2, 3][..])
+    );
+
+    // A weight stored transposed (GPT-2's Conv1D `[in, out]` for a Linear's `[out, in]`).
+    let mut p = amp_core::Param::new(Tensor::from_vec(vec![1.0f32; 6], &[2, 3]));
+    let wrong = Tensor::from_vec(vec![7.0f32; 6], &[3, 2]);
+    let err = p.try_set(&wrong).unwrap_err().to_string();
+    assert_eq!(err, "Param::set: the new values must have the parameter's shape (shapes [[2, 3], [3, 2]])");
+    assert_eq!(p.to_vec(), vec![1.0; 6], "a refused set leaves the values");
+    let mut q = p.clone();
+    same_error(q.try_set(&wrong), || p.set(&wrong), &err);
+    p.set(&wrong.t());
+    assert_eq!(p.to_vec(), vec![7.0; 6]);
+
+    // The converting constructors, as `from_vec`.
+    let want = "from_vec: 5 elements cannot fill shape [2, 3] (6 elements)";
+    same_error(
+        Tensor::<amp_core::bf16>::try_from_f32s(&[1.0; 5], &[2, 3]),
+        || Tensor::<amp_core::bf16>::from_f32s(&[1.0; 5], &[2, 3]),
+        want,
+    );
+    same_error(Tensor::<f32>::try_from_f64s(&[1.0; 5], &[2, 3]), || Tensor::<f32>::from_f64s(&[1.0; 5], &[2, 3]), want);
+    assert_eq!(Tensor::<amp_core::f16>::from_f32s(&[0.1; 6], &[2, 3]).to_vec(), vec![amp_core::f16::from_f32(0.1); 6]);
+}
+
+#[test]
 fn values_a_user_holds_or_logs_print_with_debug() {
     let guard = amp_core::NoGradGuard::new();
     assert!(format!("{guard:?}").starts_with("NoGradGuard"));

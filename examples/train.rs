@@ -162,6 +162,14 @@ fn main() -> ExitCode {
         }
         Ok(report) => {
             println!("\n{}", trainer::summary(&cfg, &report));
+            if let Some(sample) = &report.sample {
+                println!(
+                    "sample (the held-out text's first {} characters, then {} sampled at temperature {}):\n{sample}\n",
+                    trainer::SAMPLE_PROMPT_CHARS,
+                    trainer::SAMPLE_CHARS,
+                    trainer::SAMPLE_TEMPERATURE
+                );
+            }
             println!("metrics:    {}", report.metrics.display());
             println!("plot:       {}", report.plot.display());
             println!("checkpoint: {}", report.checkpoint.display());

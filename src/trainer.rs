@@ -40,7 +40,7 @@ use serde::de::IgnoredAny;
 use crate::backend::HostValue;
 use crate::checkpoint::{self, TrainingState};
 use crate::data::{AdditionConfig, AdditionDataset, AdditionTask, CharTextDataset, DataLoader, TokenBatch};
-use crate::nn::{Gpt, GptConfig};
+use crate::nn::{Gpt, GptConfig, Sampling};
 use crate::optim::{AdamState, AdamW, Optim, OptimizerState, ParamGroup, WarmupCosine};
 use crate::param::ToDevice;
 use crate::scaler::{GradScaler, GradScalerOptions, LossScaler, NoScale, any_non_finite};
@@ -249,6 +249,10 @@ pub struct TrainReport {
     pub accuracy: Option<f64>,
     /// Held-out loss (text) or `None`.
     pub val_loss: Option<f64>,
+    /// Text only: [`SAMPLE_CHARS`] characters generated after the held-out text's first
+    /// [`SAMPLE_PROMPT_CHARS`] (the prompt included), at temperature [`SAMPLE_TEMPERATURE`],
+    /// seeded by the run's seed.
+    pub sample: Option<String>,
     /// Training tokens per second.
     pub tokens_per_s: f64,
     /// Metrics CSV.
@@ -500,23 +504,20 @@ impl Task {
     }
 }
 
-/// Greedy decoding of `n` tokens after `prompts: [B, P]`.
+/// Greedy decoding of `n` tokens after `prompts: [B, P]` (the new tokens only, `[B, n]`).
 fn greedy<L: Precision, D: Device>(model: &Gpt<f32, D>, prompts: &Indices, n: usize) -> Result<Indices> {
     let (b, p) = (prompts.shape()[0], prompts.shape()[1]);
-    let mut seqs: Vec<Vec<i64>> = prompts.as_slice().chunks(p).map(|r| r.to_vec()).collect();
-    let mut rng = Rng::seed(0); // unused in eval mode
-    for _ in 0..n {
-        let t = seqs[0].len();
-        let ids = Indices::try_from_vec(seqs.concat(), &[b, t])?;
-        let logits = model.forward::<L>(&ids, &mut rng).narrow(1, t - 1, 1).reshape(&[b, model.config.vocab_size]);
-        let next = logits.argmax(1, false);
-        for (s, &tok) in seqs.iter_mut().zip(next.as_slice()) {
-            s.push(tok);
-        }
-    }
-    let out: Vec<i64> = seqs.iter().flat_map(|s| s[p..].to_vec()).collect();
+    let full = model.try_generate::<L>(prompts, n, Sampling::Greedy, &mut Rng::seed(0))?;
+    let out: Vec<i64> = full.as_slice().chunks(p + n).flat_map(|s| s[p..].to_vec()).collect();
     Indices::try_from_vec(out, &[b, n])
 }
+
+/// Characters of held-out text that start the sample a text run prints.
+pub const SAMPLE_PROMPT_CHARS: usize = 16;
+/// Characters the sample adds to its prompt.
+pub const SAMPLE_CHARS: usize = 200;
+/// The sample's temperature (nanoGPT's `sample.py` default).
+pub const SAMPLE_TEMPERATURE: f64 = 0.8;
 
 // ---- the run --------------------------------------------------------------------------------
 
@@ -811,6 +812,7 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
         final_scale: scaler.get_scale(),
         accuracy: None,
         val_loss: None,
+        sample: None,
         tokens_per_s: tokens as f64 / elapsed,
         metrics: metrics_path,
         plot: plot_path,
@@ -841,6 +843,11 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
                 total += no_grad(|| model.loss::<L>(&b.inputs, &b.targets, &mut rng)).item() as f64;
             }
             report.val_loss = Some(total / batches.max(1) as f64);
+            let prompt = &val.tokens()[..SAMPLE_PROMPT_CHARS.min(val.tokens().len())];
+            let sampling = Sampling::Random { temperature: SAMPLE_TEMPERATURE, top_k: None };
+            let ids = Indices::try_from_vec(prompt.to_vec(), &[1, prompt.len()])?;
+            let text = model.try_generate::<L>(&ids, SAMPLE_CHARS, sampling, &mut Rng::seed(cfg.seed))?;
+            report.sample = Some(val.vocab().decode(text.as_slice()));
         }
     }
     Ok(report)

@@ -372,11 +372,17 @@ fn trains_a_character_model_on_a_text_file() {
     std::fs::create_dir_all(&out).unwrap();
     let text = "the quick brown fox jumps over the lazy dog. ".repeat(40);
     let file = out.join("corpus.txt");
-    std::fs::write(&file, text).unwrap();
+    std::fs::write(&file, &text).unwrap();
     let report =
         run(&TrainConfig { data: Some(file), steps: 30, lr: 1e-2, ..small(&out, RunPrecision::Bf16) }).unwrap();
     assert!(report.val_loss.unwrap().is_finite());
     assert!(report.last_loss < report.first_loss, "{} -> {}", report.first_loss, report.last_loss);
+    // A sample: the held-out text's first characters, then sampled ones from the corpus's set.
+    let sample = report.sample.expect("a text run samples");
+    let n = amp::trainer::SAMPLE_PROMPT_CHARS + amp::trainer::SAMPLE_CHARS;
+    assert_eq!(sample.chars().count(), n, "{sample}");
+    assert!(text.contains(&sample[..amp::trainer::SAMPLE_PROMPT_CHARS]), "{sample}");
+    assert!(sample.chars().all(|c| text.contains(c)), "{sample}");
 }
 
 #[test]

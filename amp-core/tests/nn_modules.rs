@@ -224,3 +224,101 @@ fn a_gpt_with_fused_attention_computes_the_unfused_loss_and_gradients() {
     let err = Gpt::new(tiny(), &mut Rng::seed(3)).with_fused_attention(true).unwrap_err().to_string();
     assert!(err.contains("dropout"), "{err}");
 }
+
+/// The most likely next token after each row of `seq` (`[B, T]`), from the last
+/// `block_size` tokens, by the model's plain forward.
+fn argmax_next(model: &Gpt, seq: &[Vec<i64>]) -> Vec<i64> {
+    let block = model.config.block_size;
+    let len = seq[0].len();
+    let t = len.min(block);
+    let window: Vec<i64> = seq.iter().flat_map(|s| s[len - t..].to_vec()).collect();
+    let logits = model.forward::<f32>(&Indices::from_vec(window, &[seq.len(), t]), &mut Rng::seed(0));
+    let v = model.config.vocab_size;
+    logits.narrow(1, t - 1, 1).reshape(&[seq.len(), v]).argmax(1, false).as_slice().to_vec()
+}
+
+#[test]
+fn generate_extends_the_prompt_greedily_or_by_sampling_past_the_block_size() {
+    use amp_core::nn::Sampling;
+    let mut model = Gpt::new(tiny(), &mut Rng::seed(21));
+    model.eval();
+    let prompt = Indices::from_vec(vec![1, 2, 3, 4, 5, 6], &[2, 3]);
+    // 12 new tokens: the sequences grow past block_size 8, so the model sees the last 8.
+    let greedy = model.generate::<f32>(&prompt, 12, Sampling::Greedy, &mut Rng::seed(0));
+    assert_eq!(greedy.shape(), &[2, 15]);
+    let rows: Vec<Vec<i64>> = greedy.as_slice().chunks(15).map(<[i64]>::to_vec).collect();
+    assert_eq!((&rows[0][..3], &rows[1][..3]), (&[1, 2, 3][..], &[4, 5, 6][..]));
+    for n in 3..15 {
+        let before: Vec<Vec<i64>> = rows.iter().map(|r| r[..n].to_vec()).collect();
+        assert_eq!(argmax_next(&model, &before), vec![rows[0][n], rows[1][n]], "token {n}");
+    }
+
+    let random = |temperature: f64, top_k: Option<usize>, seed: u64| {
+        model.generate::<f32>(&prompt, 12, Sampling::Random { temperature, top_k }, &mut Rng::seed(seed))
+    };
+    // One candidate, or a temperature that leaves only the maximum: greedy.
+    assert_eq!(random(1.5, Some(1), 7), greedy);
+    assert_eq!(random(1e-9, None, 7), greedy);
+    // A seed is a sample; another seed another one (random weights: logits near uniform).
+    assert_eq!(random(1.0, None, 7), random(1.0, None, 7));
+    assert_ne!(random(1.0, None, 7), random(1.0, None, 8));
+    assert_ne!(random(1.0, None, 7), greedy);
+    // With top_k = 3 every token is among the 3 most likely at its position.
+    let top3 = random(2.0, Some(3), 9);
+    let rows3: Vec<Vec<i64>> = top3.as_slice().chunks(15).map(<[i64]>::to_vec).collect();
+    let v = model.config.vocab_size;
+    for n in 3..15 {
+        for row in &rows3 {
+            let t = n.min(8);
+            let ids = Indices::from_vec(row[n - t..n].to_vec(), &[1, t]);
+            let logits = model.forward::<f32>(&ids, &mut Rng::seed(0)).narrow(1, t - 1, 1).reshape(&[v]).to_vec();
+            let chosen = logits[row[n] as usize];
+            assert!(logits.iter().filter(|&&x| x > chosen).count() < 3, "token {n}: {chosen} in {logits:?}");
+        }
+    }
+    // Draws follow softmax(logits / temperature): 4000 rows of one prompt, one token each.
+    let rows = 4000;
+    let same = Indices::from_vec([1, 2, 3].repeat(rows), &[rows, 3]);
+    let temperature = 0.5;
+    let drawn = model.generate::<f32>(&same, 1, Sampling::Random { temperature, top_k: None }, &mut Rng::seed(3));
+    let logits = model.forward::<f64>(&Indices::from_vec(vec![1, 2, 3], &[1, 3]), &mut Rng::seed(0));
+    let probs = logits.narrow(1, 2, 1).reshape(&[v]).mul_scalar(1.0 / temperature).softmax(0).to_vec();
+    let mut counts = vec![0usize; v];
+    for row in drawn.as_slice().chunks(4) {
+        counts[row[3] as usize] += 1;
+    }
+    for (tok, (&c, &p)) in counts.iter().zip(&probs).enumerate() {
+        let sigma = (rows as f64 * p * (1.0 - p)).sqrt();
+        assert!((c as f64 - rows as f64 * p).abs() <= 5.0 * sigma + 1.0, "token {tok}: {c} draws, p = {p}");
+    }
+    // Low precision runs the forward in that precision.
+    assert_eq!(model.generate::<bf16>(&prompt, 4, Sampling::Greedy, &mut Rng::seed(0)).shape(), &[2, 7]);
+}
+
+#[test]
+fn generate_refuses_bad_sampling_prompts_and_a_model_in_training_mode_with_dropout() {
+    use amp_core::nn::Sampling;
+    let mut model = Gpt::new(tiny(), &mut Rng::seed(22));
+    let prompt = Indices::from_vec(vec![1, 2], &[1, 2]);
+    let err = |r: amp_core::Result<Indices>| r.unwrap_err().to_string();
+    let training = err(model.try_generate::<f32>(&prompt, 3, Sampling::Greedy, &mut Rng::seed(0)));
+    assert!(training.contains("training mode with dropout 0.1") && training.contains("eval()"), "{training}");
+    model.eval();
+    for (sampling, want) in [
+        (Sampling::Random { temperature: 0.0, top_k: None }, "temperature must be finite and above 0, got 0"),
+        (Sampling::Random { temperature: f64::NAN, top_k: None }, "got NaN"),
+        (Sampling::Random { temperature: 1.0, top_k: Some(0) }, "top_k must be at least 1"),
+    ] {
+        let e = err(model.try_generate::<f32>(&prompt, 3, sampling, &mut Rng::seed(0)));
+        assert!(e.contains("Gpt::generate") && e.contains(want), "{e}");
+    }
+    for bad in [Indices::from_vec(vec![1, 2], &[2]), Indices::from_vec(vec![], &[1, 0])] {
+        let e = err(model.try_generate::<f32>(&bad, 3, Sampling::Greedy, &mut Rng::seed(0)));
+        assert!(e.contains("expected a prompt of token ids [B, P] with P >= 1"), "{e}");
+    }
+    let e =
+        err(model.try_generate::<f32>(&Indices::from_vec(vec![11], &[1, 1]), 1, Sampling::Greedy, &mut Rng::seed(0)));
+    assert!(e.contains("index 11") && e.contains("0..11"), "{e}");
+    // No new tokens: the prompt itself.
+    assert_eq!(model.generate::<f32>(&prompt, 0, Sampling::Greedy, &mut Rng::seed(0)), prompt);
+}

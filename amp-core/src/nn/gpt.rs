@@ -217,4 +217,143 @@ impl<W: Precision, D: Device> Gpt<W, D> {
     pub fn loss<L: Precision>(&self, ids: &Indices, targets: &Indices, rng: &mut Rng) -> Tensor<f32, D> {
         or_panic(self.try_loss::<L>(ids, targets, rng))
     }
+
+    /// `prompt` (`[B, P]`, `P >= 1`) followed by `new_tokens` tokens chosen one at a time from
+    /// the logits (computed in precision `L`) at the last position, as nanoGPT's `generate`
+    /// does: `[B, P + new_tokens]`. The model sees at most the last `block_size` tokens. Runs
+    /// without a graph; `rng` draws the samples. Off the CPU each token reads the logits back
+    /// (a synchronisation per token).
+    ///
+    /// Errs on a prompt that is not `[B, P]` with `P >= 1` or holds an id outside the
+    /// vocabulary, on an invalid [`Sampling`], and on a model in training mode with dropout
+    /// (it would drop activations while generating: call `eval()` first, PyTorch's
+    /// `model.eval()`).
+    ///
+    /// ```
+    /// # extern crate amp_core as amp;
+    /// use amp::nn::{Gpt, GptConfig, Sampling};
+    /// use amp::{Indices, Rng};
+    /// let config = GptConfig { vocab_size: 10, block_size: 8, d_model: 16, n_layers: 1, n_heads: 2, dropout: 0.0 };
+    /// let gpt = Gpt::new(config, &mut Rng::seed(0));
+    /// let prompt = Indices::from_vec(vec![1, 2, 3], &[1, 3]);
+    /// let out = gpt.try_generate::<f32>(&prompt, 12, Sampling::Random { temperature: 0.8, top_k: Some(5) }, &mut Rng::seed(1))?;
+    /// assert_eq!((out.shape(), &out.as_slice()[..3]), (&[1, 15][..], &[1, 2, 3][..]));
+    /// # Ok::<(), amp::Error>(())
+    /// ```
+    pub fn try_generate<L: Precision>(
+        &self,
+        prompt: &Indices,
+        new_tokens: usize,
+        sampling: Sampling,
+        rng: &mut Rng,
+    ) -> Result<Indices> {
+        let bad = |detail: String| Err(Error::InvalidArgument { op: "Gpt::generate", name: "sampling", detail });
+        match sampling {
+            Sampling::Greedy => {}
+            Sampling::Random { temperature, top_k } => {
+                if !(temperature.is_finite() && temperature > 0.0) {
+                    return bad(format!("temperature must be finite and above 0, got {temperature} (Greedy for 0)"));
+                }
+                if top_k == Some(0) {
+                    return bad("top_k must be at least 1".into());
+                }
+            }
+        }
+        if prompt.shape().len() != 2 || prompt.shape()[1] == 0 {
+            return Err(Error::Shape {
+                op: "Gpt::generate",
+                detail: "expected a prompt of token ids [B, P] with P >= 1".into(),
+                shapes: vec![prompt.shape().to_vec()],
+            });
+        }
+        if self.drop.is_training() && self.config.dropout > 0.0 {
+            return Err(Error::State {
+                context: "Gpt::generate".into(),
+                detail: format!(
+                    "the model is in training mode with dropout {}: it would drop activations while generating. \
+                     Call `eval()` first (PyTorch's `model.eval()`), and `train()` to train again",
+                    self.config.dropout
+                ),
+            });
+        }
+        let (b, v, block) = (prompt.shape()[0], self.config.vocab_size, self.config.block_size);
+        let mut seqs: Vec<Vec<i64>> = prompt.as_slice().chunks(prompt.shape()[1]).map(<[i64]>::to_vec).collect();
+        crate::no_grad(|| -> Result<()> {
+            for _ in 0..new_tokens {
+                let len = seqs[0].len();
+                let t = len.min(block);
+                let window: Vec<i64> = seqs.iter().flat_map(|s| s[len - t..].iter().copied()).collect();
+                let ids = Indices::try_from_vec(window, &[b, t])?;
+                let last = self.try_forward::<L>(&ids, rng)?.narrow(1, t - 1, 1).reshape(&[b, v]);
+                let next: Vec<i64> = match sampling {
+                    Sampling::Greedy => last.argmax(1, false).as_slice().to_vec(),
+                    Sampling::Random { temperature, top_k } => {
+                        let logits = last.cast::<f32>().to_vec();
+                        logits.chunks(v).map(|row| sample_row(row, temperature, top_k, rng)).collect()
+                    }
+                };
+                for (s, tok) in seqs.iter_mut().zip(next) {
+                    s.push(tok);
+                }
+            }
+            Ok(())
+        })?;
+        Indices::try_from_vec(seqs.concat(), &[b, prompt.shape()[1] + new_tokens])
+    }
+    /// [`Gpt::try_generate`], panicking with its error's message.
+    #[track_caller]
+    pub fn generate<L: Precision>(
+        &self,
+        prompt: &Indices,
+        new_tokens: usize,
+        sampling: Sampling,
+        rng: &mut Rng,
+    ) -> Indices {
+        or_panic(self.try_generate::<L>(prompt, new_tokens, sampling, rng))
+    }
+}
+
+/// How [`Gpt::generate`] picks each token from the logits at the last position.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sampling {
+    /// The most likely token (the first one on a tie), as `argmax`.
+    Greedy,
+    /// A draw from `softmax(logits / temperature)`, over the `top_k` most likely tokens only
+    /// when set (every token tied with the k-th is kept, as nanoGPT's filter keeps them).
+    Random {
+        /// Above 0: below 1 sharpens the distribution, above 1 flattens it.
+        temperature: f64,
+        /// Keep only the k most likely tokens (at least 1; more than the vocabulary is all).
+        top_k: Option<usize>,
+    },
+}
+
+/// One token drawn from `softmax(row / temperature)` restricted to the `top_k` largest logits
+/// (in f64; a row of non-finite logits falls back to its first maximum).
+fn sample_row(row: &[f32], temperature: f64, top_k: Option<usize>, rng: &mut Rng) -> i64 {
+    let cutoff = match top_k {
+        Some(k) if k < row.len() => {
+            let mut sorted: Vec<f32> = row.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            sorted[k - 1]
+        }
+        _ => f32::NEG_INFINITY,
+    };
+    let max = row.iter().copied().filter(|&x| x >= cutoff).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let weights: Vec<f64> =
+        row.iter().map(|&x| if x >= cutoff { ((x as f64 - max) / temperature).exp() } else { 0.0 }).collect();
+    let total: f64 = weights.iter().sum();
+    if !(total.is_finite() && total > 0.0) {
+        let first_max = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)));
+        return first_max.map_or(0, |(i, _)| i as i64);
+    }
+    let mut u = rng.uniform() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if u < *w {
+            return i as i64;
+        }
+        u -= w;
+    }
+    // Rounding left `u` just above the last weight: the last token with any weight.
+    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as i64
 }

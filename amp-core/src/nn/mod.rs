@@ -44,7 +44,7 @@ pub use batch_norm::{BatchNorm2d, TrainingMode};
 pub use conv::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
-pub use gpt::{Block, Gpt, GptConfig};
+pub use gpt::{Block, Gpt, GptConfig, Sampling};
 pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mlp::Mlp;

@@ -318,7 +318,17 @@ fn generate_refuses_bad_sampling_prompts_and_a_model_in_training_mode_with_dropo
     }
     let e =
         err(model.try_generate::<f32>(&Indices::from_vec(vec![11], &[1, 1]), 1, Sampling::Greedy, &mut Rng::seed(0)));
-    assert!(e.contains("index 11") && e.contains("0..11"), "{e}");
+    assert_eq!(e, "Gpt::generate: index 11 at position 0 is out of range 0..11");
+    let e = err(model.try_generate::<f32>(
+        &Indices::from_vec(vec![3, -1], &[1, 2]),
+        0,
+        Sampling::Greedy,
+        &mut Rng::seed(0),
+    ));
+    assert_eq!(e, "Gpt::generate: index -1 at position 1 is out of range 0..11");
+    // An empty batch: nothing to extend.
+    let none = model.generate::<f32>(&Indices::from_vec(vec![], &[0, 2]), 3, Sampling::Greedy, &mut Rng::seed(0));
+    assert_eq!(none.shape(), &[0, 5]);
     // No new tokens: the prompt itself.
     assert_eq!(model.generate::<f32>(&prompt, 0, Sampling::Greedy, &mut Rng::seed(0)), prompt);
 }

@@ -276,8 +276,15 @@ impl<W: Precision, D: Device> Gpt<W, D> {
                 ),
             });
         }
-        let (b, v, block) = (prompt.shape()[0], self.config.vocab_size, self.config.block_size);
-        let mut seqs: Vec<Vec<i64>> = prompt.as_slice().chunks(prompt.shape()[1]).map(<[i64]>::to_vec).collect();
+        let (b, p, v, block) = (prompt.shape()[0], prompt.shape()[1], self.config.vocab_size, self.config.block_size);
+        if let Some(position) = prompt.as_slice().iter().position(|&id| !(0..v as i64).contains(&id)) {
+            let index = prompt.as_slice()[position];
+            return Err(Error::IndexOutOfRange { op: "Gpt::generate", index, position, bound: v });
+        }
+        if b == 0 {
+            return Indices::try_from_vec(Vec::new(), &[0, p + new_tokens]);
+        }
+        let mut seqs: Vec<Vec<i64>> = prompt.as_slice().chunks(p).map(<[i64]>::to_vec).collect();
         crate::no_grad(|| -> Result<()> {
             for _ in 0..new_tokens {
                 let len = seqs[0].len();
@@ -298,7 +305,7 @@ impl<W: Precision, D: Device> Gpt<W, D> {
             }
             Ok(())
         })?;
-        Indices::try_from_vec(seqs.concat(), &[b, prompt.shape()[1] + new_tokens])
+        Indices::try_from_vec(seqs.concat(), &[b, p + new_tokens])
     }
     /// [`Gpt::try_generate`], panicking with its error's message.
     #[track_caller]

@@ -174,6 +174,8 @@ fn main() -> ExitCode {
             println!("plot:       {}", report.plot.display());
             println!("checkpoint: {}", report.checkpoint.display());
             println!("weights:    {} (safetensors, PyTorch names)", report.weights.display());
+            println!("config:     {} (GptConfig)", report.config.display());
+            println!("vocab:      {} (the character of each token id)", report.vocab.display());
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -39,7 +39,9 @@ use serde::de::IgnoredAny;
 
 use crate::backend::HostValue;
 use crate::checkpoint::{self, TrainingState};
-use crate::data::{AdditionConfig, AdditionDataset, AdditionTask, CharTextDataset, DataLoader, TokenBatch};
+use crate::data::{
+    AdditionConfig, AdditionDataset, AdditionTask, AdditionVocab, CharTextDataset, DataLoader, TokenBatch,
+};
 use crate::nn::{Gpt, GptConfig, Sampling};
 use crate::optim::{AdamState, AdamW, Optim, OptimizerState, ParamGroup, WarmupCosine};
 use crate::param::ToDevice;
@@ -264,6 +266,12 @@ pub struct TrainReport {
     /// Final weights with a fixed name (safetensors, PyTorch names); not written when the run
     /// was interrupted.
     pub weights: PathBuf,
+    /// The model's [`GptConfig`] as JSON, written with the weights: with them, `Gpt::new` and
+    /// `checkpoint::load_weights` rebuild the trained model (Hugging Face's `config.json`).
+    pub config: PathBuf,
+    /// The token ids' characters as a JSON array (id = index; nanoGPT's `meta.pkl`), written
+    /// with the weights, to encode prompts and decode what the model generates.
+    pub vocab: PathBuf,
     /// Whether SIGINT/SIGTERM stopped the run early (after `steps`, with a checkpoint there;
     /// no evaluation, no final weights). Continue it with `resume`.
     pub interrupted: bool,
@@ -466,6 +474,13 @@ impl Task {
             }
         }
     }
+    /// The character of each token id, in id order.
+    fn chars(&self) -> Vec<char> {
+        match self {
+            Task::Addition { .. } => (0..AdditionVocab::SIZE as i64).map(AdditionVocab::char_of).collect(),
+            Task::Text { val, .. } => val.vocab().chars().to_vec(),
+        }
+    }
     fn vocab_size(&self) -> usize {
         match self {
             Task::Addition { task, .. } => task.vocab_size(),
@@ -552,6 +567,7 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
     let metrics_path = cfg.out_dir.join("metrics.csv");
     let plot_path = cfg.out_dir.join("loss.png");
     let weights = cfg.out_dir.join("model.safetensors");
+    let (config_path, vocab_path) = (cfg.out_dir.join("config.json"), cfg.out_dir.join("vocab.json"));
     if !cfg.resume {
         let existing: Vec<&Path> = [metrics_path.as_path(), weights.as_path(), ckpt_dir.as_path()]
             .into_iter()
@@ -573,7 +589,7 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
             if ckpt_dir.exists() {
                 std::fs::remove_dir_all(&ckpt_dir).map_err(|e| io(&ckpt_dir, e))?;
             }
-            for p in [&metrics_path, &weights, &plot_path] {
+            for p in [&metrics_path, &weights, &plot_path, &config_path, &vocab_path] {
                 if p.exists() {
                     std::fs::remove_file(p).map_err(|e| io(p, e))?;
                 }
@@ -818,6 +834,8 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
         plot: plot_path,
         checkpoint: ckpt_dir,
         weights,
+        config: config_path,
+        vocab: vocab_path,
         interrupted: false,
         device: device.name(),
     };
@@ -825,6 +843,12 @@ fn train<L: Precision, K: RunScaler, D: Device>(cfg: &TrainConfig, device: &D) -
         return Ok(TrainReport { steps: step, interrupted: true, ..report });
     }
     checkpoint::save_weights(&report.weights, &model)?;
+    // Plain data (numbers, strings): serialising cannot fail.
+    let config = serde_json::to_string_pretty(&model.config).expect("a GptConfig serialises") + "\n";
+    checkpoint::write_atomic(&report.config, config.as_bytes())?;
+    let chars: Vec<String> = task.chars().iter().map(char::to_string).collect();
+    let vocab = serde_json::to_string(&chars).expect("strings serialise") + "\n";
+    checkpoint::write_atomic(&report.vocab, vocab.as_bytes())?;
 
     model.eval();
     match &task {

@@ -383,6 +383,20 @@ fn trains_a_character_model_on_a_text_file() {
     assert_eq!(sample.chars().count(), n, "{sample}");
     assert!(text.contains(&sample[..amp::trainer::SAMPLE_PROMPT_CHARS]), "{sample}");
     assert!(sample.chars().all(|c| text.contains(c)), "{sample}");
+
+    // The files beside the weights rebuild the model, which generates the same sample.
+    let config: amp::nn::GptConfig = serde_json::from_slice(&std::fs::read(&report.config).unwrap()).unwrap();
+    let chars: Vec<String> = serde_json::from_slice(&std::fs::read(&report.vocab).unwrap()).unwrap();
+    let mut model = amp::nn::Gpt::new(config, &mut amp::Rng::seed(99));
+    amp::checkpoint::load_weights(&report.weights, &mut model).unwrap();
+    amp::Params::eval(&mut model);
+    let id = |c: char| chars.iter().position(|s| s == &c.to_string()).unwrap() as i64;
+    let prompt: Vec<i64> = sample.chars().take(amp::trainer::SAMPLE_PROMPT_CHARS).map(id).collect();
+    let sampling = amp::nn::Sampling::Random { temperature: amp::trainer::SAMPLE_TEMPERATURE, top_k: None };
+    let p = amp::Indices::from_vec(prompt.clone(), &[1, prompt.len()]);
+    let again = model.generate::<amp::bf16>(&p, amp::trainer::SAMPLE_CHARS, sampling, &mut amp::Rng::seed(0)); // the run's seed
+    let decoded: String = again.as_slice().iter().map(|&i| chars[i as usize].as_str()).collect();
+    assert_eq!(decoded, sample);
 }
 
 #[test]

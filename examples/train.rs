@@ -78,7 +78,7 @@ struct Args {
     /// Digits per operand of the addition task (1 to 4).
     #[arg(long, default_value_t = 2)]
     digits: usize,
-    /// Output directory (metrics.csv, loss.png, checkpoint/, model.safetensors).
+    /// Output directory (metrics.csv, loss.png, checkpoint/, model.safetensors, config.json, vocab.json).
     #[arg(long, default_value = "runs/train")]
     out: PathBuf,
     /// Continue from the checkpoint in the output directory.

@@ -340,9 +340,9 @@ pub enum Sampling {
 fn sample_row(row: &[f32], temperature: f64, top_k: Option<usize>, rng: &mut Rng) -> i64 {
     let cutoff = match top_k {
         Some(k) if k < row.len() => {
-            let mut sorted: Vec<f32> = row.to_vec();
-            sorted.sort_by(|a, b| b.total_cmp(a));
-            sorted[k - 1]
+            // The k-th largest logit (a selection, not a sort of the whole vocabulary).
+            let mut values: Vec<f32> = row.to_vec();
+            *values.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1
         }
         _ => f32::NEG_INFINITY,
     };

@@ -852,19 +852,26 @@ impl<R: Rule, E: Precision> Optim<R, E> {
 
     /// Checks that every parameter group gets at least one of the parameters called `names`.
     fn check_groups<'n>(&self, names: impl Iterator<Item = &'n str> + Clone) -> Result<()> {
+        if self.groups.is_empty() {
+            return Ok(());
+        }
+        // The group each parameter goes to (the first that matches), computed once.
+        let owners: Vec<Option<usize>> = names.clone().map(|n| self.groups.iter().position(|g| g.matches(n))).collect();
         for (i, group) in self.groups.iter().enumerate() {
-            let first_match = |n: &str| self.groups.iter().position(|g| g.matches(n));
-            if names.clone().any(|n| first_match(n) == Some(i)) {
+            if owners.contains(&Some(i)) {
                 continue;
             }
-            let shadowed_by = names.clone().find(|n| group.matches(n)).and_then(first_match);
+            let shadowed_by = names.clone().zip(&owners).find(|(n, _)| group.matches(n)).and_then(|(_, o)| *o);
             let why = match shadowed_by {
                 Some(j) => format!("every parameter it matches goes to the earlier group `{}`", self.groups[j].name),
                 None => {
-                    let count = names.clone().count();
                     let some: Vec<&str> = names.clone().take(6).collect();
-                    let more = if count > some.len() { ", ..." } else { "" };
-                    format!("its predicate matches none of the {count} parameter names ({}{more})", some.join(", "))
+                    let more = if owners.len() > some.len() { ", ..." } else { "" };
+                    format!(
+                        "its predicate matches none of the {} parameter names ({}{more})",
+                        owners.len(),
+                        some.join(", ")
+                    )
                 }
             };
             return Err(Error::State {
